@@ -1,0 +1,199 @@
+"""The primitive-graph IR: small, immutable, hashable.
+
+A `Prim` computes exactly one tensor, named like the prim itself; a `Graph` holds its prims in
+topological order, its inputs, outputs and constants (weights). Shapes are tuples of ints or of
+named symbols (str) for dimensions the user has not bound yet.
+
+The *structural key* of a set of prims ignores tensor names: two kernels with the same key compute
+the same function on tensors of the same types, so one measurement serves both.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+Dim = int | str
+Shape = tuple[Dim, ...]
+
+
+class KernorchError(Exception):
+    """An error a user can act on: the message names the file, node, operator and the problem."""
+
+
+def freeze(value: Any) -> Any:
+    """Turn lists (and numpy values) into tuples so attributes can be hashed."""
+    if isinstance(value, np.ndarray):
+        return freeze(value.tolist())
+    if isinstance(value, (list, tuple)):
+        return tuple(freeze(v) for v in value)
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return tuple(sorted((k, freeze(v)) for k, v in value.items()))
+    return value
+
+
+@dataclass(frozen=True)
+class TensorType:
+    shape: Shape
+    dtype: str = "float32"
+
+    @property
+    def static(self) -> bool:
+        return all(isinstance(d, int) for d in self.shape)
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self.shape:
+            if not isinstance(d, int):
+                raise KernorchError(f"shape {self.shape} has an unbound symbol {d!r}")
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * np.dtype(self.dtype).itemsize
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{'x'.join(str(d) for d in self.shape)}]"
+
+    def to_json(self) -> dict:
+        return {"shape": list(self.shape), "dtype": self.dtype}
+
+    @staticmethod
+    def from_json(d: Mapping) -> "TensorType":
+        return TensorType(tuple(d["shape"]), d["dtype"])
+
+
+@dataclass(frozen=True)
+class Prim:
+    """One primitive: `name` is also the name of the tensor it computes."""
+
+    name: str
+    op: str
+    inputs: tuple[str, ...]
+    attrs: tuple[tuple[str, Any], ...]
+    type: TensorType
+    origin: str = ""  # the ONNX node it came from (for error messages and the report)
+
+    @property
+    def a(self) -> dict[str, Any]:
+        return dict(self.attrs)
+
+    def attr(self, key: str, default: Any = None) -> Any:
+        for k, v in self.attrs:
+            if k == key:
+                return v
+        return default
+
+
+def make_prim(name: str, op: str, inputs: Iterable[str], type: TensorType, origin: str = "", **attrs) -> Prim:
+    return Prim(name, op, tuple(inputs), tuple(sorted((k, freeze(v)) for k, v in attrs.items())), type, origin)
+
+
+@dataclass(frozen=True)
+class Graph:
+    inputs: tuple[tuple[str, TensorType], ...]
+    outputs: tuple[str, ...]
+    prims: tuple[Prim, ...]
+    constants: Mapping[str, np.ndarray] = field(default_factory=dict, compare=False, hash=False)
+    name: str = "graph"
+
+    # -- lookups ---------------------------------------------------------------------------
+    @property
+    def by_name(self) -> dict[str, Prim]:
+        cache = self.__dict__.get("_by_name")
+        if cache is None:
+            cache = {p.name: p for p in self.prims}
+            object.__setattr__(self, "_by_name", cache)
+        return cache
+
+    @property
+    def consumers(self) -> dict[str, list[Prim]]:
+        cache = self.__dict__.get("_consumers")
+        if cache is None:
+            cache = {}
+            for p in self.prims:
+                for t in dict.fromkeys(p.inputs):
+                    cache.setdefault(t, []).append(p)
+            object.__setattr__(self, "_consumers", cache)
+        return cache
+
+    def type_of(self, tensor: str) -> TensorType:
+        if tensor in self.by_name:
+            return self.by_name[tensor].type
+        for n, t in self.inputs:
+            if n == tensor:
+                return t
+        if tensor in self.constants:
+            c = self.constants[tensor]
+            return TensorType(tuple(int(d) for d in c.shape), str(c.dtype))
+        raise KernorchError(f"unknown tensor {tensor!r} in graph {self.name!r}")
+
+    def is_source(self, tensor: str) -> bool:
+        """Graph inputs and constants: available before any kernel runs."""
+        return tensor in self.constants or any(n == tensor for n, _ in self.inputs)
+
+    def histogram(self) -> dict[str, int]:
+        h: dict[str, int] = {}
+        for p in self.prims:
+            h[p.op] = h.get(p.op, 0) + 1
+        return dict(sorted(h.items(), key=lambda kv: (-kv[1], kv[0])))
+
+    def validate(self) -> None:
+        """Topological order, every input defined, every output produced, names unique."""
+        known = {n for n, _ in self.inputs} | set(self.constants)
+        for p in self.prims:
+            for t in p.inputs:
+                if t not in known:
+                    raise KernorchError(f"prim {p.name} ({p.op}, from {p.origin}) reads {t!r} before it is defined")
+            if p.name in known:
+                raise KernorchError(f"tensor {p.name!r} is defined twice")
+            known.add(p.name)
+        for o in self.outputs:
+            if o not in known:
+                raise KernorchError(f"graph output {o!r} is never produced")
+
+
+def structural_key(prims: Iterable[Prim], graph: Graph, outputs: Iterable[str] | None = None) -> str:
+    """A name-independent hash of a set of prims: ops, attributes, types and wiring.
+
+    External inputs are numbered by first use (constants marked as weights with their type),
+    prims by their position in topological order, outputs by their canonical index. Two
+    kernels with equal keys compute the same function on equal types.
+    """
+    prims = sorted(prims, key=lambda p: graph_index(graph, p.name))
+    local = {p.name: i for i, p in enumerate(prims)}
+    ext: dict[str, int] = {}
+    rows = []
+    for p in prims:
+        ins = []
+        for t in p.inputs:
+            if t in local:
+                ins.append(("p", local[t]))
+            else:
+                if t not in ext:
+                    ext[t] = len(ext)
+                kind = "w" if t in graph.constants else "x"
+                ins.append((kind, ext[t], str(graph.type_of(t))))
+        rows.append((p.op, p.attrs, str(p.type), tuple(ins)))
+    outs = sorted(local[o] for o in (outputs or []))
+    blob = json.dumps([rows, outs], default=str, separators=(",", ":"))
+    return hashlib.sha1(blob.encode()).hexdigest()[:16]
+
+
+def graph_index(graph: Graph, name: str) -> int:
+    cache = graph.__dict__.get("_index")
+    if cache is None:
+        cache = {p.name: i for i, p in enumerate(graph.prims)}
+        object.__setattr__(graph, "_index", cache)
+    return cache[name]
