@@ -1,5 +1,35 @@
-"""kernorch: optimal kernel orchestration for ONNX models."""
+"""kernorch: optimal kernel orchestration for ONNX models.
+
+    compiled = kernorch.optimize("model.onnx", threads=2)
+    outputs = compiled.run({"input": x})
+    compiled.save("out/"); kernorch.load("out/")
+"""
 from .ir import KernorchError
 
 __version__ = "0.1.0"
-__all__ = ["KernorchError", "__version__"]
+
+
+def optimize(model, target=None, *, runs: int = 20, **options):
+    """Optimize an ONNX model (path or ModelProto) for this CPU; returns a verified CompiledModel.
+
+    `options` are fields of `kernorch.options.Options` (threads, shapes as a dict, db_path, ...).
+    `target` is a `Machine` (default: this host); only the host CPU can be measured today.
+    """
+    from .options import Machine, Options
+    from . import pipeline
+    if "shapes" in options and isinstance(options["shapes"], dict):
+        options["shapes"] = tuple((k, tuple(v)) for k, v in options["shapes"].items())
+    opts = Options().with_(**options)
+    if target is not None and target != Machine.host():
+        raise KernorchError("kernorch measures kernels on the machine it runs on: optimize on the target itself")
+    compiled, _run = pipeline.optimize(model, opts, runs=runs)
+    return compiled
+
+
+def load(outdir, threads=None):
+    """Load a model saved by `CompiledModel.save` (no re-optimization)."""
+    from .emit import load as _load
+    return _load(outdir, threads)
+
+
+__all__ = ["KernorchError", "__version__", "optimize", "load"]

@@ -130,20 +130,25 @@ def _unary(name, np_fn, te_fn, cost=1.0, dtype_in="float32", positive=False):
     register(PrimDef(name, "elementwise", 1, _same, lambda v, a: np_fn(v[0]), te, _ew_flops(cost), example))
 
 
+def _dt(v) -> str:
+    """dtype of a TE value: TVM 0.27 PrimExprs have no `.dtype`, only `.ty.dtype`."""
+    return str(v.dtype) if hasattr(v, "dtype") else str(v.ty.dtype)
+
+
 def _te_softplus(T, x):
-    zero = T.tir.const(0, x.dtype)
+    zero = T.tir.const(0, _dt(x))
     return T.tir.max(x, zero) + T.tir.log1p(T.tir.exp(zero - T.tir.abs(x)))
 
 
-_unary("neg", np.negative, lambda T, x: T.tir.const(0, x.dtype) - x)
+_unary("neg", np.negative, lambda T, x: T.tir.const(0, _dt(x)) - x)
 _unary("exp", np.exp, lambda T, x: T.tir.exp(x), 8)
 _unary("log", np.log, lambda T, x: T.tir.log(x), 8)
 _unary("sqrt", np.sqrt, lambda T, x: T.tir.sqrt(x), 4)
-_unary("reciprocal", lambda x: 1.0 / x, lambda T, x: T.tir.const(1, x.dtype) / x, 4)
+_unary("reciprocal", lambda x: 1.0 / x, lambda T, x: T.tir.const(1, _dt(x)) / x, 4)
 _unary("tanh", np.tanh, lambda T, x: T.tir.tanh(x), 10)
 _unary("erf", lambda x: _erf_np(x), lambda T, x: T.tir.erf(x), 10)
 _unary("sigmoid", lambda x: 1.0 / (1.0 + np.exp(-x)), lambda T, x: T.tir.sigmoid(x), 10)
-_unary("relu", lambda x: np.maximum(x, 0), lambda T, x: T.tir.max(x, T.tir.const(0, x.dtype)))
+_unary("relu", lambda x: np.maximum(x, 0), lambda T, x: T.tir.max(x, T.tir.const(0, _dt(x))))
 _unary("abs", np.abs, lambda T, x: T.tir.abs(x))
 _unary("floor", np.floor, lambda T, x: T.tir.floor(x))
 _unary("ceil", np.ceil, lambda T, x: T.tir.ceil(x))
@@ -527,7 +532,8 @@ def _concat_te(T, ins, a, out):
 
     def body(*i):
         val = None
-        for x, o in reversed(list(zip(ins, offsets))):
+        # forward order: a later input (larger offset) must win where i >= its offset
+        for x, o in zip(ins, offsets):
             idx = list(i)
             idx[ax] = i[ax] - o
             # clamp so that the not-taken branches still index in range
@@ -609,6 +615,8 @@ def _gather_te(T, ins, a, out):
 
     def body(*i):
         pos = idx(*i[ax:ax + k])
+        n = int(x.shape[ax])
+        pos = T.tir.Select(pos < 0, pos + n, pos)  # ONNX/numpy negative indices count from the end
         return x(*(list(i[:ax]) + [pos] + list(i[ax + k:])))
 
     return T.te.compute(tuple(out.shape), body, name="gather")
@@ -749,8 +757,15 @@ def _opaque_infer(types, a):
 
 
 def _opaque_ref(v, a):
+    """Optional attrs: `inputs_present` (omitted optional inputs, e.g. Resize's roi, come back as None),
+    `n_outputs` (the node's output count) and `opset` (the model's, so newer attributes are accepted)."""
     from .frontend.onnx import run_onnx_node
-    outs = run_onnx_node(a["onnx_op"], dict(a["onnx_attrs"]), list(v), a.get("domain", ""))
+    vals = list(v)
+    if "inputs_present" in a:
+        it = iter(vals)
+        vals = [next(it) if present else None for present in a["inputs_present"]]
+    outs = run_onnx_node(a["onnx_op"], dict(a["onnx_attrs"]), vals, a.get("domain", ""), opset=a.get("opset", 17),
+                         n_outputs=a.get("n_outputs"))
     return outs[a.get("out_index", 0)]
 
 

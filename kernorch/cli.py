@@ -1,0 +1,121 @@
+"""The command line: a thin layer over the Python API.
+
+    kernorch inspect MODEL [--shape N=1x3x224x224] [--json] [--verify]
+    kernorch candidates MODEL [--json]
+    kernorch plan MODEL [-o plan.json]
+    kernorch optimize MODEL -o OUTDIR [--force]
+    kernorch run OUTDIR --input x.npy
+    kernorch db stats|export|clear
+    kernorch demo
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+from .ir import KernorchError
+from .options import Options
+
+
+def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
+    if model:
+        p.add_argument("model", help="an ONNX model file")
+        p.add_argument("--shape", action="append", default=[], metavar="NAME=D1xD2...",
+                       help="bind an input's symbolic dimensions, e.g. input=1x3x224x224")
+    p.add_argument("--threads", type=int, default=None, help="threads for kernels, BLAS and ONNX Runtime")
+    p.add_argument("--db", default=None, help="profile database (default: in the user's cache directory)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kernorch", description="Optimal kernel orchestration for ONNX models")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("inspect", help="operator counts before/after fission, primitive kinds")
+    _common(p)
+    p.add_argument("--verify", action="store_true", help="run the fissioned graph and compare with ONNX Runtime")
+    p = sub.add_parser("candidates", help="partition, enumerate and measure candidate kernels")
+    _common(p)
+    _tuning_args(p)
+    p = sub.add_parser("plan", help="everything up to the optimal plan")
+    _common(p)
+    _tuning_args(p)
+    p.add_argument("-o", "--output", help="write the plan as JSON")
+    p = sub.add_parser("optimize", help="the whole pipeline: a verified, timed, saved executable")
+    _common(p)
+    _tuning_args(p)
+    p.add_argument("-o", "--output", required=True, help="output directory")
+    p.add_argument("--force", action="store_true", help="overwrite an existing output directory")
+    p.add_argument("--runs", type=int, default=20, help="timed runs for the end-to-end comparison")
+    p = sub.add_parser("run", help="run a saved model")
+    _common(p, model=False)
+    p.add_argument("outdir")
+    p.add_argument("--input", action="append", default=[], metavar="[NAME=]FILE.npy")
+    p.add_argument("--output", help="write outputs to this .npz")
+    p = sub.add_parser("db", help="the profile database")
+    _common(p, model=False)
+    p.add_argument("action", choices=["stats", "export", "clear"])
+    p = sub.add_parser("demo", help="optimize a bundled example model and print the comparison")
+    _common(p, model=False)
+    _tuning_args(p)
+    p.add_argument("--example", default="transformer_block")
+    return ap
+
+
+def _tuning_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-kernel-size", type=int, default=None, help="primitives per candidate kernel")
+    p.add_argument("--max-candidates", type=int, default=None, help="candidates per partition")
+    p.add_argument("--max-partition", type=int, default=None, help="primitives per partition")
+    p.add_argument("--no-library", action="store_true", help="do not offer BLAS/im2col kernels")
+    p.add_argument("--time-limit", type=float, default=None, help="solver time limit (s)")
+
+
+def options_from(args) -> Options:
+    from .frontend.onnx import parse_shape
+    o = Options()
+    kw = {}
+    if getattr(args, "shape", None):
+        kw["shapes"] = tuple(parse_shape(s) for s in args.shape)
+    if args.threads:
+        kw["threads"] = args.threads
+    if args.db:
+        kw["db_path"] = args.db
+    for name in ("max_kernel_size", "max_candidates", "max_partition"):
+        v = getattr(args, name, None)
+        if v:
+            kw[name] = v
+    if getattr(args, "no_library", False):
+        kw["library"] = False
+    if getattr(args, "time_limit", None):
+        kw["solver_time_limit"] = args.time_limit
+    return o.with_(**kw)
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        from . import commands
+        return getattr(commands, f"cmd_{args.cmd}")(args, options_from(args))
+    except KernorchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted: measurements so far are kept in the profile database", file=sys.stderr)
+        return 130
+    except Exception as e:  # never a bare traceback from deep inside a dependency
+        if getattr(args, "debug", False):
+            raise
+        print(f"internal error: {type(e).__name__}: {e}\n(rerun with --debug for the traceback)", file=sys.stderr)
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""The profile database: every measurement, appended, never rewritten (SQLite, WAL).
+
+A measurement is keyed by (target fingerprint, kernel key, implementation, schedule, versions).
+Each row is committed the moment it exists, so a killed run loses nothing it measured; a second
+run on the same model finds everything and measures nothing.
+"""
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS measurements (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    target TEXT NOT NULL,
+    key TEXT NOT NULL,
+    impl TEXT NOT NULL,
+    schedule TEXT NOT NULL,
+    versions TEXT NOT NULL,
+    status TEXT NOT NULL,          -- ok | refused
+    median_ns INTEGER,             -- NULL when refused
+    runs_ns TEXT,                  -- JSON list of per-repeat times
+    reason TEXT,                   -- why refused
+    build_s REAL,
+    description TEXT,              -- human-readable: the ops inside
+    created REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS by_key ON measurements(target, key, impl, schedule, versions);
+"""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    target: str
+    key: str
+    impl: str
+    schedule: str
+    versions: str
+    status: str
+    median_ns: int | None
+    runs_ns: tuple[int, ...] = ()
+    reason: str = ""
+    build_s: float = 0.0
+    description: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+class ProfileDB:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.conn = sqlite3.connect(str(self.path), timeout=30)
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        self.conn.executescript(SCHEMA)
+        self.conn.commit()
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> "ProfileDB":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def add(self, m: Measurement) -> None:
+        """Append one measurement and commit it at once (an interrupted run keeps it)."""
+        self.conn.execute(
+            "INSERT INTO measurements(target,key,impl,schedule,versions,status,median_ns,runs_ns,reason,build_s,"
+            "description,created) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            (m.target, m.key, m.impl, m.schedule, m.versions, m.status, m.median_ns, json.dumps(list(m.runs_ns)),
+             m.reason, m.build_s, m.description, time.time()))
+        self.conn.commit()
+
+    def lookup(self, target: str, key: str, impl: str, schedule: str, versions: str) -> Measurement | None:
+        """The latest measurement for this exact key, or None."""
+        row = self.conn.execute(
+            "SELECT target,key,impl,schedule,versions,status,median_ns,runs_ns,reason,build_s,description "
+            "FROM measurements WHERE target=? AND key=? AND impl=? AND schedule=? AND versions=? "
+            "ORDER BY id DESC LIMIT 1", (target, key, impl, schedule, versions)).fetchone()
+        return _row(row) if row else None
+
+    def lookup_many(self, target: str, versions: str, keys: Iterable[tuple[str, str, str]]
+                    ) -> dict[tuple[str, str, str], Measurement]:
+        """Latest measurement for each (key, impl, schedule)."""
+        want = set(keys)
+        out: dict[tuple[str, str, str], Measurement] = {}
+        for row in self.conn.execute(
+                "SELECT target,key,impl,schedule,versions,status,median_ns,runs_ns,reason,build_s,description "
+                "FROM measurements WHERE target=? AND versions=? ORDER BY id", (target, versions)):
+            k = (row[1], row[2], row[3])
+            if k in want:
+                out[k] = _row(row)
+        return out
+
+    def rows(self) -> Iterator[Measurement]:
+        for row in self.conn.execute(
+                "SELECT target,key,impl,schedule,versions,status,median_ns,runs_ns,reason,build_s,description "
+                "FROM measurements ORDER BY id"):
+            yield _row(row)
+
+    def stats(self) -> dict:
+        c = self.conn
+        total = c.execute("SELECT COUNT(*) FROM measurements").fetchone()[0]
+        by = c.execute("SELECT target, impl, status, COUNT(*), COUNT(DISTINCT key) FROM measurements "
+                       "GROUP BY target, impl, status ORDER BY target, impl, status").fetchall()
+        return {"path": str(self.path), "measurements": total,
+                "size_bytes": self.path.stat().st_size if self.path.exists() else 0,
+                "groups": [{"target": t, "impl": i, "status": s, "rows": n, "distinct_keys": k}
+                           for t, i, s, n, k in by]}
+
+    def export(self) -> list[dict]:
+        return [m.__dict__ | {"runs_ns": list(m.runs_ns)} for m in self.rows()]
+
+    def clear(self) -> int:
+        n = self.conn.execute("SELECT COUNT(*) FROM measurements").fetchone()[0]
+        self.conn.execute("DELETE FROM measurements")
+        self.conn.commit()
+        return n
+
+
+def _row(row) -> Measurement:
+    return Measurement(row[0], row[1], row[2], row[3], row[4], row[5], row[6],
+                       tuple(json.loads(row[7] or "[]")), row[8] or "", row[9] or 0.0, row[10] or "")

@@ -1,0 +1,224 @@
+"""Plan → one deployable module → CompiledModel.
+
+The emitted program is a Relax `main` that calls each chosen kernel in plan order: generated
+kernels as `call_tir` of their scheduled PrimFuncs, library kernels as `call_dps_packed` of a
+registered function. Weights are parameters (kept by the CompiledModel, saved as .npz);
+intermediate buffers are planned by Relax's static memory planner (reused by lifetime).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from . import __version__
+from .ir import Graph, KernorchError
+from .options import Machine
+from .plan import Plan
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+
+
+def _lib_name(i: int, key: str) -> str:
+    return f"kernorch.lib.k{i}_{key}"
+
+
+def _kernel_graph(graph: Graph, k) -> Graph:
+    from .measure import kernel_graph
+    return kernel_graph(graph, k.members, k.inputs, k.outputs)
+
+
+def register_library_kernels(graph: Graph, plan: Plan) -> dict[str, object]:
+    """Make and register every library kernel of the plan (needed again in a loading process)."""
+    from .backends import library
+    from .backends import tvm as tb
+    made = {}
+    for i, k in enumerate(plan.kernels):
+        if k.impl != "library":
+            continue
+        kg = _kernel_graph(graph, k)
+        lk = library.make(kg, kg.prims, k.inputs, k.outputs)
+        name = _lib_name(i, k.key)
+        tb.register_packed(lk.run_dps, name)
+        made[name] = lk
+    return made
+
+
+def weight_names(graph: Graph, plan: Plan) -> list[str]:
+    seen: dict[str, None] = {}
+    for k in plan.kernels:
+        for t in k.inputs:
+            if t in graph.constants:
+                seen.setdefault(t)
+    return list(seen)
+
+
+def build_module(graph: Graph, plan: Plan, threads: int):
+    """The Relax IRModule of the plan, compiled for this CPU."""
+    import tvm
+    from tvm import relax
+    from .backends import tvm as tb
+
+    target = tb.make_target(threads)
+    bb = relax.BlockBuilder()
+    inputs = [relax.Var(n, relax.TensorType([int(d) for d in t.shape], t.dtype)) for n, t in graph.inputs]
+    wnames = weight_names(graph, plan)
+    weights = [relax.Var(f"w_{i}", relax.TensorType(list(graph.constants[w].shape), str(graph.constants[w].dtype)))
+               for i, w in enumerate(wnames)]
+    env = {n: v for (n, _), v in zip(graph.inputs, inputs)}
+    env.update(dict(zip(wnames, weights)))
+
+    def tty(t: str):
+        ty = graph.type_of(t)
+        return relax.TensorType([int(d) for d in ty.shape], ty.dtype)
+
+    with bb.function("main", inputs + weights):
+        with bb.dataflow():
+            for i, k in enumerate(plan.kernels):
+                args = relax.Tuple([env[t] for t in k.inputs])
+                out_ty = [tty(t) for t in k.outputs]
+                if k.impl == "library":
+                    call = relax.call_dps_packed(_lib_name(i, k.key), args, out_ty if len(out_ty) > 1 else out_ty[0])
+                else:
+                    kg = _kernel_graph(graph, k)
+                    mod = tb.lower(kg, kg.prims, k.inputs, k.outputs)
+                    mod = tb.schedule(mod, target, "default" if k.impl == "tvm" else k.impl)
+                    gv = bb.add_func(mod["main"], f"k{i}")
+                    call = relax.call_tir(gv, args, out_ty if len(out_ty) > 1 else out_ty[0])
+                res = bb.emit(call)
+                if len(k.outputs) == 1:
+                    env[k.outputs[0]] = res
+                else:
+                    for j, t in enumerate(k.outputs):
+                        env[t] = bb.emit(relax.TupleGetItem(res, j))
+            missing = [o for o in graph.outputs if o not in env]
+            if missing:
+                raise KernorchError(f"the plan does not produce graph outputs {missing}")
+            out = bb.emit_output(relax.Tuple([env[o] for o in graph.outputs]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    ex = tvm.compile(mod, target=target)
+    return ex, wnames
+
+
+class CompiledModel:
+    """An optimized model: `run(inputs) -> outputs` like an ONNX Runtime session."""
+
+    def __init__(self, graph: Graph, plan: Plan, executable, weight_names: Sequence[str], threads: int,
+                 machine: Machine | None = None, report: dict | None = None):
+        import tvm
+        from tvm import relax
+        from .backends import tvm as tb
+        tb.set_threads(threads)
+        self.graph, self.plan, self.executable, self.threads = graph, plan, executable, threads
+        self.machine = machine or Machine.host()
+        self.report = dict(report or {})
+        self._libs = register_library_kernels(graph, plan)
+        self.dev = tvm.cpu()
+        self.vm = relax.VirtualMachine(executable, self.dev)
+        self.weight_names = list(weight_names)
+        self._weights = [tvm.runtime.tensor(np.ascontiguousarray(graph.constants[w]), self.dev) for w in weight_names]
+        self.input_names = [n for n, _ in graph.inputs]
+        self.output_names = list(graph.outputs)
+
+    def _args(self, inputs: Mapping[str, np.ndarray]):
+        import tvm
+        unknown = set(inputs) - set(self.input_names)
+        if unknown:
+            raise KernorchError(f"unknown inputs {sorted(unknown)}; the model takes {self.input_names}")
+        args = []
+        for n, t in self.graph.inputs:
+            if n not in inputs:
+                raise KernorchError(f"missing input {n!r} ({t})")
+            x = np.asarray(inputs[n])
+            want = tuple(int(d) for d in t.shape)
+            if x.shape != want:
+                raise KernorchError(f"input {n!r} has shape {x.shape}, the model was optimized for {want}")
+            args.append(tvm.runtime.tensor(np.ascontiguousarray(x, dtype=t.dtype), self.dev))
+        return args + self._weights
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        res = self.vm["main"](*self._args(inputs))
+        return {n: res[i].numpy() for i, n in enumerate(self.output_names)}
+
+    def time(self, inputs: Mapping[str, np.ndarray], runs: int = 10, warmup: int = 2) -> list[float]:
+        """Seconds per end-to-end call (inputs already on the device), one value per run."""
+        args = self._args(inputs)
+        f = self.vm["main"]
+        for _ in range(warmup):
+            f(*args)
+        out = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            f(*args)
+            out.append(time.perf_counter() - t0)
+        return out
+
+    # -- persistence -------------------------------------------------------------------------
+    def save(self, outdir: str | Path, force: bool = False) -> Path:
+        out = Path(outdir)
+        if out.exists() and any(out.iterdir()):
+            if not force:
+                raise KernorchError(f"{out} exists and is not empty; pass --force (force=True) to overwrite it")
+            shutil.rmtree(out)
+        out.mkdir(parents=True, exist_ok=True)
+        self.executable.export_library(str(out / "model.so"))
+        np.savez(out / "weights.npz", **{f"w{i}": self.graph.constants[w] for i, w in enumerate(self.weight_names)})
+        self.plan.save(out / "plan.json")
+        bare = replace(self.graph, constants={})
+        with open(out / "graph.pkl", "wb") as f:
+            pickle.dump(bare, f)
+        manifest = {
+            "format": FORMAT, "kernorch": __version__, "versions": _tool_versions(),
+            "target": self.machine.fingerprint(self.threads), "machine": self.machine.to_json(),
+            "threads": self.threads, "weights": self.weight_names,
+            "inputs": {n: t.to_json() for n, t in self.graph.inputs}, "outputs": self.output_names,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+        (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        (out / "report.json").write_text(json.dumps(self.report, indent=2, default=str))
+        return out
+
+
+def _tool_versions() -> dict[str, str]:
+    import importlib.metadata as md
+    return {p: md.version(p) for p in ("apache-tvm", "apache-tvm-ffi", "numpy")}
+
+
+def load(outdir: str | Path, threads: int | None = None) -> CompiledModel:
+    """Load a saved model in a fresh process, without re-optimizing."""
+    import tvm
+    d = Path(outdir)
+    mf = d / "manifest.json"
+    if not mf.exists():
+        raise KernorchError(f"{d}: not a saved kernorch model (no manifest.json)")
+    manifest = json.loads(mf.read_text())
+    if manifest.get("format") != FORMAT or manifest.get("kernorch") != __version__:
+        raise KernorchError(f"{d}: saved by kernorch {manifest.get('kernorch')} (format {manifest.get('format')}); "
+                            f"this is kernorch {__version__}: optimize the model again")
+    if manifest.get("versions") != _tool_versions():
+        raise KernorchError(f"{d}: built with {manifest.get('versions')}, this environment has {_tool_versions()}")
+    machine = Machine.host()
+    saved_threads = int(manifest["threads"])
+    if manifest["target"] != machine.fingerprint(saved_threads):
+        raise KernorchError(f"{d}: optimized for another target ({manifest['machine'].get('name')}, "
+                            f"{manifest['machine'].get('cores')} cores, {saved_threads} threads); "
+                            f"this machine is {machine.name} with {machine.cores} cores: optimize it here")
+    with open(d / "graph.pkl", "rb") as f:
+        graph = pickle.load(f)
+    w = np.load(d / "weights.npz")
+    consts = {name: w[f"w{i}"] for i, name in enumerate(manifest["weights"])}
+    graph = replace(graph, constants=consts)
+    plan = Plan.load(d / "plan.json")
+    ex = tvm.runtime.load_module(str(d / "model.so"))
+    report = json.loads((d / "report.json").read_text()) if (d / "report.json").exists() else {}
+    return CompiledModel(graph, plan, ex, manifest["weights"], threads or saved_threads, machine, report)

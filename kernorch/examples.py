@@ -1,0 +1,150 @@
+"""Small example models written with onnx.helper (no torch), deterministic random weights, opset 17.
+
+They mirror the benchmark workloads at a size where a test runs in a second: `candy_like` is a fast
+style-transfer network (reflect-padded convs, instance norm, residual blocks, nearest upsampling),
+`transformer_block` a pre-norm encoder block (LayerNormalization, scaled multi-head attention, an
+Erf-GELU MLP) written the way torch exports it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+OPSET = 17
+
+
+class _Net:
+    """A tiny graph writer: unique names, seeded weights, nodes in order."""
+
+    def __init__(self, name: str, seed: int):
+        from onnx import helper, numpy_helper
+        self.h, self.nh = helper, numpy_helper
+        self.name = name
+        self.rng = np.random.default_rng(seed)
+        self.nodes, self.inits, self.k = [], [], 0
+
+    def fresh(self, tag: str) -> str:
+        self.k += 1
+        return f"{tag}_{self.k}"
+
+    def init(self, arr: np.ndarray, tag: str) -> str:
+        name = self.fresh(tag)
+        self.inits.append(self.nh.from_array(np.asarray(arr), name))
+        return name
+
+    def weight(self, shape, fan_in: int, tag: str = "w") -> str:
+        return self.init((self.rng.standard_normal(shape) / math.sqrt(fan_in)).astype(np.float32), tag)
+
+    def vec(self, n: int, mean: float = 0.0, std: float = 0.1, tag: str = "b") -> str:
+        return self.init((mean + std * self.rng.standard_normal(n)).astype(np.float32), tag)
+
+    def node(self, op: str, inputs, n_out: int = 1, **attrs):
+        outs = [self.fresh(op.lower()) for _ in range(n_out)]
+        self.nodes.append(self.h.make_node(op, list(inputs), outs, name=self.fresh(op), **attrs))
+        return outs[0] if n_out == 1 else outs
+
+    def model(self, inputs, outputs):
+        """`outputs` are (tensor, public name, shape): the tensor is renamed so the model reads well."""
+        from onnx import TensorProto
+        h = self.h
+        for tensor, public, _ in outputs:
+            for nd in self.nodes:
+                for i, o in enumerate(nd.output):
+                    if o == tensor:
+                        nd.output[i] = public
+                for i, o in enumerate(nd.input):
+                    if o == tensor:
+                        nd.input[i] = public
+        outputs = [(public, shape) for _, public, shape in outputs]
+        g = h.make_graph(self.nodes, self.name,
+                         [h.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
+                         [h.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in outputs], self.inits)
+        m = h.make_model(g, opset_imports=[h.make_opsetid("", OPSET)], producer_name="kernorch.examples")
+        m.ir_version = 8
+        return m
+
+
+def candy_like(size: int = 64, width: int = 16, blocks: int = 2, seed: int = 0):
+    """Johnson-style style transfer: conv/IN/relu down, residual blocks, nearest-upsample up."""
+    n = _Net("candy_like", seed)
+
+    def conv(x, cin, cout, k, stride=1, norm=True, relu=True):
+        p = k // 2
+        x = n.node("Pad", [x, n.init(np.array([0, 0, p, p, 0, 0, p, p], np.int64), "pads")], mode="reflect")
+        x = n.node("Conv", [x, n.weight((cout, cin, k, k), cin * k * k), n.vec(cout)],
+                   kernel_shape=[k, k], strides=[stride, stride])
+        if norm:
+            x = n.node("InstanceNormalization", [x, n.vec(cout, 1.0), n.vec(cout)], epsilon=1e-5)
+        return n.node("Relu", [x]) if relu else x
+
+    x = conv("input", 3, width, 9)
+    x = conv(x, width, 2 * width, 3, stride=2)
+    x = conv(x, 2 * width, 4 * width, 3, stride=2)
+    c = 4 * width
+    for _ in range(blocks):
+        y = conv(x, c, c, 3)
+        y = conv(y, c, c, 3, relu=False)
+        x = n.node("Add", [x, y])
+    for cout in (2 * width, width):
+        x = n.node("Resize", [x, "", n.init(np.array([1, 1, 2, 2], np.float32), "scales")], mode="nearest",
+                   coordinate_transformation_mode="asymmetric", nearest_mode="floor")
+        x = conv(x, c, cout, 3)
+        c = cout
+    x = conv(x, c, 3, 9, norm=False, relu=False)
+    return n.model([("input", [1, 3, size, size])], [(x, "output", [1, 3, size, size])])
+
+
+def transformer_block(seq: int = 32, dim: int = 64, heads: int = 4, hidden: int = 256, seed: int = 1):
+    """Pre-norm encoder block: x + Attn(LN(x)), then + MLP(LN(.)) with the Erf-GELU export pattern."""
+    n = _Net("transformer_block", seed)
+    hd = dim // heads
+
+    def shape(*dims):
+        return n.init(np.array(dims, np.int64), "shape")
+
+    def linear(x, cin, cout):
+        return n.node("Add", [n.node("MatMul", [x, n.weight((cin, cout), cin)]), n.vec(cout)])
+
+    def ln(x):
+        return n.node("LayerNormalization", [x, n.vec(dim, 1.0), n.vec(dim)], axis=-1, epsilon=1e-5)
+
+    x = "x"
+    h = ln(x)
+    q, k, v = (n.node("Reshape", [linear(h, dim, dim), shape(1, seq, heads, hd)]) for _ in range(3))
+    q = n.node("Transpose", [q], perm=[0, 2, 1, 3])
+    k = n.node("Transpose", [k], perm=[0, 2, 3, 1])
+    v = n.node("Transpose", [v], perm=[0, 2, 1, 3])
+    s = n.node("Div", [n.node("MatMul", [q, k]), n.init(np.array(math.sqrt(hd), np.float32), "scale")])
+    p = n.node("Softmax", [s], axis=-1)
+    a = n.node("Transpose", [n.node("MatMul", [p, v])], perm=[0, 2, 1, 3])
+    a = linear(n.node("Reshape", [a, shape(1, seq, dim)]), dim, dim)
+    x = n.node("Add", [x, a])
+    f = linear(ln(x), dim, hidden)
+    erf = n.node("Erf", [n.node("Div", [f, n.init(np.array(math.sqrt(2.0), np.float32), "sqrt2")])])
+    g = n.node("Mul", [n.node("Mul", [f, n.node("Add", [erf, n.init(np.array(1.0, np.float32), "one")])]),
+                       n.init(np.array(0.5, np.float32), "half")])
+    x = n.node("Add", [x, linear(g, hidden, dim)])
+    return n.model([("x", [1, seq, dim])], [(x, "y", [1, seq, dim])])
+
+
+EXAMPLES: dict[str, Callable] = {"candy_like": candy_like, "transformer_block": transformer_block}
+
+
+def save_examples(directory) -> list[Path]:
+    """Write every example as DIR/NAME.onnx; returns the paths."""
+    import onnx
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, build in EXAMPLES.items():
+        p = d / f"{name}.onnx"
+        onnx.save(build(), str(p))
+        log.info("wrote %s", p)
+        paths.append(p)
+    return paths

@@ -1,0 +1,266 @@
+"""Measure what each distinct candidate kernel costs on this machine.
+
+Discipline: the profile database first (nothing measured twice); then builds in parallel worker
+processes (lower + default schedule + compile + check against the numpy reference of the kernel's
+primitives); then timing, one kernel at a time in one worker process so builds never disturb
+timings (warm-up, `repeats` repeats, median; threads set explicitly). A kernel that fails its
+build or its check, crashes or hangs is recorded as refused, with the reason, and never chosen.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from . import __version__, primitives, progress
+from .database import Measurement, ProfileDB
+from .ir import Graph, KernorchError
+from .options import Machine, Options
+from .workers import WorkerPool
+
+log = logging.getLogger(__name__)
+
+IMPLS = ("tvm", "library")
+RTOL, ATOL_SCALE = 1e-3, 1e-4
+
+
+@dataclass(frozen=True)
+class KernelJob:
+    """One (kernel, implementation, schedule) to measure. `graph` is the kernel alone: its prims,
+    its non-constant inputs as graph inputs, the weights it reads as constants."""
+
+    key: str
+    impl: str
+    schedule: str
+    graph: Graph
+    inputs: tuple[str, ...]   # parameter order: every tensor read from outside, weights included
+    outputs: tuple[str, ...]
+
+    @property
+    def ident(self) -> tuple[str, str, str]:
+        return (self.key, self.impl, self.schedule)
+
+    @property
+    def description(self) -> str:
+        return describe(self.graph.prims)
+
+
+def describe(prims) -> str:
+    return "+".join(p.op for p in prims)
+
+
+def kernel_graph(graph: Graph, members: Sequence[str], inputs: Sequence[str], outputs: Sequence[str]) -> Graph:
+    """The sub-graph of one kernel, self-contained (picklable to a worker)."""
+    prims = tuple(graph.by_name[m] for m in members)
+    consts = {t: graph.constants[t] for t in inputs if t in graph.constants}
+    ins = tuple((t, graph.type_of(t)) for t in inputs if t not in graph.constants)
+    return Graph(ins, tuple(outputs), prims, consts, name="kernel")
+
+
+def versions(impl: str) -> str:
+    """The versions that make a measurement reusable."""
+    if impl == "library":
+        return f"kernorch-{__version__};numpy-{np.__version__}"
+    import importlib.metadata as md
+    try:
+        tvm_v = md.version("apache-tvm")
+    except md.PackageNotFoundError:
+        tvm_v = "?"
+    return f"kernorch-{__version__};tvm-{tvm_v}"
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs and the reference check (run inside workers)
+# ---------------------------------------------------------------------------------------------
+
+def make_inputs(job: KernelJob, seed: int = 0) -> list[np.ndarray]:
+    """Random inputs in a safe domain (positive floats: sqrt/log/pow/div stay finite), real weights."""
+    rng = np.random.default_rng(seed + zlib.crc32(job.key.encode()))
+    out = []
+    types = dict(job.graph.inputs)
+    for t in job.inputs:
+        if t in job.graph.constants:
+            out.append(np.ascontiguousarray(job.graph.constants[t]))
+            continue
+        ty = types[t]
+        shape = tuple(int(d) for d in ty.shape)
+        if ty.dtype.startswith("float"):
+            out.append(rng.uniform(0.1, 1.0, size=shape).astype(ty.dtype))
+        elif ty.dtype == "bool":
+            out.append(rng.random(shape) < 0.5)
+        else:
+            out.append(np.zeros(shape, dtype=ty.dtype))
+    return out
+
+
+def reference(job: KernelJob, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+    vals = dict(zip(job.inputs, inputs))
+    for p in job.graph.prims:
+        vals[p.name] = primitives.run(p, [vals[i] for i in p.inputs])
+    return [vals[o] for o in job.outputs]
+
+
+def check(job: KernelJob, got: Sequence[np.ndarray], want: Sequence[np.ndarray]) -> float:
+    """Max error relative to each output's scale; raises if beyond tolerance."""
+    worst = 0.0
+    for name, g, w in zip(job.outputs, got, want):
+        g, w = np.asarray(g), np.asarray(w)
+        if g.shape != w.shape:
+            raise KernorchError(f"output {name}: shape {g.shape}, reference {w.shape}")
+        if w.dtype == bool or not np.issubdtype(w.dtype, np.floating):
+            bad = int(np.sum(g != w))
+            if bad:
+                raise KernorchError(f"output {name}: {bad} elements differ from the reference")
+            continue
+        scale = float(np.max(np.abs(w))) if w.size else 1.0
+        err = np.abs(g.astype(np.float64) - w.astype(np.float64))
+        tol = RTOL * np.abs(w) + ATOL_SCALE * max(scale, 1e-6)
+        finite = np.isfinite(w)
+        if np.any(~np.isfinite(g) & finite) or np.any(err[finite] > tol[finite]):
+            raise KernorchError(f"output {name}: max error {float(np.max(err[finite])):.3g} "
+                                f"(output scale {scale:.3g}) exceeds tolerance")
+        worst = max(worst, float(np.max(err[finite]) / max(scale, 1e-30)) if err.size else 0.0)
+    return worst
+
+
+# ---------------------------------------------------------------------------------------------
+# worker tasks
+# ---------------------------------------------------------------------------------------------
+
+def _build_task(job: KernelJob, threads: int, out_dir: str, verify: bool) -> dict:
+    from .backends import tvm as tb
+    t0 = time.perf_counter()
+    target = tb.make_target(threads)
+    mod = tb.lower(job.graph, job.graph.prims, job.inputs, job.outputs)
+    mod = tb.schedule(mod, target, job.schedule)
+    kernel = tb.build(mod, target)
+    build_s = time.perf_counter() - t0
+    err = None
+    if verify:
+        inputs = make_inputs(job)
+        err = check(job, kernel(*inputs), reference(job, inputs))
+    path = str(Path(out_dir) / f"{job.key}-{job.schedule}.so")
+    kernel.export(path)
+    return {"path": path, "build_s": build_s, "error": err}
+
+
+def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: float, verify: bool) -> dict:
+    inputs = make_inputs(job)
+    if job.impl == "library":
+        from .backends import library
+        kernel = library.make(job.graph, job.graph.prims, job.inputs, job.outputs)
+        err = check(job, kernel(*inputs), reference(job, inputs)) if verify else None
+        runs = _time_python(kernel, inputs, repeats, min_repeat_ms)
+        return {"runs": runs, "error": err}
+    from .backends import tvm as tb
+    kernel = tb.load(path)
+    runs = kernel.time(*inputs, number=1, repeat=repeats, min_repeat_ms=int(min_repeat_ms))
+    return {"runs": [float(r) for r in runs], "error": None}
+
+
+def _time_python(fn, inputs, repeats: int, min_repeat_ms: float) -> list[float]:
+    fn(*inputs)  # warm-up
+    t0 = time.perf_counter()
+    fn(*inputs)
+    once = max(time.perf_counter() - t0, 1e-7)
+    number = max(1, int(min_repeat_ms / 1e3 / once))
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn(*inputs)
+        runs.append((time.perf_counter() - t0) / number)
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------
+# the driver
+# ---------------------------------------------------------------------------------------------
+
+@dataclass
+class MeasureStats:
+    jobs: int = 0
+    cached: int = 0
+    measured: int = 0
+    refused: int = 0
+    seconds: float = 0.0
+
+
+def worker_env(threads: int) -> dict[str, str]:
+    return {"TVM_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
+            "OPENBLAS_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine: Machine | None = None,
+            label: str = "measure") -> tuple[dict[tuple[str, str, str], Measurement], MeasureStats]:
+    """Measure every job not already in the database; return the measurement of every job."""
+    t_start = time.perf_counter()
+    machine = machine or Machine.host()
+    target = machine.fingerprint(options.threads)
+    jobs = list({j.ident: j for j in jobs}.values())
+    stats = MeasureStats(jobs=len(jobs))
+    results: dict[tuple[str, str, str], Measurement] = {}
+    todo: list[KernelJob] = []
+    by_version: dict[str, list[KernelJob]] = {}
+    for j in jobs:
+        by_version.setdefault(versions(j.impl), []).append(j)
+    for ver, js in by_version.items():
+        found = db.lookup_many(target, ver, [j.ident for j in js])
+        for j in js:
+            if j.ident in found:
+                results[j.ident] = found[j.ident]
+            else:
+                todo.append(j)
+    stats.cached = len(results)
+    if not todo:
+        stats.seconds = time.perf_counter() - t_start
+        return results, stats
+
+    def refuse(j: KernelJob, reason: str, build_s: float = 0.0) -> None:
+        m = Measurement(target, j.key, j.impl, j.schedule, versions(j.impl), "refused", None, (), reason, build_s,
+                        j.description)
+        db.add(m)
+        results[j.ident] = m
+        stats.refused += 1
+
+    env = worker_env(options.threads)
+    with tempfile.TemporaryDirectory(prefix="kernorch-build-") as tmp:
+        built: dict[tuple[str, str, str], dict] = {}
+        tvm_jobs = [j for j in todo if j.impl == "tvm"]
+        if tvm_jobs:
+            with WorkerPool(min(options.workers, len(tvm_jobs)), env) as pool, \
+                    progress.bar(f"{label}: build", len(tvm_jobs)) as bar:
+                for r in pool.run(_build_task, [(j, options.threads, tmp, options.verify) for j in tvm_jobs],
+                                  options.build_timeout):
+                    j = tvm_jobs[r.index]
+                    if r.ok:
+                        built[j.ident] = r.value
+                    else:
+                        refuse(j, f"build/check failed: {r.error}", r.seconds)
+                    bar.advance()
+        timed = [j for j in todo if j.impl != "tvm" or j.ident in built]
+        with WorkerPool(1, env) as pool, progress.bar(f"{label}: time", len(timed)) as bar:
+            tasks = [(j, built.get(j.ident, {}).get("path"), options.repeats, options.min_repeat_ms, options.verify)
+                     for j in timed]
+            for r in pool.run(_time_task, tasks, options.run_timeout):
+                j = timed[r.index]
+                build_s = built.get(j.ident, {}).get("build_s", 0.0)
+                if not r.ok:
+                    refuse(j, f"run failed: {r.error}", build_s)
+                else:
+                    runs = [int(round(s * 1e9)) for s in r.value["runs"]]
+                    m = Measurement(target, j.key, j.impl, j.schedule, versions(j.impl), "ok",
+                                    max(1, int(np.median(runs))), tuple(runs), "", build_s, j.description)
+                    db.add(m)
+                    results[j.ident] = m
+                    stats.measured += 1
+                bar.advance()
+    stats.seconds = time.perf_counter() - t_start
+    return results, stats

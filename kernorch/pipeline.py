@@ -1,0 +1,283 @@
+"""optimize(): the stages in order, each one function from one value to the next.
+
+    load → fission → partition+enumerate → measure → orchestrate → emit (→ verify, time)
+
+Each stage's result is kept on a `Run` so the CLI can stop after any stage (inspect,
+candidates, plan) and the report can show all of them.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import candidates as cands
+from . import fission as fis
+from . import measure as meas
+from .database import Measurement, ProfileDB
+from .frontend import onnx as frontend
+from .ir import Graph, KernorchError
+from .options import Machine, Options
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    """Everything one optimization produced, stage by stage."""
+
+    options: Options
+    machine: Machine
+    source: str = ""
+    onnx: Any = None
+    graph: Graph | None = None
+    enumeration: Any = None
+    jobs: list = field(default_factory=list)
+    measurements: dict = field(default_factory=dict)
+    measure_stats: Any = None
+    plan: Any = None
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def timed(self, stage: str, fn, *args, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kw)
+        finally:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - t0
+
+
+def load(model, options: Options, run: Run | None = None) -> Run:
+    """Frontend + fission."""
+    run = run or Run(options, Machine.host())
+    run.onnx = run.timed("load", frontend.load, model, options.shape_dict)
+    run.source = run.onnx.source
+    run.graph = run.timed("fission", fis.fission, run.onnx)
+    return run
+
+
+def enum_options(options: Options) -> cands.EnumOptions:
+    return cands.EnumOptions(max_size=options.max_kernel_size, max_per_partition=options.max_candidates,
+                             max_outputs=options.max_outputs)
+
+
+def enumerate_candidates(run: Run) -> Run:
+    run.enumeration = run.timed("enumerate", cands.enumerate_all, run.graph, enum_options(run.options),
+                                run.options.max_partition)
+    return run
+
+
+def jobs_for(graph: Graph, candidates, options: Options) -> list[meas.KernelJob]:
+    """Every distinct (key, implementation) worth measuring; untuned TVM for a few, for comparison."""
+    from .backends import library
+    jobs: dict[tuple, meas.KernelJob] = {}
+    untuned = 0
+    for c in candidates:
+        kg = meas.kernel_graph(graph, c.members, c.inputs, c.outputs)
+        if any(p.op == "opaque" for p in kg.prims):
+            continue  # opaque kernels run through the library path only
+        jobs.setdefault((c.key, "tvm", "default"), meas.KernelJob(c.key, "tvm", "default", kg, c.inputs, c.outputs))
+        if options.library and library.supports(graph, kg.prims, c.inputs, c.outputs) is None:
+            jobs.setdefault((c.key, "library", "-"), meas.KernelJob(c.key, "library", "-", kg, c.inputs, c.outputs))
+        if untuned < options.compare_untuned and (c.key, "tvm", "none") not in jobs and len(c.members) > 1:
+            jobs[(c.key, "tvm", "none")] = meas.KernelJob(c.key, "tvm", "none", kg, c.inputs, c.outputs)
+            untuned += 1
+    return list(jobs.values())
+
+
+def measure_candidates(run: Run, db: ProfileDB) -> Run:
+    run.jobs = run.timed("jobs", jobs_for, run.graph, run.enumeration.candidates, run.options)
+    run.measurements, run.measure_stats = run.timed("measure", meas.measure, run.jobs, db, run.options, run.machine)
+    return run
+
+
+def best_costs(measurements: dict[tuple[str, str, str], Measurement]) -> dict[tuple[str, str], Measurement]:
+    """Per (key, impl): the measurement the solver may use (untuned TVM is only for comparison)."""
+    out = {}
+    for (key, impl, schedule), m in measurements.items():
+        if m.ok and schedule != "none":
+            out[(key, impl)] = m
+    return out
+
+
+def problem_for(graph: Graph, candidates, costs: dict[tuple[str, str], Measurement]):
+    """The orchestration problem: one choice per (candidate, implementation) with a measured cost.
+
+    Returns the problem and a map from choice id to its candidate (for the plan's kernel params).
+    """
+    from . import orchestrate as orch
+    from . import primitives
+    choices, by_id = [], {}
+    for i, c in enumerate(candidates):
+        for impl in meas.IMPLS:
+            m = costs.get((c.key, impl))
+            if m is None:
+                continue
+            cid = f"c{i}.{impl}"
+            choices.append(orch.Choice(cid, c.key, impl, frozenset(c.members), frozenset(c.deps),
+                                       frozenset(c.outputs), int(m.median_ns), tuple(c.members)))
+            by_id[cid] = c
+    deps = {p.name: tuple(t for t in dict.fromkeys(p.inputs) if t in graph.by_name) for p in graph.prims}
+    problem = orch.Problem(tuple(p.name for p in graph.prims), deps, tuple(graph.outputs), tuple(choices),
+                           {p.name: primitives.kind(p.op) for p in graph.prims})
+    return problem, by_id
+
+
+def orchestrate(run: Run) -> Run:
+    """Solve the binary linear program over every measured candidate and make the plan."""
+    from dataclasses import replace
+    from .plan import make_plan
+    costs = best_costs(run.measurements)
+    problem, by_id = problem_for(run.graph, run.enumeration.candidates, costs)
+    plan = run.timed("orchestrate", make_plan, problem, run.options.solver_time_limit)
+    # the plan's kernels take every tensor they read, in the order the lowering numbers them
+    kernels = tuple(replace(k, inputs=by_id[k.id].inputs, outputs=by_id[k.id].outputs) for k in plan.kernels)
+    run.plan = replace(plan, kernels=kernels, meta={"model": run.source, "machine": run.machine.name,
+                                                    "threads": str(run.options.threads)})
+    return run
+
+
+def plan_model(model, options: Options, db: ProfileDB | None = None) -> Run:
+    """Everything up to the plan."""
+    own = db is None
+    db = db or ProfileDB(options.resolved_db())
+    try:
+        run = load(model, options)
+        enumerate_candidates(run)
+        measure_candidates(run, db)
+        return orchestrate(run)
+    finally:
+        if own:
+            db.close()
+
+
+def emit(run: Run, max_fallbacks: int = 3):
+    """Compile the plan; a kernel that fails to build is dropped and the program re-solved."""
+    from . import emit as em
+    for attempt in range(max_fallbacks + 1):
+        try:
+            ex, wnames = run.timed("emit", em.build_module, run.graph, run.plan, run.options.threads)
+            return em.CompiledModel(run.graph, run.plan, ex, wnames, run.options.threads, run.machine)
+        except Exception as e:
+            if attempt == max_fallbacks:
+                raise
+            bad = run.timed("emit", _failing_kernel, run)
+            if bad is None:
+                raise
+            log.warning("kernel %s (%s, %s) fails to build in the emitted module (%s); falling back to the next "
+                        "best implementation", bad.id, bad.impl, "+".join(bad.members), str(e)[:200])
+            run.measurements = {k: v for k, v in run.measurements.items() if not (k[0] == bad.key and k[1] == bad.impl)}
+            orchestrate(run)
+
+
+def _failing_kernel(run: Run):
+    """The first plan kernel that does not build on its own (None if all do)."""
+    from .backends import tvm as tb
+    target = tb.make_target(run.options.threads)
+    for k in run.plan.kernels:
+        if k.impl != "tvm":
+            continue
+        try:
+            kg = meas.kernel_graph(run.graph, k.members, k.inputs, k.outputs)
+            tb.build(tb.schedule(tb.lower(kg, kg.prims, k.inputs, k.outputs), target, "default"), target)
+        except Exception:
+            return k
+    return None
+
+
+def verify(run: Run, compiled, model, seed: int = 0, tol: float = 1e-3) -> dict:
+    """Compare the compiled model with ONNX Runtime; on a mismatch name the first diverging kernel."""
+    from . import executor
+    feeds = executor.random_feeds(run.graph, seed)
+    sess = executor.ort_session(model, run.options.threads)
+    names = [o.name for o in sess.get_outputs()]
+    ref = dict(zip(names, sess.run(names, feeds)))
+    got = compiled.run(feeds)
+    errors = {n: executor.max_error(np.asarray(ref[n]), got[n]) for n in compiled.output_names}
+    worst = max((e["rel"] for e in errors.values()), default=0.0)
+    result = {"ok": worst <= tol, "tolerance": tol, "max_rel_error": worst, "outputs": errors}
+    if not result["ok"]:
+        result["first_bad_kernel"] = bisect(run, feeds, tol)
+        k = result["first_bad_kernel"]
+        raise KernorchError(f"the optimized model differs from ONNX Runtime (max error {worst:.3g} of the output "
+                            f"scale); first diverging kernel: {k}")
+    return result
+
+
+def bisect(run: Run, feeds, tol: float) -> str | None:
+    """Run each plan kernel alone on reference intermediates; return the first that disagrees."""
+    from . import executor
+    from .backends import library
+    from .backends import tvm as tb
+    values = executor.run(run.graph, feeds, keep_all=True)
+    target = tb.make_target(run.options.threads)
+    for k in run.plan.kernels:
+        kg = meas.kernel_graph(run.graph, k.members, k.inputs, k.outputs)
+        args = [values[t] for t in k.inputs]
+        if k.impl == "library":
+            outs = library.make(kg, kg.prims, k.inputs, k.outputs)(*args)
+        else:
+            outs = tb.build(tb.schedule(tb.lower(kg, kg.prims, k.inputs, k.outputs), target, "default"), target)(*args)
+        for t, o in zip(k.outputs, outs):
+            if executor.max_error(values[t], np.asarray(o))["rel"] > tol:
+                return f"{k.id} ({k.impl}: {'+'.join(run.graph.by_name[m].op for m in k.members)}) output {t}"
+    return None
+
+
+def time_against_ort(compiled, model, threads: int, runs: int = 20, seed: int = 0) -> dict:
+    """End-to-end latency of kernorch and ONNX Runtime, interleaved in this process, medians."""
+    from . import executor
+    feeds = executor.random_feeds(compiled.graph, seed)
+    sess = executor.ort_session(model, threads)
+    kern, ort = [], []
+    compiled.time(feeds, runs=0, warmup=3)
+    for _ in range(3):
+        sess.run(None, feeds)
+    for _ in range(runs):
+        kern.extend(compiled.time(feeds, runs=1, warmup=0))
+        t0 = time.perf_counter()
+        sess.run(None, feeds)
+        ort.append(time.perf_counter() - t0)
+    k_ms, o_ms = float(np.median(kern)) * 1e3, float(np.median(ort)) * 1e3
+    return {"runs": runs, "threads": threads, "kernorch_ms": k_ms, "ort_ms": o_ms, "speedup": o_ms / k_ms,
+            "kernorch_runs_ms": [x * 1e3 for x in kern], "ort_runs_ms": [x * 1e3 for x in ort],
+            "load": _load_average()}
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def optimize(model, options: Options, runs: int = 20):
+    """The whole pipeline: a verified CompiledModel with its report."""
+    from .backends import tvm as tb
+    tb.set_threads(options.threads)
+    with ProfileDB(options.resolved_db()) as db:
+        run = load(model, options)
+        enumerate_candidates(run)
+        measure_candidates(run, db)
+        orchestrate(run)
+    compiled = emit(run)
+    check = run.timed("verify", verify, run, compiled, model, options.seed)
+    timing = run.timed("time", time_against_ort, compiled, model, options.threads, runs, options.seed) if runs else {}
+    compiled.report = report_dict(run, check, timing)
+    return compiled, run
+
+
+def report_dict(run: Run, check: dict, timing: dict) -> dict:
+    ms = run.measure_stats
+    return {
+        "model": run.source, "machine": run.machine.to_json(), "threads": run.options.threads,
+        "primitives": len(run.graph.prims), "partitions": len(run.enumeration.partitions),
+        "candidates": len(run.enumeration.candidates),
+        "distinct_keys": len({c.key for c in run.enumeration.candidates}),
+        "measure": ms.__dict__ if ms else {}, "plan": run.plan.to_json(),
+        "predicted_ms": run.plan.predicted_ns / 1e6, "verify": check, "timing": timing,
+        "seconds": dict(run.seconds),
+    }

@@ -1,0 +1,178 @@
+"""The orchestration plan: what runs, in which order, which buffers live when, and why.
+
+A `Plan` is the hand-off from the solver to code generation and to the report. It is plain data
+(JSON round-trips exactly) so a plan can be saved next to a model and re-used without re-solving.
+"""
+from __future__ import annotations
+
+import json
+import math
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+from kernorch.ir import KernorchError
+from kernorch.orchestrate import Problem, Solution, greedy, solve, unfused
+
+log = logging.getLogger(__name__)
+
+PLAN_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """Another candidate that overlaps a chosen kernel; shown so users can see what was rejected."""
+
+    id: str
+    impl: str
+    members: tuple[str, ...]
+    cost_ns: int
+
+
+@dataclass(frozen=True)
+class Kernel:
+    id: str
+    key: str
+    impl: str
+    members: tuple[str, ...]  # in execution (topological) order
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    cost_ns: int
+    alternatives: tuple[Alternative, ...] = ()
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A tensor written by a kernel: it must live from its first write to its last read."""
+
+    tensor: str
+    produced_at: int
+    last_use: int
+
+
+@dataclass(frozen=True)
+class SolverStats:
+    status: str
+    objective_ns: int
+    bound_ns: int
+    gap: float | None  # None for heuristics (no bound), so the JSON stays standard
+    solve_seconds: float
+    n_cuts: int
+    n_rows: int = 0
+    n_cols: int = 0
+    n_nonzeros: int = 0
+
+
+@dataclass(frozen=True)
+class Plan:
+    kernels: tuple[Kernel, ...]
+    buffers: tuple[Buffer, ...]
+    outputs: tuple[str, ...]
+    stats: SolverStats
+    unfused_ns: int | None = None
+    greedy_ns: int | None = None
+    meta: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def predicted_ns(self) -> int:
+        """The additive cost model's prediction: the sum of the kernels' measured latencies."""
+        return sum(k.cost_ns for k in self.kernels)
+
+    # -- construction ------------------------------------------------------------------------
+    @staticmethod
+    def from_solution(problem: Problem, solution: Solution, baselines: Mapping[str, Solution | int | None] | None = None,
+                      n_alternatives: int = 3, meta: Mapping[str, str] | None = None) -> "Plan":
+        """Build the plan for `solution`; `baselines` maps "unfused"/"greedy" to a Solution or ns."""
+        by_id = {c.id: c for c in problem.choices}
+        rank = {p: i for i, p in enumerate(problem.prims)}
+        covering: dict[str, list] = {}
+        for c in problem.choices:
+            for m in c.members:
+                covering.setdefault(m, []).append(c)
+        kernels = []
+        for cid in solution.chosen:
+            if cid not in by_id:
+                raise KernorchError(f"solution names unknown choice {cid!r}")
+            c = by_id[cid]
+            members = c.order or tuple(sorted(c.members, key=rank.__getitem__))
+            others = {o.id: o for m in c.members for o in covering.get(m, ()) if o.id != c.id}
+            alts = sorted(others.values(), key=lambda o: (o.cost_ns, o.id))[:n_alternatives]
+            kernels.append(Kernel(c.id, c.key, c.impl, tuple(members), tuple(sorted(c.inputs)), tuple(sorted(c.outputs)),
+                                  c.cost_ns, tuple(Alternative(o.id, o.impl, tuple(sorted(o.members, key=rank.__getitem__)),
+                                                               o.cost_ns) for o in alts)))
+        produced: dict[str, int] = {}
+        last: dict[str, int] = {}
+        for step, k in enumerate(kernels):
+            for t in k.inputs:
+                last[t] = step
+            for t in k.outputs:
+                produced.setdefault(t, step)
+        end = len(kernels) - 1
+        buffers = tuple(Buffer(t, s, end if t in problem.outputs else max(s, last.get(t, s)))
+                        for t, s in sorted(produced.items(), key=lambda ts: (ts[1], ts[0])))
+        s = solution
+        gap = s.gap if math.isfinite(s.gap) else None
+        stats = SolverStats(s.status, s.objective_ns, s.bound_ns, gap, s.solve_seconds, s.n_cuts,
+                            s.n_rows, s.n_cols, s.n_nonzeros)
+        base = {name: (v.objective_ns if isinstance(v, Solution) else v) for name, v in (baselines or {}).items()}
+        return Plan(tuple(kernels), buffers, tuple(problem.outputs), stats, base.get("unfused"), base.get("greedy"),
+                    dict(meta or {}))
+
+    # -- serialisation -----------------------------------------------------------------------
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["meta"] = dict(self.meta)
+        d["version"] = PLAN_VERSION
+        d["predicted_ns"] = self.predicted_ns
+        return d
+
+    @staticmethod
+    def from_json(d: Mapping) -> "Plan":
+        if d.get("version") != PLAN_VERSION:
+            raise KernorchError(f"plan file has version {d.get('version')!r}; this kernorch reads version {PLAN_VERSION}")
+        kernels = tuple(Kernel(k["id"], k["key"], k["impl"], tuple(k["members"]), tuple(k["inputs"]), tuple(k["outputs"]),
+                               k["cost_ns"], tuple(Alternative(a["id"], a["impl"], tuple(a["members"]), a["cost_ns"])
+                                                   for a in k["alternatives"]))
+                        for k in d["kernels"])
+        buffers = tuple(Buffer(**b) for b in d["buffers"])
+        return Plan(kernels, buffers, tuple(d["outputs"]), SolverStats(**d["stats"]), d.get("unfused_ns"),
+                    d.get("greedy_ns"), dict(d.get("meta", {})))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    @staticmethod
+    def load(path: str | Path) -> "Plan":
+        try:
+            return Plan.from_json(json.loads(Path(path).read_text()))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise KernorchError(f"cannot read plan {path}: {e}") from e
+
+    # -- report ------------------------------------------------------------------------------
+    def summary(self) -> str:
+        """A plain-text table of the kernels and the totals against the baselines."""
+        lines = [f"{'#':>3}  {'kernel':<24} {'impl':<16} {'cost_ns':>10}  members"]
+        for i, k in enumerate(self.kernels):
+            lines.append(f"{i:>3}  {k.id[:24]:<24} {k.impl[:16]:<16} {k.cost_ns:>10}  {', '.join(k.members)}")
+        st = self.stats
+        lines.append(f"predicted {self.predicted_ns} ns with {len(self.kernels)} kernels; solver {st.status}, "
+                     f"bound {st.bound_ns} ns, gap {'n/a' if st.gap is None else f'{st.gap:.2%}'}, {st.solve_seconds:.2f} s, {st.n_cuts} cuts")
+        for name, v in (("unfused", self.unfused_ns), ("greedy", self.greedy_ns)):
+            if v:
+                lines.append(f"{name}: {v} ns (plan is {v / max(self.predicted_ns, 1):.2f}x faster)")
+        return "\n".join(lines)
+
+
+def make_plan(problem: Problem, time_limit: float = 60.0) -> Plan:
+    """Solve and compute both baselines; a baseline that does not exist is recorded as None."""
+    baselines: dict[str, Solution | None] = {}
+    for name, fn in (("unfused", unfused), ("greedy", greedy)):
+        try:
+            baselines[name] = fn(problem)
+        except KernorchError as e:
+            log.info("no %s baseline: %s", name, e)
+            baselines[name] = None
+    start = baselines["greedy"] or baselines["unfused"]
+    sol = solve(problem, time_limit, initial=list(start.chosen) if start else None)
+    return Plan.from_solution(problem, sol, baselines)

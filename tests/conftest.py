@@ -1,0 +1,26 @@
+"""Shared fixtures: the benchmark models in ../shared/models (skipped cleanly when absent)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SHARED_MODELS = Path(__file__).parents[2] / "shared" / "models"
+SHARED_NAMES = ("candy", "gpt2_mini", "segformer_b0", "yolox_tiny")
+
+
+@pytest.fixture(scope="session")
+def shared_models() -> Path:
+    """The directory of benchmark .onnx files; the test is skipped when it is not there."""
+    if not SHARED_MODELS.is_dir() or not any(SHARED_MODELS.glob("*.onnx")):
+        pytest.skip(f"shared models not found at {SHARED_MODELS}")
+    return SHARED_MODELS
+
+
+@pytest.fixture
+def shared_model(shared_models, request) -> Path:
+    """One benchmark model by name (parametrize indirectly); skipped when that file is absent."""
+    p = shared_models / f"{request.param}.onnx"
+    if not p.exists():
+        pytest.skip(f"{p} not found")
+    return p

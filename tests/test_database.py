@@ -1,0 +1,90 @@
+"""The profile database and the worker pool: persistence, kill-safety, timeouts, crashes."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from kernorch.database import Measurement, ProfileDB
+from kernorch.workers import WorkerPool
+
+
+def _m(key, impl="tvm", ns=100, status="ok"):
+    return Measurement("tgt", key, impl, "default", "v1", status, ns if status == "ok" else None, (ns, ns), "", 0.1, "add")
+
+
+def test_add_lookup_latest_wins(tmp_path):
+    with ProfileDB(tmp_path / "db.sqlite") as db:
+        db.add(_m("k1", ns=100))
+        db.add(_m("k1", ns=90))
+        db.add(_m("k2", status="refused"))
+        assert db.lookup("tgt", "k1", "tvm", "default", "v1").median_ns == 90
+        assert db.lookup("tgt", "k1", "tvm", "default", "v2") is None
+        assert db.lookup("other", "k1", "tvm", "default", "v1") is None
+        many = db.lookup_many("tgt", "v1", [("k1", "tvm", "default"), ("k2", "tvm", "default"), ("k3", "tvm", "default")])
+        assert set(many) == {("k1", "tvm", "default"), ("k2", "tvm", "default")}
+        assert not many[("k2", "tvm", "default")].ok
+        s = db.stats()
+        assert s["measurements"] == 3
+        assert len(db.export()) == 3
+        assert db.clear() == 3
+        assert db.stats()["measurements"] == 0
+
+
+def test_survives_killed_writer(tmp_path):
+    """A process killed mid-run keeps every row it committed."""
+    path = tmp_path / "db.sqlite"
+    script = textwrap.dedent(f"""
+        import time
+        from kernorch.database import Measurement, ProfileDB
+        db = ProfileDB({str(path)!r})
+        for i in range(1000000):
+            db.add(Measurement("t", f"k{{i}}", "tvm", "default", "v", "ok", i + 1, (i + 1,), "", 0.0, ""))
+            if i == 20:
+                print("ready", flush=True)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    time.sleep(0.2)
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    with ProfileDB(path) as db:
+        n = db.stats()["measurements"]
+        assert n >= 21
+        assert db.lookup("t", "k20", "tvm", "default", "v").median_ns == 21
+
+
+def _square(x):
+    return x * x
+
+
+def _sleep(s):
+    time.sleep(s)
+    return s
+
+
+def _crash():
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def _raise():
+    raise ValueError("bad kernel")
+
+
+def test_pool_contains_hangs_and_crashes():
+    with WorkerPool(2) as pool:
+        got = {r.index: r for r in pool.run(_square, [(i,) for i in range(6)], timeout=60)}
+        assert [got[i].value for i in range(6)] == [0, 1, 4, 9, 16, 25]
+        rs = list(pool.run(_sleep, [(30,), (0.01,)], timeout=2))
+        by = {r.index: r for r in rs}
+        assert not by[0].ok and "timed out" in by[0].error
+        assert by[1].ok
+        rs = {r.index: r for r in pool.run(_crash, [()], timeout=30)}
+        assert not rs[0].ok and "crashed" in rs[0].error
+        rs = {r.index: r for r in pool.run(_raise, [()], timeout=30)}
+        assert not rs[0].ok and "bad kernel" in rs[0].error
+        # the pool still works after all of that
+        assert [r.value for r in pool.run(_square, [(3,)], timeout=30)] == [9]

@@ -1,0 +1,300 @@
+"""Orchestration: the BLP against an exact search, the cycle cut, time limits, baselines, plans.
+
+Instances are synthetic (random DAGs, random candidates and costs), so these tests run without
+ONNX or TVM and in a few seconds.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import random
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernorch.ir import KernorchError
+from kernorch.orchestrate import (KINDS, Choice, Problem, brute_force, greedy, live_prims, solve, unfused,
+                                  validate)
+from kernorch.plan import Plan, make_plan
+
+IMPLS = ("tvm-default", "library-blas", "tvm-tuned")
+
+
+def make_choice(cid, members, deps, consumers, outputs, cost, impl="tvm-default", key=None):
+    """A candidate with inputs/outputs derived from the graph, as the pipeline would derive them."""
+    members = frozenset(members)
+    ins = frozenset(d for m in members for d in deps.get(m, ()) if d not in members)
+    outs = frozenset(m for m in members if m in outputs or any(c not in members for c in consumers.get(m, ())))
+    return Choice(cid, key or "k:" + ",".join(sorted(members)), impl, members, ins, outs, cost)
+
+
+def consumers_of(prims, deps):
+    cons = {p: [] for p in prims}
+    for p in prims:
+        for d in deps.get(p, ()):
+            cons[d].append(p)
+    return cons
+
+
+def is_convex(s, deps, cons, index):
+    """No path leaves s and re-enters it (checked by a forward walk bounded by s's last index)."""
+    hi = max(index[m] for m in s)
+    stack = [c for m in s for c in cons[m] if c not in s and index[c] < hi]
+    seen = set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        for c in cons[v]:
+            if c in s:
+                return False
+            if index[c] < hi:
+                stack.append(c)
+    return True
+
+
+def random_problem(rng: random.Random, n: int, max_size: int = 3) -> Problem:
+    prims = tuple(f"p{i}" for i in range(n))
+    deps = {}
+    for i in range(1, n):
+        k = min(i, rng.choice([0, 1, 1, 2, 2, 3]))
+        if k:
+            deps[prims[i]] = tuple(prims[j] for j in sorted(rng.sample(range(i), k)))
+    cons = consumers_of(prims, deps)
+    sinks = [p for p in prims if not cons[p]]
+    outs = [p for p in sinks if rng.random() < 0.8] or [sinks[-1]]  # some sinks stay dead code
+    outs += [p for p in prims if p not in outs and rng.random() < 0.1]  # interior outputs
+    index = {p: i for i, p in enumerate(prims)}
+    nbrs = {p: set(cons[p]) | set(deps.get(p, ())) for p in prims}
+    base = {p: rng.randint(5, 50) for p in prims}
+    subsets = set()
+    for size in range(1, max_size + 1):
+        for s in itertools.combinations(prims, size):
+            fs = frozenset(s)
+            connected = size == 1 or all(nbrs[m] & fs for m in fs)  # enough for <= 3; bigger: checked below
+            if size > 3:
+                comp, stack = set(), [s[0]]
+                while stack:
+                    v = stack.pop()
+                    if v not in comp:
+                        comp.add(v)
+                        stack.extend(nbrs[v] & fs)
+                connected = comp == fs
+            if (connected or rng.random() < 0.05) and is_convex(fs, deps, cons, index):  # a few horizontal ones
+                subsets.add(fs)
+    choices = []
+    for fs in sorted(subsets, key=lambda f: sorted(index[m] for m in f)):
+        for impl in rng.sample(IMPLS, rng.randint(1, len(IMPLS))):
+            cost = max(1, int(sum(base[m] for m in fs) * rng.uniform(0.35, 1.1)))
+            choices.append(make_choice(f"c{len(choices)}", fs, deps, cons, set(outs), cost, impl))
+    kinds = {p: rng.choice(KINDS) for p in prims}
+    return Problem(prims, deps, tuple(outs), tuple(choices), kinds)
+
+
+def cycle_problem() -> Problem:
+    """The 6-prim counterexample: two convex 2-output kernels that feed each other."""
+    prims = ("x", "w", "y", "z", "q", "r")
+    deps = {"y": ("w",), "z": ("x", "y"), "q": ("x",), "r": ("q", "w")}
+    cons = consumers_of(prims, deps)
+    outs = {"z", "r"}
+    choices = [make_choice("K1", {"x", "y", "z"}, deps, cons, outs, 10),
+               make_choice("K2", {"w", "q", "r"}, deps, cons, outs, 10)]
+    single = {"x": 10, "w": 10, "y": 5, "z": 5, "q": 5, "r": 5}
+    choices += [make_choice(f"s_{p}", {p}, deps, cons, outs, c) for p, c in single.items()]
+    return Problem(prims, deps, ("z", "r"), tuple(choices), {p: "elementwise" for p in prims})
+
+
+# -- correctness against the exact search ------------------------------------------------------------
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(4, 9), st.sampled_from([3, 4]))
+def test_solve_matches_brute_force(seed, n, max_size):
+    p = random_problem(random.Random(seed), n, max_size)
+    exact = brute_force(p)
+    sol = solve(p, time_limit=30)
+    assert sol.status == "optimal"
+    assert sol.objective_ns == exact.objective_ns
+    assert sol.bound_ns == sol.objective_ns and sol.gap == 0.0
+    validate(p, sol.chosen)
+    for base in (unfused(p), greedy(p)):
+        validate(p, base.chosen)
+        assert base.status == "heuristic"
+        assert base.objective_ns >= sol.objective_ns
+    plan = Plan.from_solution(p, sol, {"unfused": unfused(p), "greedy": greedy(p)})
+    assert plan.predicted_ns == sol.objective_ns
+    assert Plan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+
+
+def test_random_instances_exercise_cycle_cuts():
+    """Seeded sweep: multi-output candidates sometimes form cycles, and the cuts fix them."""
+    rng = random.Random(7)
+    cut_instances = 0
+    for _ in range(150):
+        p = random_problem(rng, rng.randint(6, 9), 4)
+        sol = solve(p)
+        assert sol.objective_ns == brute_force(p).objective_ns
+        cut_instances += sol.n_cuts > 0
+    assert cut_instances >= 1
+
+
+def test_cycle_counterexample_needs_a_cut():
+    p = cycle_problem()
+    sol = solve(p)
+    assert sol.objective_ns == 30 and sol.status == "optimal"
+    assert sol.n_cuts >= 1
+    validate(p, sol.chosen)
+    assert brute_force(p).objective_ns == 30
+    with pytest.raises(KernorchError, match="before any earlier kernel"):
+        validate(p, ["K1", "K2"])
+
+
+def test_dead_prims_need_no_kernel():
+    prims = ("a", "b", "dead")
+    deps = {"b": ("a",), "dead": ("a",)}
+    cons = consumers_of(prims, deps)
+    ch = [make_choice("A", {"a"}, deps, cons, {"b"}, 3), make_choice("B", {"b"}, deps, cons, {"b"}, 4),
+          make_choice("D", {"dead"}, deps, cons, {"b"}, 1)]
+    p = Problem(prims, deps, ("b",), tuple(ch))
+    assert live_prims(p) == {"a", "b"}
+    assert solve(p).chosen == ("A", "B")
+    assert unfused(p).chosen == ("A", "B")
+
+
+# -- errors and limits --------------------------------------------------------------------------------
+
+def test_output_without_producer_is_named():
+    p = cycle_problem()
+    p = Problem(p.prims, p.deps, p.outputs, tuple(c for c in p.choices if "r" not in c.outputs))
+    with pytest.raises(KernorchError, match="'r'"):
+        solve(p)
+
+
+def test_uncovered_prim_is_named():
+    p = cycle_problem()
+    p = Problem(p.prims, p.deps, p.outputs, tuple(c for c in p.choices if "q" not in c.members))
+    with pytest.raises(KernorchError, match="'q'"):
+        solve(p)
+    with pytest.raises(KernorchError, match="'q'"):
+        unfused(p)
+
+
+def test_validate_rejects_missing_output_and_unknown_ids():
+    p = cycle_problem()
+    with pytest.raises(KernorchError, match="never computes"):
+        validate(p, ["s_x", "s_w", "s_y", "s_z"])
+    with pytest.raises(KernorchError, match="unknown choice"):
+        validate(p, ["nope"])
+
+
+def test_tiny_time_limit_still_returns_an_executable_plan():
+    p = layered_problem(random.Random(3), 300)
+    start = greedy(p)
+    for limit in (1e-9, 0.01):
+        sol = solve(p, time_limit=limit)
+        validate(p, sol.chosen)
+        assert sol.objective_ns <= start.objective_ns
+        assert sol.bound_ns <= sol.objective_ns
+        assert sol.status in ("optimal", "time_limit")
+
+
+def test_time_limit_without_any_start_raises_clearly():
+    p = cycle_problem()
+    p = Problem(p.prims, p.deps, p.outputs, tuple(c for c in p.choices if c.id != "s_y"))  # no unfused/greedy
+    with pytest.raises(KernorchError, match="time limit"):
+        solve(p, time_limit=0.0)
+    assert solve(p).objective_ns == brute_force(p).objective_ns
+
+
+def test_initial_solution_is_checked():
+    p = cycle_problem()
+    with pytest.raises(KernorchError, match="unknown"):
+        solve(p, initial=["nope"])
+    assert solve(p, initial=["K1", "K2"]).objective_ns == 30  # an unexecutable start is ignored
+
+
+# -- baselines ----------------------------------------------------------------------------------------
+
+def test_greedy_fuses_epilogues_and_elementwise_chains():
+    prims = ("mm", "add", "relu", "sum", "mul")
+    deps = {"add": ("mm",), "relu": ("add",), "sum": ("relu",), "mul": ("sum",)}
+    kinds = {"mm": "linear", "add": "broadcast", "relu": "elementwise", "sum": "reduce", "mul": "elementwise"}
+    cons = consumers_of(prims, deps)
+    outs = {"mul"}
+    sets = [{p} for p in prims] + [{"mm", "add"}, {"mm", "add", "relu"}, {"relu", "sum"}, {"sum", "mul"}]
+    ch = [make_choice(f"c{i}", s, deps, cons, outs, 10 * len(s) - 5) for i, s in enumerate(sets)]
+    p = Problem(prims, deps, ("mul",), tuple(ch), kinds)
+    g = greedy(p)
+    groups = [set(next(c for c in ch if c.id == i).members) for i in g.chosen]
+    assert groups == [{"mm", "add", "relu"}, {"sum", "mul"}]  # relu is not pulled into the reduce
+    assert g.objective_ns >= solve(p).objective_ns
+
+
+# -- plans --------------------------------------------------------------------------------------------
+
+def test_plan_round_trip_and_buffers(tmp_path):
+    p = cycle_problem()
+    plan = make_plan(p)
+    assert plan.predicted_ns == 30 and plan.unfused_ns == 40 and plan.greedy_ns is not None
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Plan.load(path) == plan
+    last = len(plan.kernels) - 1
+    bufs = {b.tensor: b for b in plan.buffers}
+    for o in p.outputs:
+        assert bufs[o].last_use == last
+    for b in plan.buffers:
+        assert 0 <= b.produced_at <= b.last_use <= last
+    assert all(k.alternatives for k in plan.kernels)
+    assert "predicted 30 ns" in plan.summary()
+    path.write_text("{}")
+    with pytest.raises(KernorchError, match="version"):
+        Plan.load(path)
+
+
+# -- scale --------------------------------------------------------------------------------------------
+
+def layered_problem(rng: random.Random, n: int, window: int = 8, beam: int = 10, max_size: int = 4) -> Problem:
+    """A DNN-like graph: each prim reads 1-2 recent prims; candidates grow from every seed."""
+    prims = tuple(f"n{i}" for i in range(n))
+    deps = {}
+    for i in range(1, n):
+        if rng.random() < 0.02:
+            continue
+        k = 1 if rng.random() < 0.6 else 2
+        lo = max(0, i - window)
+        deps[prims[i]] = tuple(prims[j] for j in sorted(rng.sample(range(lo, i), min(k, i - lo))))
+    cons = consumers_of(prims, deps)
+    outs = {p for p in prims if not cons[p]}
+    index = {p: i for i, p in enumerate(prims)}
+    nbrs = {p: set(cons[p]) | set(deps.get(p, ())) for p in prims}
+    base = {p: rng.randint(200, 5000) for p in prims}
+    subsets = set()
+    for p in prims:
+        frontier = [frozenset([p])]
+        subsets.add(frontier[0])
+        for _ in range(max_size - 1):
+            grown = {s | {q} for s in frontier for q in set().union(*(nbrs[m] for m in s)) - s}
+            grown = [s for s in grown if is_convex(s, deps, cons, index)]
+            frontier = rng.sample(grown, min(beam // (max_size - 1) + 1, len(grown)))
+            subsets.update(frontier)
+    choices = []
+    for fs in sorted(subsets, key=lambda f: sorted(index[m] for m in f)):
+        for impl in rng.sample(IMPLS[:2], rng.randint(1, 2)):
+            cost = max(1, int(sum(base[m] for m in fs) * (0.55 + 0.45 / len(fs)) * rng.uniform(0.85, 1.15)))
+            choices.append(make_choice(f"c{len(choices)}", fs, deps, cons, outs, cost, impl))
+    kinds = {p: rng.choice(KINDS) for p in prims}
+    return Problem(prims, deps, tuple(sorted(outs, key=index.__getitem__)), tuple(choices), kinds)
+
+
+def test_scale_smoke():
+    p = layered_problem(random.Random(11), 1500)
+    assert 10_000 <= len(p.choices) <= 20_000
+    sol = solve(p, time_limit=60)
+    assert sol.status == "optimal", sol
+    assert sol.solve_seconds < 30, sol.solve_seconds
+    validate(p, sol.chosen)
+    assert greedy(p).objective_ns >= sol.objective_ns
+    assert unfused(p).objective_ns >= sol.objective_ns
