@@ -15,8 +15,10 @@ sets in the frontier. That is complete: every convex connected set of two or mor
 member whose removal leaves a convex connected set (a source or sink of a leaf block of the set), so
 it is reached from a smaller convex set. Sets are bitmasks over the partition's prims and are
 deduplicated per size, so each set is examined once. Supersets of a set with two linear prims or an
-opaque prim are never legal and are not grown; sets with too many outputs are grown (absorbing a
-consumer can remove outputs) but not emitted.
+opaque prim are never legal and are not grown, nor are sets with more than `max_outputs` members
+that are graph outputs or read outside the partition (those stay outputs in every superset); other
+sets with too many outputs are grown (absorbing a consumer can remove outputs) but not emitted.
+Rejection counts therefore count the sets examined, not every illegal superset.
 """
 from __future__ import annotations
 
@@ -49,8 +51,8 @@ class EnumOptions:
     max_outputs: int = 3  # tensors a candidate may write
     # Sets examined per partition (candidates plus rejected): a guard for pathologically wide graphs
     # (a prim with 60 consumers has ~10^8 connected sets of size 8), where the candidate cap alone
-    # would not stop the growth of sets rejected for having too many outputs.
-    max_visited: int = 200_000
+    # would not stop the growth of sets rejected for having too many outputs. 100k sets take ~1 s.
+    max_visited: int = 100_000
     keep_rejected: int = 20  # Rejected entries kept per reason and partition; counts are always complete
 
 
@@ -250,6 +252,7 @@ def enumerate_partition(graph: Graph, part: Partition, opts: EnumOptions | None 
                 cons[j] |= 1 << i
                 prod[i] |= 1 << j
     external = [nm in graph_outputs or any(c.name not in local for c in graph.consumers.get(nm, ())) for nm in names]
+    external_mask = sum(1 << i for i, e in enumerate(external) if e)
     # Strict descendants and ancestors inside the partition, as bitmasks (prims are topological).
     desc, anc = [0] * n, [0] * n
     for i in reversed(range(n)):
@@ -295,6 +298,8 @@ def enumerate_partition(graph: Graph, part: Partition, opts: EnumOptions | None 
                     reject(new, TWO_LINEAR)
                 elif (d | desc[v]) & (a | anc[v]) & ~new:
                     reject(new, NOT_CONVEX)
+                elif (external_mask & new).bit_count() > opts.max_outputs:
+                    reject(new, TOO_MANY_OUTPUTS)  # these stay outputs in every superset: do not grow
                 else:
                     grown.append((new, (nbrs | adj[v]) & ~new, d | desc[v], a | anc[v]))
                     if n_outputs(new) > opts.max_outputs:

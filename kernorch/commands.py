@@ -102,3 +102,174 @@ def cmd_db(args, options: Options) -> int:
             n = db.clear()
             print(f"cleared {n} measurements from {db.path}")
     return 0
+
+
+def _with_db(options: Options):
+    return ProfileDB(options.resolved_db())
+
+
+def candidates_report(run) -> dict:
+    en, ms = run.enumeration, run.measurements
+    by_part: dict[int, dict] = {}
+    key_part = {}
+    for c in en.candidates:
+        key_part.setdefault(c.key, c.partition)
+    parts = []
+    for st in en.stats:
+        keys = {c.key for c in en.candidates if c.partition == st.index}
+        mine = [m for (k, impl, sch), m in ms.items() if key_part.get(k) == st.index]
+        refused: dict[str, int] = {}
+        for m in mine:
+            if not m.ok:
+                reason = m.reason.split(":")[0]
+                refused[reason] = refused.get(reason, 0) + 1
+        parts.append({"partition": st.index, "primitives": st.prims, "candidates": st.candidates,
+                      "distinct_keys": len(keys), "rejected": st.rejected, "cap_hit": st.cap_hit,
+                      "measured": sum(1 for m in mine if m.ok), "refused": refused,
+                      "enumerate_s": round(st.seconds, 3)})
+    s = run.measure_stats
+    return {"model": run.source, "primitives": len(run.graph.prims), "partitions": parts,
+            "candidates": len(en.candidates), "distinct_keys": len({c.key for c in en.candidates}),
+            "jobs": s.jobs, "from_database": s.cached, "measured": s.measured, "refused": s.refused,
+            "measure_seconds": round(s.seconds, 2), "seconds": {k: round(v, 2) for k, v in run.seconds.items()},
+            "untuned_vs_default": untuned_speedups(run)}
+
+
+def untuned_speedups(run) -> list[dict]:
+    """Kernels measured both untuned and with the default schedule: the default schedule's speedup."""
+    out = []
+    for (key, impl, sch), m in run.measurements.items():
+        if sch != "none" or not m.ok:
+            continue
+        d = run.measurements.get((key, "tvm", "default"))
+        if d is not None and d.ok:
+            out.append({"kernel": m.description, "untuned_us": m.median_ns / 1e3, "default_us": d.median_ns / 1e3,
+                        "speedup": m.median_ns / d.median_ns})
+    return out
+
+
+def cmd_candidates(args, options: Options) -> int:
+    from .backends import tvm as tb
+    tb.set_threads(options.threads)
+    with _with_db(options) as db:
+        run = pipeline.load(args.model, options)
+        pipeline.enumerate_candidates(run)
+        pipeline.measure_candidates(run, db)
+    rep = candidates_report(run)
+    if args.json:
+        _emit_json(rep)
+        return 0
+    _table(f"Candidates of {rep['model']} ({rep['primitives']} primitives)",
+           ["partition", "prims", "candidates", "keys", "measured", "refused", "rejected (legality)", "enum s"],
+           [[p["partition"], p["primitives"], p["candidates"], p["distinct_keys"], p["measured"],
+             ", ".join(f"{k}: {v}" for k, v in p["refused"].items()) or "-",
+             ", ".join(f"{k}: {v}" for k, v in p["rejected"].items()) or "-", p["enumerate_s"]]
+            for p in rep["partitions"]])
+    print(f"{rep['candidates']} candidates, {rep['distinct_keys']} distinct keys; {rep['jobs']} measurements needed: "
+          f"{rep['from_database']} from the database, {rep['measured']} measured, {rep['refused']} refused, "
+          f"in {rep['measure_seconds']} s")
+    sp = rep["untuned_vs_default"]
+    if sp:
+        import numpy as np
+        print(f"default schedule vs untuned TVM on {len(sp)} kernels: geomean speedup "
+              f"{float(np.exp(np.mean(np.log([x['speedup'] for x in sp])))):.1f}x")
+    return 0
+
+
+def _print_plan(run) -> None:
+    plan, g = run.plan, run.graph
+    rows = []
+    for i, k in enumerate(plan.kernels):
+        ops = "+".join(g.by_name[m].op for m in k.members)
+        rows.append([i, ops[:60], k.impl, f"{k.cost_ns / 1e3:.1f}", len(k.outputs)])
+    _table(f"Plan for {run.source}", ["#", "primitives", "impl", "cost µs", "outputs"], rows)
+    st = plan.stats
+    print(f"solver: {st.status}, objective {st.objective_ns / 1e6:.3f} ms, bound {st.bound_ns / 1e6:.3f} ms, "
+          f"gap {0 if st.gap is None else st.gap:.2%}, {st.solve_seconds:.2f} s, {st.n_cuts} cycle cuts")
+    print(f"predicted: optimal {plan.predicted_ns / 1e6:.3f} ms ({len(plan.kernels)} kernels)"
+          + (f", greedy fusion {plan.greedy_ns / 1e6:.3f} ms" if plan.greedy_ns else "")
+          + (f", unfused {plan.unfused_ns / 1e6:.3f} ms" if plan.unfused_ns else ""))
+
+
+def cmd_plan(args, options: Options) -> int:
+    from .backends import tvm as tb
+    tb.set_threads(options.threads)
+    run = pipeline.plan_model(args.model, options)
+    if args.output:
+        run.plan.save(args.output)
+    if args.json:
+        _emit_json(run.plan.to_json())
+    else:
+        _print_plan(run)
+        if args.output:
+            print(f"plan written to {args.output}")
+    return 0
+
+
+def _print_optimize(rep: dict, outdir) -> None:
+    t = rep.get("timing", {})
+    rows = []
+    if t:
+        rows.append(["kernorch", f"{t['kernorch_ms']:.3f}", f"{t['speedup']:.2f}x"])
+        rows.append(["ONNX Runtime (all optimizations)", f"{t['ort_ms']:.3f}", "1.00x"])
+    _table(f"{rep['model']}: median of {t.get('runs', 0)} interleaved runs, {rep['threads']} threads",
+           ["system", "latency ms", "speedup vs ORT"], rows)
+    plan = rep["plan"]
+    print(f"predicted {rep['predicted_ms']:.3f} ms (sum of measured kernels) vs measured "
+          f"{t.get('kernorch_ms', float('nan')):.3f} ms end to end; "
+          f"{len(plan['kernels'])} kernels chosen from {rep['candidates']} candidates ({rep['distinct_keys']} distinct)")
+    print(f"max error vs ONNX Runtime: {rep['verify']['max_rel_error']:.2e} of the output scale")
+    print("time per stage: " + ", ".join(f"{k} {v:.1f}s" for k, v in rep["seconds"].items()))
+    print(f"saved to {outdir}")
+
+
+def cmd_optimize(args, options: Options) -> int:
+    out = Path(args.output)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        raise KernorchError(f"{out} exists and is not empty; pass --force to overwrite it")
+    compiled, run = pipeline.optimize(args.model, options, runs=args.runs)
+    compiled.save(out, force=args.force)
+    if args.json:
+        _emit_json(compiled.report)
+    else:
+        _print_optimize(compiled.report, out)
+    return 0
+
+
+def cmd_run(args, options: Options) -> int:
+    import numpy as np
+    from .emit import load
+    m = load(args.outdir, options.threads if args.threads else None)
+    feeds = {}
+    for spec in args.input:
+        name, _, path = spec.rpartition("=")
+        if not name:
+            if len(m.input_names) != 1 or feeds:
+                raise KernorchError(f"the model has inputs {m.input_names}: give --input NAME=FILE.npy")
+            name = m.input_names[0]
+        try:
+            feeds[name] = np.load(path)
+        except OSError as e:
+            raise KernorchError(f"cannot read input {path}: {e}") from None
+    outs = m.run(feeds)
+    if args.output:
+        np.savez(args.output, **outs)
+    for n, v in outs.items():
+        print(f"{n}: {v.dtype}{list(v.shape)} mean {float(v.mean()):.6g} max|x| {float(np.abs(v).max()):.6g}")
+    return 0
+
+
+def cmd_demo(args, options: Options) -> int:
+    import tempfile
+    from . import examples
+    work = Path(tempfile.mkdtemp(prefix="kernorch-demo-"))
+    model = work / f"{args.example}.onnx"
+    import onnx
+    if args.example not in examples.EXAMPLES:
+        raise KernorchError(f"unknown example {args.example!r}; choose from {sorted(examples.EXAMPLES)}")
+    onnx.save(examples.EXAMPLES[args.example](), str(model))
+    print(f"optimizing the bundled example {args.example} ({model})")
+    compiled, run = pipeline.optimize(str(model), options)
+    compiled.save(work / "out", force=True)
+    _print_optimize(compiled.report, work / "out")
+    return 0

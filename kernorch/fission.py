@@ -164,12 +164,6 @@ class Builder:
         """A per-channel vector (C,) shaped to broadcast against a rank-`rank` tensor along `axis`."""
         return self.reshape(v, (self.t(v).size,) + (1,) * (rank - axis - 1))
 
-    def binary(self, op: str, a: str, b: str) -> str:
-        return self.emit(op, [a, b])
-
-    def copy(self, x: str) -> str:
-        return self.emit("reshape", [x], tag="copy", shape=self.shape(x))
-
     # -- binding ONNX outputs -------------------------------------------------------------------
     def bind(self, n: OnnxNode, outs) -> None:
         if isinstance(outs, str) or outs is None:
@@ -282,7 +276,7 @@ def _pow(b, n):
     if b.is_const(y) and b.constants[y].size == 1:
         e = float(b.constants[y].reshape(()))
         if e == 1.0:
-            return b.copy(x)
+            return x
         if e == 2.0:  # exporters write x**2 (variance, GELU-tanh's x**3): exact and cheap as products
             return b.emit("mul", [x, x])
         if e == 3.0:
@@ -305,9 +299,6 @@ def _variadic(b, n):
         acc = b.emit(p, [acc, other])
     if n.op_type == "Mean" and len(ins) > 1:
         acc = b.emit("div", [acc, b.scalar(len(ins), acc)])
-    if acc == ins[0]:
-        # a single operand still needs the broadcast-free copy semantics of the op
-        return b.copy(acc)
     return acc
 
 
@@ -396,7 +387,7 @@ def _clip(b, n):
         y = b.emit("max", [y, lo])
     if hi is not None:
         y = b.emit("min", [y, hi])
-    return y if y != x else b.copy(x)
+    return y
 
 
 def _hard_sigmoid(b, x, alpha, beta):
@@ -819,7 +810,7 @@ def _transpose(b, n):
     r = b.t(x).rank
     perm = n.attrs.get("perm") or list(range(r))[::-1]
     y = b.transpose(x, perm)
-    return y if y != x else b.copy(x)
+    return y
 
 
 def _slice(b, x, axes, starts, ends, steps):
@@ -828,10 +819,19 @@ def _slice(b, x, axes, starts, ends, steps):
     spec = {}
     for a, st, en, sp in zip(axes, starts, ends, steps):
         a = _ax(int(a), len(s))
+        dim, st, en, sp = s[a], int(st), int(en), int(sp)
         if sp == 0:
             raise b.fail("Slice step 0 is invalid")
-        start, stop, step = slice(int(st), int(en), int(sp)).indices(s[a])
-        spec[a] = (start, stop, step)
+        # the ONNX rule, not Python's: with a negative step a start below -dim clamps to 0 (Python: empty);
+        # like ONNX Runtime, an INT_MAX end means "to the end" in either direction (numpy's None)
+        if en in (2**63 - 1, 2**31 - 1):
+            en = dim if sp > 0 else -1 - dim
+        st, en = st + dim if st < 0 else st, en + dim if en < 0 else en
+        if sp > 0:
+            st, en = min(max(st, 0), dim), min(max(en, 0), dim)
+        else:
+            st, en = min(max(st, 0), dim - 1), min(max(en, -1), dim - 1)
+        spec[a] = (st, en, sp) if len(range(st, en, sp)) else (0, 0, 1)
     if all(v == (0, s[a], 1) for a, v in spec.items()):
         return x
     ax = tuple(sorted(spec))
@@ -847,7 +847,7 @@ def _slice_op(b, n):
     axes = b.value(b.x(n, 3)).reshape(-1).tolist() if b.x(n, 3) else list(range(len(starts)))
     steps = b.value(b.x(n, 4)).reshape(-1).tolist() if b.x(n, 4) else [1] * len(starts)
     y = _slice(b, x, axes, starts, ends, steps)
-    return y if y != x else b.copy(x)
+    return y
 
 
 @op("Split")
@@ -868,7 +868,7 @@ def _split(b, n):
     for size in sizes:
         outs.append(_slice(b, x, [axis], [off], [off + size], [1]))
         off += size
-    return [o if o != x else b.copy(x) for o in outs]
+    return outs
 
 
 @op("Concat")
@@ -877,7 +877,7 @@ def _concat(b, n):
     ins = [t for t in ins if b.t(t).size > 0] or ins[:1]  # ONNX allows empty operands
     axis = _ax(int(n.attrs["axis"]), b.t(ins[0]).rank)
     if len(ins) == 1:
-        return b.copy(ins[0])
+        return ins[0]
     return b.emit("concat", ins, axis=axis)
 
 
@@ -904,7 +904,7 @@ def _pad(b, n):
                    [b.shape(x)[i] - max(0, -pads[i + r]) for i in range(r)], [1] * r)
         pads = [max(0, p) for p in pads]
     if not any(pads):
-        return b.copy(x)
+        return x
     return b.emit("pad", [x], pads=tuple(pads), mode=mode, value=value)
 
 
@@ -914,7 +914,7 @@ def _expand(b, n):
     shape = tuple(int(v) for v in b.value(b.x(n, 1), "Expand shape").reshape(-1))
     out = primitives.broadcast_shape(b.shape(x), shape)
     if out == b.shape(x):
-        return b.copy(x)
+        return x
     return b.emit("expand", [x], shape=shape)
 
 
@@ -925,7 +925,7 @@ def _tile(b, n):
     s = b.shape(x)
     reps = [int(v) for v in b.value(b.x(n, 1), "Tile repeats").reshape(-1)]
     if all(r == 1 for r in reps):
-        return b.copy(x)
+        return x
     inter = [v for d in s for v in (1, d)]
     big = [v for r, d in zip(reps, s) for v in (r, d)]
     y = b.emit("expand", [b.reshape(x, inter)], shape=tuple(big))
@@ -1004,7 +1004,8 @@ def _resize(b, n):
         scales_in, sizes_in = b.x(n, 2), b.x(n, 3)
         ctm = a.get("coordinate_transformation_mode", "half_pixel")
     mode = a.get("mode", "nearest")
-    nearest_mode = a.get("nearest_mode", "round_prefer_floor")
+    # Upsample (opset 7-9) is Resize with asymmetric coordinates and floor rounding
+    nearest_mode = a.get("nearest_mode", "floor" if n.op_type == "Upsample" else "round_prefer_floor")
     axes = [_ax(int(v), r) for v in a.get("axes", range(r))]
     scales = [1.0] * r
     out = list(s)
@@ -1049,7 +1050,7 @@ def _resize(b, n):
         w0 = b.const((1 - frac).reshape(wshape), tag=f"w_lo{ax}")
         w1 = b.const(frac.reshape(wshape), tag=f"w_hi{ax}")
         y = b.emit("add", [b.emit("mul", [g0, w0]), b.emit("mul", [g1, w1])])
-    return y if y != x else b.copy(x)
+    return y
 
 
 # ---------------------------------------------------------------------------------------------

@@ -111,7 +111,9 @@ def run_onnx_node(op_type: str, attrs: Mapping[str, Any], inputs: Sequence[np.nd
     if n_outputs is None:
         n_outputs = {"TopK": 2, "Split": None}.get(op_type, 1) or 1
     out_names = [f"o{k}" for k in range(n_outputs)]
-    node = onnx.helper.make_node(op_type, in_names, out_names, domain=domain, **dict(attrs))
+    # tensor attributes (ConstantOfShape's value, ...) were read as numpy arrays: make them tensors again
+    attrs = {k: onnx.numpy_helper.from_array(v) if isinstance(v, np.ndarray) else v for k, v in attrs.items()}
+    node = onnx.helper.make_node(op_type, in_names, out_names, domain=domain, **attrs)
     ev = ReferenceEvaluator(node, opsets={"": opset} if not domain else {"": opset, domain: 1})
     feeds = {n: v for n, v in zip(in_names, inputs) if n}
     return [np.asarray(r) for r in ev.run(None, feeds)]

@@ -1,0 +1,319 @@
+"""Backend tests: TE lowering + schedules + build (every primitive of the table), multi-prim
+kernels, numpy/OpenBLAS library kernels, and a Relax module mixing a TIR and a library kernel.
+
+CPU only; the whole file runs in well under two minutes (each build takes ~0.05-0.3 s).
+Timings are never asserted (see benchmarks/schedule_speedup.py for them).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TVM_NUM_THREADS", "2")
+
+from kernorch import primitives as P  # noqa: E402
+from kernorch.backends import library  # noqa: E402
+from kernorch.backends import tvm as kt  # noqa: E402
+from kernorch.ir import Graph, KernorchError, TensorType, make_prim  # noqa: E402
+
+RTOL, ATOL = 1e-4, 1e-5
+
+
+@pytest.fixture(scope="module")
+def target():
+    return kt.make_target(2)
+
+
+def f32(*shape):
+    return TensorType(tuple(shape), "float32")
+
+
+def rand_input(t: TensorType, rng, op: str = "", pos: int = 0, attrs=None, types=None) -> np.ndarray:
+    if t.dtype == "bool":
+        return rng.random(t.shape) > 0.5
+    if t.dtype.startswith("int"):
+        if op == "gather":  # valid indices, negatives included (they count from the end)
+            n = types[0].shape[attrs["axis"]]
+            return rng.integers(-n, n, size=t.shape).astype(t.dtype)
+        return rng.integers(0, 10, size=t.shape).astype(t.dtype)
+    x = rng.standard_normal(t.shape).astype(t.dtype)
+    if op in ("log", "sqrt") or (op == "pow" and pos == 0):
+        x = np.abs(x) + 0.1
+    return x
+
+
+def run_kernel(graph, members, inputs, outputs, target, mode, arrays):
+    mod = kt.schedule(kt.lower(graph, members, inputs, outputs), target, mode)
+    return kt.build(mod, target)(*arrays), mod
+
+
+def reference(graph: Graph, arrays: dict[str, np.ndarray], outputs) -> list[np.ndarray]:
+    env = dict(graph.constants)
+    env.update(arrays)
+    for p in graph.prims:
+        env[p.name] = P.run(p, [env[t] for t in p.inputs])
+    return [env[o] for o in outputs]
+
+
+# -------------------------------------------------------------------------------------------------
+# every primitive with a TE compute
+# -------------------------------------------------------------------------------------------------
+
+TE_OPS = [op for op, d in P.TABLE.items() if d.te is not None]
+
+
+@pytest.mark.parametrize("mode", ["none", "default"])
+@pytest.mark.parametrize("op", TE_OPS)
+def test_primitive_matches_reference(op, mode, target):
+    d = P.TABLE[op]
+    types, attrs = d.example()
+    names = [f"x{i}" for i in range(len(types))]
+    prim = make_prim("y", op, names, d.infer(types, attrs), **attrs)
+    graph = Graph(tuple(zip(names, types)), ("y",), (prim,))
+    rng = np.random.default_rng(abs(hash(op)) % 2**32)
+    xs = [rand_input(t, rng, op, i, attrs, types) for i, t in enumerate(types)]
+    (got,), _ = run_kernel(graph, [prim], names, ["y"], target, mode, xs)
+    want = P.run(prim, xs)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+def test_opaque_prim_is_refused(target):
+    d = P.TABLE["opaque"]
+    types, attrs = d.example()
+    prim = make_prim("y", "opaque", ["x0"], d.infer(types, attrs), **attrs)
+    graph = Graph((("x0", types[0]),), ("y",), (prim,))
+    with pytest.raises(KernorchError, match="no TE compute"):
+        kt.lower(graph, [prim], ["x0"], ["y"])
+
+
+# -------------------------------------------------------------------------------------------------
+# multi-prim kernels
+# -------------------------------------------------------------------------------------------------
+
+
+def softmax_graph(rows=64, cols=256):
+    t, r = f32(rows, cols), f32(rows, 1)
+    ps = [make_prim("m", "reduce_max", ["x"], r, axes=(-1,), keepdims=1), make_prim("d", "sub", ["x", "m"], t),
+          make_prim("e", "exp", ["d"], t), make_prim("s", "reduce_sum", ["e"], r, axes=(-1,), keepdims=1),
+          make_prim("y", "div", ["e", "s"], t)]
+    return Graph((("x", t),), ("y",), tuple(ps)), ["x"]
+
+
+def layernorm_graph(rows=32, cols=192):
+    t, r, v = f32(rows, cols), f32(rows, 1), f32(cols)
+    ps = [make_prim("mu", "reduce_mean", ["x"], r, axes=(-1,), keepdims=1), make_prim("d", "sub", ["x", "mu"], t),
+          make_prim("sq", "mul", ["d", "d"], t), make_prim("var", "reduce_mean", ["sq"], r, axes=(-1,), keepdims=1),
+          make_prim("ve", "add", ["var", "eps"], r), make_prim("sd", "sqrt", ["ve"], r),
+          make_prim("nz", "div", ["d", "sd"], t), make_prim("g", "mul", ["nz", "gamma"], t),
+          make_prim("y", "add", ["g", "beta"], t)]
+    consts = {"eps": np.full((1,), 1e-5, np.float32), "gamma": np.linspace(0.5, 1.5, cols, dtype=np.float32)}
+    return Graph((("x", t), ("beta", v)), ("y",), tuple(ps), constants=consts), ["x", "eps", "gamma", "beta"]
+
+
+def matmul_gelu_graph(m=48, k=96, n=80):
+    o = f32(m, n)
+    ps = [make_prim("mm", "matmul", ["x", "w"], o), make_prim("b", "add", ["mm", "bias"], o),
+          make_prim("s", "mul", ["b", "c"], o), make_prim("sg", "sigmoid", ["s"], o),
+          make_prim("y", "mul", ["b", "sg"], o)]  # x * sigmoid(1.702 x): the sigmoid GELU
+    consts = {"c": np.full((1,), 1.702, np.float32)}
+    return Graph((("x", f32(m, k)), ("w", f32(k, n)), ("bias", f32(n))), ("y",), tuple(ps), constants=consts), \
+        ["x", "w", "bias", "c"]
+
+
+def conv_bias_relu_graph(pads=(1, 1, 1, 1), strides=(1, 1), group=1, cin=8, cout=16, hw=(14, 12), k=3):
+    xs = f32(2, cin, *hw)
+    ws = f32(cout, cin // group, k, k)
+    attrs = dict(strides=strides, pads=pads, dilations=(1, 1), group=group)
+    ct = P.infer("conv", [xs, ws], attrs)
+    ps = [make_prim("c", "conv", ["x", "w"], ct, **attrs), make_prim("cb", "add", ["c", "b"], ct),
+          make_prim("y", "relu", ["cb"], ct)]
+    return Graph((("x", xs), ("w", ws), ("b", f32(cout, 1, 1))), ("y",), tuple(ps)), ["x", "w", "b"]
+
+
+def pad_conv_graph():
+    xs = f32(1, 4, 10, 9)
+    pt = P.infer("pad", [xs], {"pads": (0, 0, 1, 2, 0, 0, 2, 1), "mode": "constant", "value": 0.0})
+    attrs = dict(strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1), group=1)
+    ws = f32(8, 4, 3, 3)
+    ct = P.infer("conv", [pt, ws], attrs)
+    ps = [make_prim("p", "pad", ["x"], pt, pads=(0, 0, 1, 2, 0, 0, 2, 1), mode="constant", value=0.0),
+          make_prim("y", "conv", ["p", "w"], ct, **attrs)]
+    return Graph((("x", xs), ("w", ws)), ("y",), tuple(ps)), ["x", "w"]
+
+
+def two_output_graph():
+    o = f32(32, 48)
+    ps = [make_prim("mm", "matmul", ["x", "w"], o), make_prim("y", "relu", ["mm"], o)]
+    return Graph((("x", f32(32, 40)), ("w", f32(40, 48))), ("mm", "y"), tuple(ps)), ["x", "w"]
+
+
+def long_reduction_graph():
+    ps = [make_prim("e", "exp", ["x"], f32(6, 512)), make_prim("y", "reduce_sum", ["e"], f32(6), axes=(1,), keepdims=0)]
+    return Graph((("x", f32(6, 512)),), ("y",), tuple(ps)), ["x"]
+
+
+def gemv_graph():
+    ps = [make_prim("y", "matmul", ["w", "v"], f32(64, 1))]
+    return Graph((("w", f32(64, 256)), ("v", f32(256, 1))), ("y",), tuple(ps)), ["w", "v"]
+
+
+MULTI = {"long_reduction": long_reduction_graph, "gemv": gemv_graph, "softmax": softmax_graph, "layernorm": layernorm_graph, "matmul_gelu": matmul_gelu_graph,
+         "conv_bias_relu": conv_bias_relu_graph, "pad_conv": pad_conv_graph, "two_outputs": two_output_graph,
+         "conv_strided_grouped": lambda: conv_bias_relu_graph(pads=(0, 1, 2, 0), strides=(2, 1), group=2)}
+
+
+def _arrays(graph, inputs, rng):
+    return [graph.constants[n] if n in graph.constants else rand_input(graph.type_of(n), rng) for n in inputs]
+
+
+@pytest.mark.parametrize("mode", ["none", "default"])
+@pytest.mark.parametrize("name", list(MULTI))
+def test_multi_prim_kernel(name, mode, target):
+    graph, inputs = MULTI[name]()
+    rng = np.random.default_rng(1)
+    arrays = _arrays(graph, inputs, rng)
+    outputs = list(graph.outputs)
+    got, mod = run_kernel(graph, list(graph.prims), inputs, outputs, target, mode, arrays)
+    want = reference(graph, {n: a for n, a in zip(inputs, arrays) if n not in graph.constants}, outputs)
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL)
+    if mode == "default":
+        assert "kernorch.rule" in mod["main"].attrs
+        text = mod.script()
+        assert "T.parallel" in text or "T.vectorized" in text
+
+
+@pytest.mark.parametrize("name,rule", [("softmax", "row"), ("layernorm", "row"), ("matmul_gelu", "contraction"),
+                                       ("conv_bias_relu", "contraction")])
+def test_default_schedule_picks_the_intended_rule(name, rule, target):
+    graph, inputs = MULTI[name]()
+    mod = kt.schedule(kt.lower(graph, list(graph.prims), inputs, list(graph.outputs)), target)
+    assert mod["main"].attrs["kernorch.rule"] == rule
+
+
+def test_time_export_and_load(tmp_path, target):
+    graph, inputs = softmax_graph(8, 64)
+    k = kt.build(kt.schedule(kt.lower(graph, list(graph.prims), inputs, ["y"]), target), target)
+    x = np.random.default_rng(2).standard_normal((8, 64)).astype(np.float32)
+    secs = k.time(x, number=2, repeat=2)
+    assert len(secs) == 2 and all(s > 0 for s in secs)
+    path = str(tmp_path / "k.so")
+    k.export(path)
+    k2 = kt.load(path)
+    np.testing.assert_allclose(k2(x)[0], k(x)[0], rtol=RTOL, atol=ATOL)
+    assert set(kt.versions()) == {"tvm", "tvm-ffi"}
+
+
+# -------------------------------------------------------------------------------------------------
+# library kernels
+# -------------------------------------------------------------------------------------------------
+
+LIB_CASES = {
+    "matmul": lambda: _single_matmul(),
+    "matmul_epilogue_chain": lambda: _matmul_chain(),
+    "conv3x3_pad": conv_bias_relu_graph,
+    "conv_strided_asym_pad_groups": lambda: conv_bias_relu_graph(pads=(0, 1, 2, 0), strides=(2, 1), group=2),
+    "conv_depthwise": lambda: conv_bias_relu_graph(group=8, cin=8, cout=16, strides=(2, 2)),
+    "conv1x1": lambda: conv_bias_relu_graph(pads=(0, 0, 0, 0), k=1),
+    "conv_dilated": lambda: _dilated_conv(),
+}
+
+
+def _single_matmul():
+    ps = [make_prim("y", "matmul", ["a", "b"], f32(3, 20, 24))]
+    return Graph((("a", f32(3, 20, 16)), ("b", f32(16, 24))), ("y",), tuple(ps)), ["a", "b"]
+
+
+def _matmul_chain():
+    o = f32(2, 24, 40)
+    ps = [make_prim("mm", "matmul", ["x", "w"], o), make_prim("b", "add", ["mm", "bias"], o),
+          make_prim("s", "sigmoid", ["b"], o), make_prim("d", "sub", ["c", "s"], o),  # chain value second
+          make_prim("y", "mul", ["d", "d"], o)]
+    consts = {"c": np.full((1,), 0.25, np.float32)}
+    return Graph((("x", f32(2, 24, 32)), ("w", f32(2, 32, 40)), ("bias", f32(40))), ("y",), tuple(ps),
+                 constants=consts), ["x", "w", "bias", "c"]
+
+
+def _dilated_conv():
+    xs, ws = f32(1, 6, 11, 13), f32(4, 6, 3, 2)
+    attrs = dict(strides=(1, 2), pads=(2, 1, 0, 1), dilations=(2, 3), group=1)
+    ps = [make_prim("y", "conv", ["x", "w"], P.infer("conv", [xs, ws], attrs), **attrs)]
+    return Graph((("x", xs), ("w", ws)), ("y",), tuple(ps)), ["x", "w"]
+
+
+@pytest.mark.parametrize("name", list(LIB_CASES))
+def test_library_kernel(name):
+    graph, inputs = LIB_CASES[name]()
+    members, outputs = list(graph.prims), list(graph.outputs)
+    assert library.supports(graph, members, inputs, outputs) is None
+    k = library.make(graph, members, inputs, outputs)
+    rng = np.random.default_rng(3)
+    arrays = _arrays(graph, inputs, rng)
+    want = reference(graph, {n: a for n, a in zip(inputs, arrays) if n not in graph.constants}, outputs)[0]
+    np.testing.assert_allclose(k(*arrays)[0], want, rtol=RTOL, atol=ATOL)
+    out = np.full(want.shape, np.nan, np.float32)
+    k.run_dps(*arrays, out)
+    k.run_dps(*arrays, out)  # scratch buffers are reused: a second call must give the same result
+    np.testing.assert_allclose(out, want, rtol=RTOL, atol=ATOL)
+
+
+def test_library_refuses_with_reason():
+    graph, inputs = softmax_graph(4, 8)
+    assert "not matmul/conv" in library.supports(graph, list(graph.prims), inputs, ["y"])
+    graph, inputs = two_output_graph()
+    assert "outputs" in library.supports(graph, list(graph.prims), inputs, list(graph.outputs))
+    graph, inputs = matmul_gelu_graph()
+    # the GELU reads the pre-sigmoid value `b` again: a side branch, not an in-place chain
+    assert "side branches" in library.supports(graph, list(graph.prims), inputs, ["y"])
+    ps = [make_prim("mm", "matmul", ["x", "w"], f32(4, 6)), make_prim("r", "reduce_sum", ["mm"], f32(4, 1), axes=(-1,),
+                                                                        keepdims=1)]
+    g = Graph((("x", f32(4, 5)), ("w", f32(5, 6))), ("r",), tuple(ps))
+    assert "not supported" in library.supports(g, ps, ["x", "w"], ["r"])
+
+
+# -------------------------------------------------------------------------------------------------
+# Relax: one library kernel (call_dps_packed) and one TIR kernel (call_tir) in one main
+# -------------------------------------------------------------------------------------------------
+
+
+def test_relax_module_with_library_and_tir_kernels(target, tmp_path):
+    import tvm
+    from tvm import relax
+
+    m, k_, n = 64, 96, 80
+    # kernel 1 (library): y1 = relu(x @ w + b)
+    o = f32(m, n)
+    g1 = Graph((("x", f32(m, k_)), ("w", f32(k_, n)), ("b", f32(n))), ("y1",),
+               (make_prim("mm", "matmul", ["x", "w"], o), make_prim("ba", "add", ["mm", "b"], o),
+                make_prim("y1", "relu", ["ba"], o)))
+    lib = library.make(g1, list(g1.prims), ["x", "w", "b"], ["y1"])
+    name = library.register(lib, "kernorch.test.lib0")
+    # kernel 2 (TIR): softmax of y1
+    g2, _ = softmax_graph(m, n)
+    tir = kt.schedule(kt.lower(g2, list(g2.prims), ["x"], ["y"]), target)
+
+    bb = relax.BlockBuilder()
+    xv = relax.Var("x", relax.TensorType((m, k_), "float32"))
+    wv = relax.Var("w", relax.TensorType((k_, n), "float32"))
+    bv = relax.Var("b", relax.TensorType((n,), "float32"))
+    with bb.function("main", [xv, wv, bv]):
+        gv = bb.add_func(kt.relax_func(tir, "softmax_k"), "softmax_k")
+        with bb.dataflow():
+            y1 = bb.emit(relax.call_dps_packed(name, relax.Tuple([xv, wv, bv]),
+                                               out_ty=relax.TensorType((m, n), "float32")))
+            y2 = bb.emit(relax.call_tir(gv, relax.Tuple([y1]), out_ty=relax.TensorType((m, n), "float32")))
+            out = bb.emit_output(y2)
+        bb.emit_func_output(out)
+    ex = tvm.compile(bb.get(), target=target)
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    rng = np.random.default_rng(4)
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((m, k_), (k_, n), (n,)))
+    got = vm["main"](*(tvm.runtime.tensor(a) for a in (x, w, b))).numpy()
+    h = np.maximum(x @ w + b, 0)
+    e = np.exp(h - h.max(-1, keepdims=True))
+    np.testing.assert_allclose(got, e / e.sum(-1, keepdims=True), rtol=RTOL, atol=ATOL)
+    ex.export_library(str(tmp_path / "plan.so"))
