@@ -92,7 +92,7 @@ def build_module(graph: Graph, plan: Plan, threads: int):
                     kg = _kernel_graph(graph, k)
                     mod = tb.lower(kg, kg.prims, k.inputs, k.outputs)
                     mod = tb.schedule(mod, target, "default" if k.impl == "tvm" else k.impl)
-                    gv = bb.add_func(mod["main"], f"k{i}")
+                    gv = bb.add_func(tb.relax_func(mod, f"k{i}"), f"k{i}")
                     call = relax.call_tir(gv, args, out_ty if len(out_ty) > 1 else out_ty[0])
                 res = bb.emit(call)
                 if len(k.outputs) == 1:
@@ -126,7 +126,7 @@ class CompiledModel:
         self.dev = tvm.cpu()
         self.vm = relax.VirtualMachine(executable, self.dev)
         self.weight_names = list(weight_names)
-        self._weights = [tvm.runtime.tensor(np.ascontiguousarray(graph.constants[w]), self.dev) for w in weight_names]
+        self._weights = [tvm.runtime.tensor(np.asarray(graph.constants[w], order="C"), self.dev) for w in weight_names]
         self.input_names = [n for n, _ in graph.inputs]
         self.output_names = list(graph.outputs)
 
@@ -143,7 +143,7 @@ class CompiledModel:
             want = tuple(int(d) for d in t.shape)
             if x.shape != want:
                 raise KernorchError(f"input {n!r} has shape {x.shape}, the model was optimized for {want}")
-            args.append(tvm.runtime.tensor(np.ascontiguousarray(x, dtype=t.dtype), self.dev))
+            args.append(tvm.runtime.tensor(np.asarray(x, dtype=t.dtype, order="C"), self.dev))
         return args + self._weights
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

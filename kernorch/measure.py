@@ -87,7 +87,7 @@ def make_inputs(job: KernelJob, seed: int = 0) -> list[np.ndarray]:
     types = dict(job.graph.inputs)
     for t in job.inputs:
         if t in job.graph.constants:
-            out.append(np.ascontiguousarray(job.graph.constants[t]))
+            out.append(np.asarray(job.graph.constants[t], order="C"))
             continue
         ty = types[t]
         shape = tuple(int(d) for d in ty.shape)

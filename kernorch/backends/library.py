@@ -64,6 +64,8 @@ def supports(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outpu
     """None if `make` can implement this kernel, else the reason it cannot."""
     if not members:
         return "empty kernel"
+    if len(members) == 1 and members[0].op == "opaque":
+        return None  # kept-whole operators run through their reference implementation
     head = members[0]
     if head.op not in ("matmul", "conv"):
         return f"first member is {head.op}, not matmul/conv"
@@ -125,17 +127,35 @@ class LibraryKernel:
 
     def __call__(self, *inputs: np.ndarray) -> list[np.ndarray]:
         out = np.empty(self.out_shape, np.float32)
-        self.run_dps(*[np.ascontiguousarray(x, np.float32) for x in inputs], out)
+        self.run_dps(*[np.asarray(x, np.float32, order="C") for x in inputs], out)
         return [out]
 
     def __repr__(self) -> str:
         return f"LibraryKernel({self.describe})"
 
 
-def make(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs: Sequence[str]) -> LibraryKernel:
+class OpaqueKernel:
+    """An operator kept whole (TopK, ArgMax, ...): its reference implementation, as one kernel."""
+
+    def __init__(self, prim: Prim, inputs: Sequence[str]):
+        self.prim, self.num_inputs = prim, len(inputs)
+        self.order = [list(inputs).index(t) for t in prim.inputs]
+        self.describe = f"opaque {prim.attr('onnx_op')}"
+
+    def __call__(self, *inputs: np.ndarray) -> list[np.ndarray]:
+        from .. import primitives
+        return [primitives.run(self.prim, [inputs[i] for i in self.order])]
+
+    def run_dps(self, *args: np.ndarray) -> None:
+        args[self.num_inputs][...] = self(*args[: self.num_inputs])[0]
+
+
+def make(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs: Sequence[str]):
     reason = supports(graph, members, inputs, outputs)
     if reason is not None:
         raise KernorchError(f"no library implementation: {reason}")
+    if members[0].op == "opaque":
+        return OpaqueKernel(members[0], inputs)
     pos = {n: i for i, n in enumerate(inputs)}
     head = members[0]
     ia, ib = pos[head.inputs[0]], pos[head.inputs[1]]

@@ -651,7 +651,7 @@ class BuiltKernel:
             raise KernorchError(f"kernel takes {self.num_inputs} inputs, got {len(inputs)}")
         args = []
         for x, (shape, dtype) in zip(inputs, self.input_types):
-            x = np.ascontiguousarray(x, dtype=dtype)
+            x = np.asarray(x, dtype=dtype, order="C")  # (ascontiguousarray makes 0-d arrays 1-d)
             if x.shape != shape:
                 raise KernorchError(f"input of shape {x.shape}, kernel expects {shape}")
             args.append(tvm.runtime.tensor(x, self.dev))
