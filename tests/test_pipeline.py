@@ -1,0 +1,169 @@
+"""The whole pipeline on a tiny model: optimize, verify, save, reload in a fresh process, re-run from
+the database, and the CLI's commands and errors."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import kernorch
+from kernorch import cli, executor, pipeline
+from kernorch.database import ProfileDB
+from kernorch.options import Options
+
+
+def tiny_model(path=None):
+    """x[4,16] → MatMul(16x32) + bias → Relu → MatMul(32x8) → Softmax; plus a LayerNorm branch."""
+    rng = np.random.default_rng(0)
+    w1 = numpy_helper.from_array(rng.standard_normal((16, 32)).astype(np.float32), "w1")
+    b1 = numpy_helper.from_array(rng.standard_normal((32,)).astype(np.float32), "b1")
+    w2 = numpy_helper.from_array(rng.standard_normal((32, 8)).astype(np.float32), "w2")
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+        helper.make_node("Add", ["h", "b1"], ["hb"], name="bias"),
+        helper.make_node("Relu", ["hb"], ["r"], name="relu"),
+        helper.make_node("MatMul", ["r", "w2"], ["z"], name="mm2"),
+        helper.make_node("Softmax", ["z"], ["y"], axis=-1, name="softmax"),
+    ]
+    g = helper.make_graph(nodes, "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])], [w1, b1, w2])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    if path is not None:
+        onnx.save(m, str(path))
+    return m
+
+
+FAST = dict(threads=1, max_kernel_size=4, repeats=3, min_repeat_ms=1.0, workers=2, compare_untuned=2)
+
+
+@pytest.fixture(scope="module")
+def optimized(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pipe")
+    model = d / "tiny.onnx"
+    tiny_model(model)
+    db = d / "db.sqlite"
+    opts = Options().with_(db_path=str(db), **FAST)
+    compiled, run = pipeline.optimize(str(model), opts, runs=3)
+    return d, model, db, opts, compiled, run
+
+
+def test_optimize_matches_ort(optimized):
+    d, model, db, opts, compiled, run = optimized
+    feeds = executor.random_feeds(run.graph, seed=3)
+    ref = executor.ort_session(model, 1).run(None, feeds)[0]
+    got = compiled.run(feeds)["y"]
+    assert executor.max_error(ref, got)["rel"] < 1e-4
+    rep = compiled.report
+    assert rep["verify"]["ok"]
+    assert rep["timing"]["runs"] == 3 and rep["timing"]["kernorch_ms"] > 0
+    plan = run.plan
+    assert plan.stats.status == "optimal"
+    assert plan.predicted_ns <= plan.unfused_ns
+    covered = {m for k in plan.kernels for m in k.members}
+    assert set(run.graph.outputs) <= covered
+
+
+def test_second_run_is_served_from_database(optimized):
+    d, model, db, opts, compiled, run = optimized
+    run2 = pipeline.plan_model(str(model), opts)
+    assert run2.measure_stats.measured == 0 and run2.measure_stats.refused == 0
+    assert run2.measure_stats.cached == run2.measure_stats.jobs > 0
+    assert run2.plan.predicted_ns == run.plan.predicted_ns
+
+
+def test_save_load_in_fresh_process(optimized, tmp_path):
+    d, model, db, opts, compiled, run = optimized
+    out = tmp_path / "saved"
+    compiled.save(out)
+    with pytest.raises(kernorch.KernorchError, match="exists"):
+        compiled.save(out)
+    x = np.random.default_rng(5).standard_normal((4, 16)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    code = (f"import numpy as np, kernorch; m = kernorch.load({str(out)!r}); "
+            f"np.save({str(tmp_path / 'y.npy')!r}, m.run({{'x': np.load({str(tmp_path / 'x.npy')!r})}})['y'])")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+    assert np.allclose(np.load(tmp_path / "y.npy"), compiled.run({"x": x})["y"], rtol=1e-5, atol=1e-6)
+    # a manifest from another version is refused with a clear message
+    mf = json.loads((out / "manifest.json").read_text())
+    mf["kernorch"] = "0.0.0-other"
+    (out / "manifest.json").write_text(json.dumps(mf))
+    with pytest.raises(kernorch.KernorchError, match="optimize the model again"):
+        kernorch.load(out)
+
+
+def test_run_rejects_bad_inputs(optimized):
+    compiled = optimized[4]
+    with pytest.raises(kernorch.KernorchError, match="missing input"):
+        compiled.run({})
+    with pytest.raises(kernorch.KernorchError, match="shape"):
+        compiled.run({"x": np.zeros((2, 16), np.float32)})
+
+
+def test_cli_plan_and_db(optimized, tmp_path, capsys):
+    d, model, db, opts, compiled, run = optimized
+    out = tmp_path / "plan.json"
+    assert cli.main(["plan", str(model), "--db", str(db), "--threads", "1", "--max-kernel-size", "4",
+                     "-o", str(out)]) == 0
+    assert json.loads(out.read_text())["stats"]["status"] == "optimal"
+    assert "predicted: optimal" in capsys.readouterr().out
+    assert cli.main(["candidates", str(model), "--db", str(db), "--threads", "1", "--max-kernel-size", "4",
+                     "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["measured"] == 0 and rep["from_database"] == rep["jobs"]
+    assert cli.main(["db", "stats", "--db", str(db), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["measurements"] > 0
+
+
+def test_cli_errors_are_clear(tmp_path, capsys):
+    assert cli.main(["inspect", str(tmp_path / "missing.onnx")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    (tmp_path / "bad.onnx").write_bytes(b"not a model at all")
+    assert cli.main(["inspect", str(tmp_path / "bad.onnx")]) == 2
+    assert "not a valid ONNX model" in capsys.readouterr().err
+    model = tmp_path / "tiny.onnx"
+    tiny_model(model)
+    assert cli.main(["inspect", str(model), "--shape", "nope=1x2"]) == 2
+    assert "not model inputs" in capsys.readouterr().err
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "f").write_text("x")
+    assert cli.main(["optimize", str(model), "-o", str(tmp_path / "out")]) == 2
+    assert "--force" in capsys.readouterr().err
+
+
+def test_cli_inspect_verify(tmp_path, capsys):
+    model = tmp_path / "tiny.onnx"
+    tiny_model(model)
+    assert cli.main(["inspect", str(model), "--verify", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["verify"]["ok"] and rep["primitives"] >= 5
+    assert set(rep["primitive_kinds"]) <= {"elementwise", "reduce", "broadcast", "layout", "linear", "opaque"}
+
+
+def test_plan_survives_a_kernel_that_fails_to_build(optimized, monkeypatch):
+    """A kernel refused at emit time is dropped and the program re-solved (fallback)."""
+    d, model, db, opts, compiled, run = optimized
+    from kernorch import emit as em
+    victim = next(k for k in run.plan.kernels if k.impl == "tvm")
+    real = em.build_module
+    calls = {"n": 0}
+
+    def flaky(graph, plan, threads):
+        calls["n"] += 1
+        if any(k.key == victim.key and k.impl == "tvm" for k in plan.kernels):
+            raise RuntimeError("simulated build failure")
+        return real(graph, plan, threads)
+
+    monkeypatch.setattr(em, "build_module", flaky)
+    monkeypatch.setattr(pipeline, "_failing_kernel",
+                        lambda r: next((k for k in r.plan.kernels if k.key == victim.key and k.impl == "tvm"), None))
+    import copy
+    run2 = copy.copy(run)
+    compiled2 = pipeline.emit(run2)
+    assert calls["n"] >= 2
+    assert all(not (k.key == victim.key and k.impl == "tvm") for k in run2.plan.kernels)
+    feeds = executor.random_feeds(run.graph, seed=1)
+    assert np.allclose(compiled2.run(feeds)["y"], compiled.run(feeds)["y"], rtol=1e-4, atol=1e-6)
