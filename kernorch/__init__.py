@@ -4,7 +4,17 @@
     outputs = compiled.run({"input": x})
     compiled.save("out/"); kernorch.load("out/")
 """
-from .ir import KernorchError
+import os as _os
+
+# Two thread pools share the cores in an emitted model: TVM's (generated kernels) and OpenBLAS's
+# (library kernels). Both spin after a parallel region by default, and on a 2-core machine the
+# spinning pool steals the cores the other one needs (kernels measured 20-50x slower in context
+# than alone). Let idle workers sleep quickly; the user's own settings win. OpenBLAS reads its
+# variable when numpy is first imported, so this only helps when kernorch is imported first.
+_os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+_os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
+
+from .ir import KernorchError  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -41,6 +41,16 @@ REFERENCE = "ort"
 ERROR_TOL = 1e-3          # max error relative to the output scale, reported as "matches"
 WARMUP = 3
 MAX_SECONDS_PER_SYSTEM = 120.0  # stop timing a (very slow) system after this much, once it has 3 runs
+# Pause before each timed run. Needed because the systems share the process: ONNX Runtime's and TVM's
+# thread pools spin-wait after a call, and on 2 cores a partner still spinning from the *previous*
+# system makes the next one's parallel loops wait (measured: TVM 1.5 ms alone, 10 ms [7-38] right
+# after ORT on transformer_block). The pause lets the spinners go to sleep; it is not timed.
+COOLDOWN_S = 0.01
+# ONNX Runtime's workers spin during a Run (its default, kept) but stop spinning when the Run ends
+# ("session.force_spinning_stop"), so they do not steal the 2 cores from the next system. Measured on
+# candy_like with default spinning: ORT medians flipped between 2.5 and 8 ms from one bench to the next,
+# and TVM's p90 reached 8-20x its median. True = ORT's default, False = no spinning at all.
+ORT_SPINNING: bool | str = "stop"
 
 
 class Skip(Exception):
@@ -125,11 +135,16 @@ def _ort_system(name: str, proto_bytes: bytes, feeds: dict, threads: int, level:
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
     so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+    if ORT_SPINNING == "stop":
+        so.add_session_config_entry("session.force_spinning_stop", "1")
+    elif not ORT_SPINNING:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     sess = ort.InferenceSession(proto_bytes, so, providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
     feeds = {i.name: feeds[i.name] for i in sess.get_inputs()}
     return System(name, _timer(lambda: sess.run(names, feeds)), lambda: [np.asarray(o) for o in sess.run(names, feeds)],
-                  {"graph_optimization_level": level, "onnxruntime": ort.__version__})
+                  {"graph_optimization_level": level, "onnxruntime": ort.__version__,
+                   "spinning": ORT_SPINNING})
 
 
 def _tvm_tune(mod, target, budget_trials: int, work_dir: Path) -> dict:
@@ -274,12 +289,14 @@ def _stats(times_s: Sequence[float]) -> dict:
 
 def bench(model, systems: Sequence[str] = SYSTEMS, threads: int = 2, runs: int = 20, budget_trials: int = 0,
           outdir=None, options=None, seed: int = 0, max_seconds_per_system: float = MAX_SECONDS_PER_SYSTEM,
-          tune_dir=None) -> dict:
+          tune_dir=None, cooldown_s: float = COOLDOWN_S, rewarm: int = 1) -> dict:
     """Time `systems` on `model` (ONNX path or ModelProto), interleaved in this process; a JSON-ready dict.
 
     `outdir`: kernorch's saved model directory; loaded if it holds a model, else the optimized model
     is saved there. The results are also written there as bench.json (the HTML report shows them).
     `options`: kernorch `Options` (shapes for symbolic inputs, profile DB, ...); threads are overridden.
+    `cooldown_s`, `rewarm`: before each timed call, sleep this long and make `rewarm` untimed calls, so
+    the previous system's spinning thread pool has gone quiet and this one's is awake (see COOLDOWN_S).
     """
     os.environ["TVM_NUM_THREADS"] = str(threads)  # before TVM's first parallel call, and for tuning workers
     import onnx
@@ -310,6 +327,8 @@ def bench(model, systems: Sequence[str] = SYSTEMS, threads: int = 2, runs: int =
     results: dict[str, Any] = {
         "model": name, "source": str(model) if not isinstance(model, onnx.ModelProto) else name,
         "threads": threads, "runs_requested": runs, "seed": seed, "budget_trials": budget_trials,
+        "timing_method": {"interleaved": "round-robin, rotated start", "warmup": WARMUP, "cooldown_s": cooldown_s,
+                          "untimed_calls_before_each_timed_call": rewarm, "ort_spinning": ORT_SPINNING},
         "reference": REFERENCE, "error_tolerance": ERROR_TOL, "kernorch": __version__,
         "machine": Machine.host().to_json(), "inputs": {n: list(s) for n, s in shapes.items()},
         "env": {v: os.environ[v] for v in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "TVM_NUM_THREADS",
@@ -395,6 +414,13 @@ def bench(model, systems: Sequence[str] = SYSTEMS, threads: int = 2, runs: int =
             break
         k = r % len(active)
         for s in active[k:] + active[:k]:
+            if cooldown_s:
+                time.sleep(cooldown_s)
+            try:
+                for _ in range(rewarm):
+                    built[s].run_once()
+            except Exception:
+                pass  # reported by the timed call below
             c0 = time.process_time()
             try:
                 wall[s].append(built[s].run_once())

@@ -163,6 +163,39 @@ class CompiledModel:
             out.append(time.perf_counter() - t0)
         return out
 
+    def profile(self, inputs: Mapping[str, np.ndarray], runs: int = 3) -> list[dict]:
+        """Per-call latency inside the real executable (VM instrumentation), median over `runs`.
+
+        Compared with each kernel's isolated measurement this shows where the end-to-end time goes
+        that the additive cost model does not see (cold caches, thread-pool wake-ups, VM calls).
+        """
+        import time as _t
+        import tvm_ffi
+        times: dict[str, list[float]] = {}
+        order: list[str] = []
+        state = {"t": 0.0, "i": 0}
+
+        def instrument(func, symbol, before, ret, *args):
+            if before:
+                state["t"] = _t.perf_counter()
+            else:
+                key = f"{state['i']}:{symbol}"
+                state["i"] += 1
+                if key not in times:
+                    times[key] = []
+                    order.append(key)
+                times[key].append(_t.perf_counter() - state["t"])
+            return 0
+
+        from tvm import relax
+        vm = relax.VirtualMachine(self.executable, self.dev)
+        vm.set_instrument(tvm_ffi.convert(instrument))
+        args = self._args(inputs)
+        for _ in range(runs):
+            state["i"] = 0
+            vm["main"](*args)
+        return [{"call": k.split(":", 1)[1], "ms": float(np.median(times[k])) * 1e3} for k in order]
+
     # -- persistence -------------------------------------------------------------------------
     def save(self, outdir: str | Path, force: bool = False) -> Path:
         out = Path(outdir)
