@@ -320,6 +320,7 @@ def bench(model, systems: Sequence[str] = SYSTEMS, threads: int = 2, runs: int =
     run = pipeline.load(proto, options)
     graph = run.graph
     feeds = executor.random_feeds(graph, seed)
+    pristine = {n: v.copy() for n, v in feeds.items()}
     shapes = {n: tuple(int(d) for d in t.shape) for n, t in graph.inputs}
     from .backends import tvm as tb
     tb.set_threads(threads)  # TVM pool and BLAS threads, before anything runs
@@ -331,8 +332,8 @@ def bench(model, systems: Sequence[str] = SYSTEMS, threads: int = 2, runs: int =
                           "untimed_calls_before_each_timed_call": rewarm, "ort_spinning": ORT_SPINNING},
         "reference": REFERENCE, "error_tolerance": ERROR_TOL, "kernorch": __version__,
         "machine": Machine.host().to_json(), "inputs": {n: list(s) for n, s in shapes.items()},
-        "env": {v: os.environ[v] for v in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "TVM_NUM_THREADS",
-                                            "OMP_NUM_THREADS") if v in os.environ},
+        "env": {v: os.environ[v] for v in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_THREAD_TIMEOUT",
+                                            "TVM_NUM_THREADS", "TVM_THREAD_POOL_SPIN_COUNT", "OMP_NUM_THREADS") if v in os.environ},
         "systems": {},
     }
     try:
@@ -361,7 +362,9 @@ def bench(model, systems: Sequence[str] = SYSTEMS, threads: int = 2, runs: int =
             elif s == "torch":
                 sys_ = _torch_system(proto, feeds, threads)
             else:
-                sys_, _compiled = _kernorch_system(proto if outdir is None else model, feeds, threads, outdir, options)
+                own = onnx.ModelProto()
+                own.CopyFrom(proto)  # the optimizer gets its own copy: the others must see the file as it is
+                sys_, _compiled = _kernorch_system(own, feeds, threads, outdir, options)
             built[s] = sys_
             entry.update(status="ok", **sys_.info)
         except Skip as e:
@@ -371,6 +374,12 @@ def bench(model, systems: Sequence[str] = SYSTEMS, threads: int = 2, runs: int =
             entry.update(status="failed", error=f"{type(e).__name__}: {e}"[:2000])
             log.warning("%s failed to build: %s: %s", s, type(e).__name__, e)
         entry["setup_seconds"] = entry.get("setup_seconds", time.perf_counter() - t0)
+        changed = [n for n in feeds if not np.array_equal(feeds[n], pristine[n], equal_nan=True)]
+        if changed:  # a system wrote into its inputs: every later comparison would be meaningless
+            log.warning("building %s modified the inputs %s; restoring them", s, changed)
+            entry["modified_inputs"] = changed
+            for n in changed:
+                np.copyto(feeds[n], pristine[n])
         if s in wanted:
             results["systems"][s] = entry
 

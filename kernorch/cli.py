@@ -6,6 +6,8 @@
     kernorch optimize MODEL -o OUTDIR [--force]
     kernorch run OUTDIR --input x.npy
     kernorch db stats|export|clear
+    kernorch bench MODEL [--against ort,tvm,torch] [--threads N] [--runs N]
+    kernorch report OUTDIR
     kernorch demo
 """
 from __future__ import annotations
@@ -61,6 +63,16 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("db", help="the profile database")
     _common(p, model=False)
     p.add_argument("action", choices=["stats", "export", "clear"])
+    p = sub.add_parser("bench", help="time kernorch against ONNX Runtime/TVM/PyTorch, interleaved")
+    _common(p)
+    _tuning_args(p)
+    p.add_argument("--against", default="ort,ort-basic,tvm,torch", help="peers, comma-separated")
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--budget-trials", type=int, default=0, help="MetaSchedule trials for the TVM peer")
+    p.add_argument("-o", "--output", help="kernorch model dir (loaded if saved there, else saved there)")
+    p = sub.add_parser("report", help="write OUTDIR/report.html")
+    _common(p, model=False)
+    p.add_argument("outdir")
     p = sub.add_parser("demo", help="optimize a bundled example model and print the comparison")
     _common(p, model=False)
     _tuning_args(p)

@@ -229,6 +229,8 @@ def cmd_optimize(args, options: Options) -> int:
         raise KernorchError(f"{out} exists and is not empty; pass --force to overwrite it")
     compiled, run = pipeline.optimize(args.model, options, runs=args.runs)
     compiled.save(out, force=args.force)
+    from .report import write_report
+    write_report(out)
     if args.json:
         _emit_json(compiled.report)
     else:
@@ -271,5 +273,24 @@ def cmd_demo(args, options: Options) -> int:
     print(f"optimizing the bundled example {args.example} ({model})")
     compiled, run = pipeline.optimize(str(model), options)
     compiled.save(work / "out", force=True)
+    from .report import write_report
+    print(f"report: {write_report(work / 'out')}")
     _print_optimize(compiled.report, work / "out")
+    return 0
+
+
+def cmd_bench(args, options: Options) -> int:
+    from .bench import SUMMARY_COLUMNS, bench, summary_rows
+    r = bench(args.model, ("kernorch", *[s for s in args.against.split(",") if s]), threads=options.threads,
+              runs=args.runs, budget_trials=args.budget_trials, outdir=args.output, options=options)
+    if args.json:
+        _emit_json(r)
+    else:
+        _table(f"{r['model']}, {r['threads']} threads", SUMMARY_COLUMNS, summary_rows(r))
+    return 0
+
+
+def cmd_report(args, options: Options) -> int:
+    from .report import write_report
+    print(write_report(args.outdir))
     return 0

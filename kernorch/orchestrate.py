@@ -169,36 +169,65 @@ def _prune(fired: list[Choice], outputs: Iterable[str]) -> list[Choice]:
     return keep[::-1]
 
 
-def _cycles(stuck: list[Choice]) -> list[tuple[list[Choice], set[str]]]:
-    """Find cycles among stuck kernels by walking back through missing inputs.
+def _trapped_tensor_sets(stuck: list[Choice], available: set[str]) -> list[set[str]]:
+    """Tensor sets T behind the deadlock, one per terminal strongly connected component.
 
-    Each stuck kernel misses an input whose selected producers are all stuck too (otherwise it
-    would exist), so walking back must eventually revisit a kernel. Returns (kernels, tensors).
+    Edge k -> j when stuck kernel k misses a tensor that stuck kernel j writes. Every selected
+    writer of a missing tensor is stuck (else the tensor would exist), so each stuck kernel has an
+    edge and some component is terminal. For each cyclic component D we return T = the missing
+    inputs of D that D writes; every kernel of D reads some of T. For a terminal D all selected
+    writers of T are in D, so its cut is violated; the caller keeps every violated one.
     """
-    producers: dict[str, list[Choice]] = {}
-    for c in stuck:
+    writers: dict[str, list[int]] = {}
+    for i, c in enumerate(stuck):
         for t in c.outputs:
-            producers.setdefault(t, []).append(c)
-    found: dict[frozenset[str], tuple[list[Choice], set[str]]] = {}
-    for start in stuck:
-        path: list[Choice] = []
-        via: list[str] = []
-        pos: dict[str, int] = {}
-        c = start
-        while c.id not in pos:
-            pos[c.id] = len(path)
-            path.append(c)
-            t = next((t for t in sorted(c.inputs) if t in producers), None)
-            if t is None:  # the stuck kernel misses a tensor nobody selected: not a cycle
-                raise KernorchError(f"solver returned kernel {c.id!r} whose inputs have no selected producer")
-            via.append(t)
-            c = producers[t][0]
-        k = pos[c.id]
-        cyc = path[k:]
-        key = frozenset(x.id for x in cyc)
-        if key not in found:
-            found[key] = (cyc, set(via[k:]))
-    return list(found.values())
+            writers.setdefault(t, []).append(i)
+    missing = [sorted(t for t in c.inputs if t not in available) for c in stuck]
+    succ = [sorted({j for t in m for j in writers.get(t, ())}) for m in missing]
+    for i, nxt in enumerate(succ):
+        if not nxt:  # only possible if the solver's point violated a_t <= sum of writers
+            raise KernorchError(f"solver selected kernel {stuck[i].id!r} whose inputs {missing[i]} have no selected writer")
+    # Tarjan's algorithm, iterative.
+    index: dict[int, int] = {}
+    low: dict[int, int] = {}
+    comp: dict[int, int] = {}
+    stack: list[int] = []
+    comps: list[list[int]] = []
+    for root in range(len(stuck)):
+        if root in index:
+            continue
+        work = [(root, 0)]
+        while work:
+            v, pos = work.pop()
+            if pos == 0:
+                index[v] = low[v] = len(index)
+                stack.append(v)
+            if pos < len(succ[v]):
+                work.append((v, pos + 1))
+                w = succ[v][pos]
+                if w not in index:
+                    work.append((w, 0))
+                elif w not in comp:
+                    low[v] = min(low[v], index[w])
+                continue
+            if low[v] == index[v]:
+                members = []
+                while True:
+                    w = stack.pop()
+                    comp[w] = len(comps)
+                    members.append(w)
+                    if w == v:
+                        break
+                comps.append(members)
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[v])
+    out = []
+    for n, members in enumerate(comps):
+        if len(members) > 1:  # a deadlock cycle; its cut is checked for violation by the caller
+            inside = {t for v in members for t in stuck[v].outputs}
+            out.append({t for v in members for t in missing[v] if t in inside})
+    return out
 
 
 def _finish(problem: Problem, chosen: Iterable[Choice], rank: Mapping[str, int]) -> list[Choice] | None:
@@ -342,7 +371,15 @@ class _Model:
 
     def __init__(self, problem: Problem):
         self.problem = problem
-        self.choices = problem.choices
+        # Implementations of the same member set read and write the same tensors, so only the
+        # cheapest can be in an optimal plan: dropping the rest shrinks the model and the symmetry.
+        best: dict[tuple, Choice] = {}
+        for c in problem.choices:
+            key = (c.members, c.inputs, c.outputs)
+            if key not in best or (c.cost_ns, c.id) < (best[key].cost_ns, best[key].id):
+                best[key] = c
+        self.choices = tuple(best.values())
+        self.column = {key: k for k, key in enumerate(best)}
         nk = len(self.choices)
         producers: dict[str, list[int]] = {}
         for k, c in enumerate(self.choices):
@@ -417,10 +454,9 @@ class _Model:
 
     def start_vector(self, chosen: Iterable[Choice]) -> np.ndarray:
         """A full column vector for a chosen set: x = 1 on it, a_t = 1 where it writes t."""
-        index = {c.id: k for k, c in enumerate(self.choices)}
         v = np.zeros(self.n_cols)
-        for c in chosen:
-            v[index[c.id]] = 1.0
+        for c in chosen:  # a dropped implementation maps to its cheaper twin
+            v[self.column[(c.members, c.inputs, c.outputs)]] = 1.0
             for t in c.outputs:
                 if t in self.tcol:
                     v[self.tcol[t]] = 1.0
@@ -519,15 +555,23 @@ def solve(problem: Problem, time_limit: float = 60.0, initial: list[str] | None 
         if not stuck:
             best = _prune(fired, problem.outputs)
             break
-        new = _cycles(stuck)
-        index = {c.id: k for k, c in enumerate(model.choices)}
-        for cyc, ts in new:
-            ids = {c.id for c in cyc}
-            outside = sorted({j for t in ts for j in model.producers.get(t, ()) if model.choices[j].id not in ids})
-            idx = [index[i] for i in sorted(ids)] + outside
-            val = [1.0] * len(ids) + [-1.0] * len(outside)
-            h.addRow(-highspy.kHighsInf, len(ids) - 1.0, len(idx), np.asarray(idx, dtype=np.int32), np.asarray(val))
-            log.info("cycle among %s through %s: added a cut", sorted(ids), sorted(ts))
+        # First-writer cut: in any schedule the first kernel to write a tensor of T reads none of
+        # T, so a_t <= sum of x over such "clean" writers of T, for each t in T. It is violated
+        # here (T's selected writers are all trapped) and, unlike a cut on the cycle's kernels,
+        # it also excludes every other implementation or grouping that recreates the deadlock.
+        avail = set().union(*(c.outputs for c in fired)) if fired else set()
+        new = []
+        for ts in _trapped_tensor_sets(stuck, avail):
+            clean = [j for j in sorted({j for t in ts for j in model.producers.get(t, ())}) if not model.choices[j].inputs & ts]
+            if any(x[j] > 0.5 for j in clean):
+                continue  # not violated by this point
+            new.append(ts)
+            for t in sorted(ts):
+                idx = np.asarray([model.tcol[t]] + clean, dtype=np.int32)
+                val = np.asarray([1.0] + [-1.0] * len(clean))
+                h.addRow(-highspy.kHighsInf, 0.0, len(idx), idx, val)
+        assert new, "a terminal deadlock always yields a violated cut"
+        log.info("deadlock among %d selected kernels: %d cuts through %s", len(stuck), len(new), [sorted(t) for t in new])
         cuts += len(new)
 
     cost = lambda sel: sum(c.cost_ns for c in sel)  # noqa: E731
