@@ -86,6 +86,10 @@ def _tuning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-partition", type=int, default=None, help="primitives per partition")
     p.add_argument("--no-library", action="store_true", help="do not offer BLAS/im2col kernels")
     p.add_argument("--time-limit", type=float, default=None, help="solver time limit (s)")
+    p.add_argument("--budget", default=None, metavar="200t|20m",
+                   help="MetaSchedule tuning budget for the kernels that can change the plan: trials (200t) "
+                        "or time (20m, 90s); a level, so a re-run with the same budget tunes nothing new")
+    p.add_argument("--tune-dir", default=None, help="tuning databases (default: in the user's cache directory)")
 
 
 def options_from(args) -> Options:
@@ -106,6 +110,12 @@ def options_from(args) -> Options:
         kw["library"] = False
     if getattr(args, "time_limit", None):
         kw["solver_time_limit"] = args.time_limit
+    if getattr(args, "budget", None):
+        from .tune import parse_budget
+        parse_budget(args.budget)  # a bad budget fails before any work
+        kw["budget"] = args.budget
+    if getattr(args, "tune_dir", None):
+        kw["tune_dir"] = args.tune_dir
     return o.with_(**kw)
 
 

@@ -90,8 +90,12 @@ def build_module(graph: Graph, plan: Plan, threads: int):
                     call = relax.call_dps_packed(_lib_name(i, k.key), args, out_ty if len(out_ty) > 1 else out_ty[0])
                 else:
                     kg = _kernel_graph(graph, k)
-                    mod = tb.lower(kg, kg.prims, k.inputs, k.outputs)
-                    mod = tb.schedule(mod, target, "default" if k.impl == "tvm" else k.impl)
+                    if k.impl == "tvm-tuned":  # the best MetaSchedule record (kernorch.tune)
+                        from .tune import tuned_module
+                        mod = tuned_module(graph, k, target, plan.meta.get("tune_dir"))
+                    else:
+                        mod = tb.lower(kg, kg.prims, k.inputs, k.outputs)
+                        mod = tb.schedule(mod, target, "default" if k.impl == "tvm" else k.impl)
                     gv = bb.add_func(tb.relax_func(mod, f"k{i}"), f"k{i}")
                     call = relax.call_tir(gv, args, out_ty if len(out_ty) > 1 else out_ty[0])
                 res = bb.emit(call)

@@ -27,7 +27,7 @@ from .workers import WorkerPool
 
 log = logging.getLogger(__name__)
 
-IMPLS = ("tvm", "library")
+IMPLS = ("tvm", "library", "tvm-tuned")  # "tvm-tuned": MetaSchedule, measured by kernorch.tune
 RTOL, ATOL_SCALE = 1e-3, 1e-4
 
 

@@ -83,7 +83,7 @@ class Options:
     shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
     db_path: str | None = None          # None: the user's cache directory
     max_partition: int = 48             # prims per partition (automatic cuts)
-    max_kernel_size: int = 6            # prims per candidate kernel
+    max_kernel_size: int = 8            # prims per candidate kernel (a LayerNorm is 9, a softmax 5)
     max_candidates: int = 1500          # per partition
     max_outputs: int = 2                # outputs per candidate kernel
     workers: int = 2                    # build processes
@@ -96,6 +96,8 @@ class Options:
     compare_untuned: int = 8            # also time this many kernels untuned, for the report
     verify: bool = True
     seed: int = 0
+    budget: str | None = None           # MetaSchedule tuning: trials "200t" or time "20m"; None: no tuning
+    tune_dir: str | None = None         # tuning databases (one per target); None: the user's cache directory
 
     def with_(self, **kw) -> "Options":
         return replace(self, **kw)

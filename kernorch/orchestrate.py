@@ -477,8 +477,11 @@ def solve(problem: Problem, time_limit: float = 60.0, initial: list[str] | None 
     `initial` is an optional list of choice ids used as the MIP start; by default the greedy
     baseline (or, failing that, the unfused one) is used, so a time-out still returns a plan at
     least as good as the heuristic. The loop solves, checks that the selection can be scheduled
-    (multi-output kernels can feed each other in a cycle that the BLP cannot see), adds a
-    cycle-elimination cut if not, and re-solves.
+    (multi-output kernels can feed each other in a cycle that the BLP cannot see), adds cuts if
+    not, and re-solves. The cut is a "first-writer" cut on the deadlocked tensors rather than the
+    notes' cut on the cycle's kernels: the latter is not violated when a cycle tensor has a second
+    deadlocked writer (the loop would spin) and only forbids one implementation of the cycle.
+    Before the MIP the LP relaxation is solved; if it is integral it is already optimal.
     """
     t0 = time.perf_counter()
     by_id = _check(problem)
@@ -570,7 +573,8 @@ def solve(problem: Problem, time_limit: float = 60.0, initial: list[str] | None 
                 idx = np.asarray([model.tcol[t]] + clean, dtype=np.int32)
                 val = np.asarray([1.0] + [-1.0] * len(clean))
                 h.addRow(-highspy.kHighsInf, 0.0, len(idx), idx, val)
-        assert new, "a terminal deadlock always yields a violated cut"
+        if not new:  # cannot happen: a terminal deadlock component always yields a violated cut
+            raise KernorchError("internal error: deadlocked plan but no violated cut (please report)")
         log.info("deadlock among %d selected kernels: %d cuts through %s", len(stuck), len(new), [sorted(t) for t in new])
         cuts += len(new)
 

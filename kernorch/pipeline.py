@@ -41,6 +41,7 @@ class Run:
     measure_stats: Any = None
     plan: Any = None
     seconds: dict[str, float] = field(default_factory=dict)
+    tuning: dict | None = None      # kernorch.tune.tune_loop's history when options.budget is set
 
     def timed(self, stage: str, fn, *args, **kw):
         t0 = time.perf_counter()
@@ -135,8 +136,11 @@ def orchestrate(run: Run) -> Run:
     plan = run.timed("orchestrate", make_plan, problem, run.options.solver_time_limit)
     # the plan's kernels take every tensor they read, in the order the lowering numbers them
     kernels = tuple(replace(k, inputs=by_id[k.id].inputs, outputs=by_id[k.id].outputs) for k in plan.kernels)
-    run.plan = replace(plan, kernels=kernels, meta={"model": run.source, "machine": run.machine.name,
-                                                    "threads": str(run.options.threads)})
+    meta = {"model": run.source, "machine": run.machine.name, "threads": str(run.options.threads)}
+    if run.options.budget:  # where the emitter finds the schedules of "tvm-tuned" kernels
+        from .tune import tune_dir
+        meta["tune_dir"] = str(tune_dir(run.options, run.machine))
+    run.plan = replace(plan, kernels=kernels, meta=meta)
     return run
 
 
@@ -148,7 +152,11 @@ def plan_model(model, options: Options, db: ProfileDB | None = None) -> Run:
         run = load(model, options)
         enumerate_candidates(run)
         measure_candidates(run, db)
-        return orchestrate(run)
+        orchestrate(run)
+        if options.budget:
+            from . import tune
+            run.timed("tune", tune.tune_loop, run, db)
+        return run
     finally:
         if own:
             db.close()
@@ -263,6 +271,9 @@ def optimize(model, options: Options, runs: int = 20):
         enumerate_candidates(run)
         measure_candidates(run, db)
         orchestrate(run)
+        if options.budget:
+            from . import tune
+            run.timed("tune", tune.tune_loop, run, db)
     compiled = emit(run)
     check = run.timed("verify", verify, run, compiled, model, options.seed)
     timing = run.timed("time", time_against_ort, compiled, model, options.threads, runs, options.seed) if runs else {}
@@ -280,4 +291,5 @@ def report_dict(run: Run, check: dict, timing: dict) -> dict:
         "measure": ms.__dict__ if ms else {}, "plan": run.plan.to_json(),
         "predicted_ms": run.plan.predicted_ns / 1e6, "verify": check, "timing": timing,
         "seconds": dict(run.seconds),
+        **({"tuning": run.tuning} if run.tuning else {}),
     }

@@ -49,6 +49,11 @@ def _key(mod: tvm.IRModule) -> int:
     return int(tvm_ffi.structural_hash(mod))
 
 
+def workload_hash(mod: tvm.IRModule) -> str:
+    """MetaSchedule's workload key of `mod` (structural hash), as text for JSON."""
+    return str(_key(mod))
+
+
 def _records(db, mod: tvm.IRModule) -> list:
     """Every record of this workload (failed builds included: each one was a trial)."""
     h = _key(mod)
@@ -88,12 +93,18 @@ def best_module(db, mod: tvm.IRModule, target) -> tvm.IRModule | None:
 # warm start: replay the best traces of similar kernels (same ops, other shapes)
 # ------------------------------------------------------------------------------------------------
 
-def top_traces(db, mods: Sequence[tvm.IRModule], k: int = 2) -> list:
-    """The `k` best traces of each of `mods` (already-tuned similar kernels)."""
+def top_traces(db, workloads: Sequence[str], k: int = 2) -> list:
+    """The `k` fastest valid traces of each workload (by `workload_hash`) in the database."""
+    want = set(workloads)
+    by: dict[str, list] = {}
+    for r in db.get_all_tuning_records():
+        if r.run_secs and max(float(x) for x in r.run_secs) < 1e9:  # failed runs carry 1e10
+            h = workload_hash(r.workload.mod)
+            if h in want:
+                by.setdefault(h, []).append((float(np.mean([float(x) for x in r.run_secs])), r.trace))
     out = []
-    for m in mods:
-        if db.has_workload(m):
-            out.extend(r.trace for r in db.get_top_k(db.commit_workload(m), k))
+    for recs in by.values():
+        out.extend(t for _, t in sorted(recs, key=lambda x: x[0])[:k])
     return out
 
 
@@ -181,6 +192,9 @@ def tune(mod: tvm.IRModule, target, work_dir: str | Path, trials: int, threads: 
     Raises KernorchError when nothing valid exists afterwards (every build or run failed).
     """
     os.environ["TVM_NUM_THREADS"] = str(threads)  # the runner's workers inherit it
+    ms_log = logging.getLogger("tvm.s_tir.meta_schedule")
+    if ms_log.level == logging.NOTSET and not log.isEnabledFor(logging.DEBUG):
+        ms_log.setLevel(logging.WARNING)  # its per-iteration tables are in work_dir/logs anyway
     db = open_db(work_dir)
     before_n = trials_done(db, mod)
     workers = _popen_workers()
