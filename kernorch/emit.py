@@ -29,7 +29,7 @@ FORMAT = 1
 
 
 def _lib_name(i: int, key: str) -> str:
-    return f"kernorch.lib.k{i}_{key}"
+    return f"kernorch.lib.k{i}_{key}"  # one registered function per packed kernel of the plan
 
 
 def _kernel_graph(graph: Graph, k) -> Graph:
@@ -39,14 +39,14 @@ def _kernel_graph(graph: Graph, k) -> Graph:
 
 def register_library_kernels(graph: Graph, plan: Plan) -> dict[str, object]:
     """Make and register every library kernel of the plan (needed again in a loading process)."""
-    from .backends import library
+    from .backends import PACKED, packed_kernel
     from .backends import tvm as tb
     made = {}
     for i, k in enumerate(plan.kernels):
-        if k.impl != "library":
+        if k.impl not in PACKED:
             continue
         kg = _kernel_graph(graph, k)
-        lk = library.make(kg, kg.prims, k.inputs, k.outputs)
+        lk = packed_kernel(k.impl, kg, kg.prims, k.inputs, k.outputs)
         name = _lib_name(i, k.key)
         tb.register_packed(lk.run_dps, name)
         made[name] = lk
@@ -66,6 +66,7 @@ def build_module(graph: Graph, plan: Plan, threads: int):
     """The Relax IRModule of the plan, compiled for this CPU."""
     import tvm
     from tvm import relax
+    from .backends import PACKED
     from .backends import tvm as tb
 
     target = tb.make_target(threads)
@@ -86,7 +87,7 @@ def build_module(graph: Graph, plan: Plan, threads: int):
             for i, k in enumerate(plan.kernels):
                 args = relax.Tuple([env[t] for t in k.inputs])
                 out_ty = [tty(t) for t in k.outputs]
-                if k.impl == "library":
+                if k.impl in PACKED:
                     call = relax.call_dps_packed(_lib_name(i, k.key), args, out_ty if len(out_ty) > 1 else out_ty[0])
                 else:
                     kg = _kernel_graph(graph, k)

@@ -24,10 +24,11 @@ from .database import Measurement, ProfileDB
 from .ir import Graph, KernorchError
 from .options import Machine, Options
 from .workers import WorkerPool
+from .backends import PACKED, packed_kernel
 
 log = logging.getLogger(__name__)
 
-IMPLS = ("tvm", "library", "tvm-tuned")  # "tvm-tuned": MetaSchedule, measured by kernorch.tune
+IMPLS = ("tvm", "library", "ort", "tvm-tuned")  # "tvm-tuned": MetaSchedule, measured by kernorch.tune
 RTOL, ATOL_SCALE = 1e-3, 1e-4
 
 
@@ -68,6 +69,9 @@ def versions(impl: str) -> str:
     """The versions that make a measurement reusable."""
     if impl == "library":
         return f"kernorch-{__version__};numpy-{np.__version__}"
+    if impl == "ort":
+        import onnxruntime
+        return f"kernorch-{__version__};onnxruntime-{onnxruntime.__version__}"
     import importlib.metadata as md
     try:
         tvm_v = md.version("apache-tvm")
@@ -153,9 +157,8 @@ def _build_task(job: KernelJob, threads: int, out_dir: str, verify: bool) -> dic
 
 def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: float, verify: bool) -> dict:
     inputs = make_inputs(job)
-    if job.impl == "library":
-        from .backends import library
-        kernel = library.make(job.graph, job.graph.prims, job.inputs, job.outputs)
+    if job.impl in PACKED:
+        kernel = packed_kernel(job.impl, job.graph, job.graph.prims, job.inputs, job.outputs)
         err = check(job, kernel(*inputs), reference(job, inputs)) if verify else None
         runs = _time_python(kernel, inputs, repeats, min_repeat_ms)
         return {"runs": runs, "error": err}

@@ -73,7 +73,7 @@ def enumerate_candidates(run: Run) -> Run:
 
 def jobs_for(graph: Graph, candidates, options: Options) -> list[meas.KernelJob]:
     """Every distinct (key, implementation) worth measuring; untuned TVM for a few, for comparison."""
-    from .backends import library
+    from .backends import packed_supports
     jobs: dict[tuple, meas.KernelJob] = {}
     untuned = 0
     for c in candidates:
@@ -81,8 +81,9 @@ def jobs_for(graph: Graph, candidates, options: Options) -> list[meas.KernelJob]
         if any(p.op == "opaque" for p in kg.prims):
             continue  # opaque kernels run through the library path only
         jobs.setdefault((c.key, "tvm", "default"), meas.KernelJob(c.key, "tvm", "default", kg, c.inputs, c.outputs))
-        if options.library and library.supports(graph, kg.prims, c.inputs, c.outputs) is None:
-            jobs.setdefault((c.key, "library", "-"), meas.KernelJob(c.key, "library", "-", kg, c.inputs, c.outputs))
+        for impl in (("library", "ort") if options.library else ()):
+            if packed_supports(impl, graph, kg.prims, c.inputs, c.outputs) is None:
+                jobs.setdefault((c.key, impl, "-"), meas.KernelJob(c.key, impl, "-", kg, c.inputs, c.outputs))
         if untuned < options.compare_untuned and (c.key, "tvm", "none") not in jobs and len(c.members) > 1:
             jobs[(c.key, "tvm", "none")] = meas.KernelJob(c.key, "tvm", "none", kg, c.inputs, c.outputs)
             untuned += 1
@@ -218,15 +219,15 @@ def verify(run: Run, compiled, model, seed: int = 0, tol: float = 1e-3) -> dict:
 def bisect(run: Run, feeds, tol: float) -> str | None:
     """Run each plan kernel alone on reference intermediates; return the first that disagrees."""
     from . import executor
-    from .backends import library
+    from .backends import PACKED, packed_kernel
     from .backends import tvm as tb
     values = executor.run(run.graph, feeds, keep_all=True)
     target = tb.make_target(run.options.threads)
     for k in run.plan.kernels:
         kg = meas.kernel_graph(run.graph, k.members, k.inputs, k.outputs)
         args = [values[t] for t in k.inputs]
-        if k.impl == "library":
-            outs = library.make(kg, kg.prims, k.inputs, k.outputs)(*args)
+        if k.impl in PACKED:
+            outs = packed_kernel(k.impl, kg, kg.prims, k.inputs, k.outputs)(*args)
         else:
             outs = tb.build(tb.schedule(tb.lower(kg, kg.prims, k.inputs, k.outputs), target, "default"), target)(*args)
         for t, o in zip(k.outputs, outs):

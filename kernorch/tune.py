@@ -139,7 +139,8 @@ def expected_gain(arm: Arm, total_chunks: int) -> float:
 def allocate(arms: Sequence[Arm], remaining: float, chunk: int, max_arms: int = 4) -> list[tuple[str, int]]:
     """One round: (key, trials) for the arms with the highest expected gain per budget unit.
 
-    Never allocates more than `remaining` budget units; arms with no expected gain get nothing.
+    Never allocates more than `remaining` budget units; arms with no expected gain get nothing;
+    a leftover smaller than half a chunk is not spent.
     """
     total = sum(a.chunks for a in arms)
     scored = []
@@ -151,7 +152,7 @@ def allocate(arms: Sequence[Arm], remaining: float, chunk: int, max_arms: int = 
     out = []
     for _, a in scored[:max_arms]:
         trials = min(chunk, int((remaining - a.overhead) // max(a.cost_per_trial, 1e-9)))
-        if trials < 1:
+        if trials < max(1, chunk // 2):  # a trial or two of search is not worth a tune_tir call
             continue
         out.append((a.key, trials))
         remaining -= trials * a.cost_per_trial + a.overhead

@@ -39,6 +39,7 @@ def test_allocator_prefers_weighted_gain_and_respects_budget():
     assert sum(t for _, t in picks) <= 8
     assert allocate(arms, remaining=0, chunk=4) == []
     assert allocate(arms, remaining=3, chunk=4) == [("repeated", 3)]
+    assert allocate(arms, remaining=1, chunk=4) == []          # less than half a chunk: not worth a call
 
 
 def test_allocator_stops_flattened_and_failed_kernels():

@@ -192,9 +192,10 @@ def tune(mod: tvm.IRModule, target, work_dir: str | Path, trials: int, threads: 
     Raises KernorchError when nothing valid exists afterwards (every build or run failed).
     """
     os.environ["TVM_NUM_THREADS"] = str(threads)  # the runner's workers inherit it
-    ms_log = logging.getLogger("tvm.s_tir.meta_schedule")
-    if ms_log.level == logging.NOTSET and not log.isEnabledFor(logging.DEBUG):
-        ms_log.setLevel(logging.WARNING)  # its per-iteration tables are in work_dir/logs anyway
+    # MetaSchedule sizes its stdout handler from this logger's level at every call (and resets the
+    # level to DEBUG afterwards): set it each time. Its tables stay in work_dir/logs.
+    logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.INFO if log.isEnabledFor(logging.DEBUG)
+                                                          else logging.ERROR)
     db = open_db(work_dir)
     before_n = trials_done(db, mod)
     workers = _popen_workers()
