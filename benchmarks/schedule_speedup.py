@@ -11,7 +11,9 @@ import argparse
 import logging
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("TVM_NUM_THREADS", "2")
 
@@ -20,6 +22,9 @@ import numpy as np  # noqa: E402
 from kernorch.backends import library  # noqa: E402
 from kernorch.backends import tvm as kt  # noqa: E402
 from kernorch.ir import Graph, TensorType, make_prim  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_backend import layernorm_graph, softmax_graph  # noqa: E402  (the same kernels the tests check)
 
 log = logging.getLogger("schedule_speedup")
 
@@ -35,24 +40,12 @@ def matmul_bias_relu():
     return Graph((("x", x), ("w", w), ("b", b)), ("y",), tuple(ps)), ["x", "w", "b"]
 
 
-def softmax(rows=1024, cols=1024):
-    t, r = f32(rows, cols), f32(rows, 1)
-    ps = [make_prim("m", "reduce_max", ["x"], r, axes=(-1,), keepdims=1), make_prim("d", "sub", ["x", "m"], t),
-          make_prim("e", "exp", ["d"], t), make_prim("s", "reduce_sum", ["e"], r, axes=(-1,), keepdims=1),
-          make_prim("y", "div", ["e", "s"], t)]
-    return Graph((("x", t),), ("y",), tuple(ps)), ["x"]
+def softmax():
+    return softmax_graph(1024, 1024)
 
 
-def layernorm(rows=1024, cols=768):
-    t, r, v = f32(rows, cols), f32(rows, 1), f32(cols)
-    ps = [make_prim("mu", "reduce_mean", ["x"], r, axes=(-1,), keepdims=1), make_prim("d", "sub", ["x", "mu"], t),
-          make_prim("sq", "mul", ["d", "d"], t), make_prim("var", "reduce_mean", ["sq"], r, axes=(-1,), keepdims=1),
-          make_prim("ve", "add", ["var", "eps"], r), make_prim("sd", "sqrt", ["ve"], r),
-          make_prim("nz", "div", ["d", "sd"], t), make_prim("g", "mul", ["nz", "gamma"], t),
-          make_prim("y", "add", ["g", "beta"], t)]
-    consts = {"eps": np.full((1,), 1e-5, np.float32)}
-    g = Graph((("x", t), ("gamma", v), ("beta", v)), ("y",), tuple(ps), constants=consts)
-    return g, ["x", "eps", "gamma", "beta"]
+def layernorm():
+    return layernorm_graph(1024, 768)
 
 
 def conv3x3():

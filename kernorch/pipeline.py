@@ -267,14 +267,7 @@ def optimize(model, options: Options, runs: int = 20):
     """The whole pipeline: a verified CompiledModel with its report."""
     from .backends import tvm as tb
     tb.set_threads(options.threads)
-    with ProfileDB(options.resolved_db()) as db:
-        run = load(model, options)
-        enumerate_candidates(run)
-        measure_candidates(run, db)
-        orchestrate(run)
-        if options.budget:
-            from . import tune
-            run.timed("tune", tune.tune_loop, run, db)
+    run = plan_model(model, options)
     compiled = emit(run)
     check = run.timed("verify", verify, run, compiled, model, options.seed)
     timing = run.timed("time", time_against_ort, compiled, model, options.threads, runs, options.seed) if runs else {}
