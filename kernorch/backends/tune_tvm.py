@@ -113,7 +113,7 @@ def _replay(mod: tvm.IRModule, trace) -> s_tir.Schedule | None:
     for keep in (True, False):
         try:
             t = trace if keep else s_tir.Trace(trace.insts, {})
-            sch = s_tir.Schedule(mod, seed=0)
+            sch = s_tir.Schedule(mod, seed=1)
             t.apply_to_schedule(sch, remove_postproc=False)
             return sch
         except Exception as e:  # noqa: BLE001 - a trace of another shape often does not fit
