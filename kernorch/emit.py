@@ -62,6 +62,16 @@ def weight_names(graph: Graph, plan: Plan) -> list[str]:
     return list(seen)
 
 
+def kernel_module(graph: Graph, plan: Plan, k, target):
+    """The scheduled PrimFunc module of one generated kernel of the plan, as it was measured."""
+    from .backends import tvm as tb
+    if k.impl == "tvm-tuned":  # the best MetaSchedule record (kernorch.tune)
+        from .tune import tuned_module
+        return tuned_module(graph, k, target, plan.meta.get("tune_dir"))
+    kg = _kernel_graph(graph, k)
+    return tb.schedule(tb.lower(kg, kg.prims, k.inputs, k.outputs), target, "default")
+
+
 def build_module(graph: Graph, plan: Plan, threads: int):
     """The Relax IRModule of the plan, compiled for this CPU."""
     import tvm
@@ -90,13 +100,7 @@ def build_module(graph: Graph, plan: Plan, threads: int):
                 if k.impl in PACKED:
                     call = relax.call_dps_packed(_lib_name(i, k.key), args, out_ty if len(out_ty) > 1 else out_ty[0])
                 else:
-                    kg = _kernel_graph(graph, k)
-                    if k.impl == "tvm-tuned":  # the best MetaSchedule record (kernorch.tune)
-                        from .tune import tuned_module
-                        mod = tuned_module(graph, k, target, plan.meta.get("tune_dir"))
-                    else:
-                        mod = tb.lower(kg, kg.prims, k.inputs, k.outputs)
-                        mod = tb.schedule(mod, target, "default" if k.impl == "tvm" else k.impl)
+                    mod = kernel_module(graph, plan, k, target)
                     gv = bb.add_func(tb.relax_func(mod, f"k{i}"), f"k{i}")
                     call = relax.call_tir(gv, args, out_ty if len(out_ty) > 1 else out_ty[0])
                 res = bb.emit(call)

@@ -184,14 +184,15 @@ def emit(run: Run, max_fallbacks: int = 3):
 
 def _failing_kernel(run: Run):
     """The first plan kernel that does not build on its own (None if all do)."""
+    from .backends import PACKED
     from .backends import tvm as tb
+    from .emit import kernel_module
     target = tb.make_target(run.options.threads)
     for k in run.plan.kernels:
-        if k.impl != "tvm":
+        if k.impl in PACKED:
             continue
         try:
-            kg = meas.kernel_graph(run.graph, k.members, k.inputs, k.outputs)
-            tb.build(tb.schedule(tb.lower(kg, kg.prims, k.inputs, k.outputs), target, "default"), target)
+            tb.build(kernel_module(run.graph, run.plan, k, target), target)
         except Exception:
             return k
     return None
@@ -221,6 +222,7 @@ def bisect(run: Run, feeds, tol: float) -> str | None:
     from . import executor
     from .backends import PACKED, packed_kernel
     from .backends import tvm as tb
+    from .emit import kernel_module
     values = executor.run(run.graph, feeds, keep_all=True)
     target = tb.make_target(run.options.threads)
     for k in run.plan.kernels:
@@ -229,7 +231,7 @@ def bisect(run: Run, feeds, tol: float) -> str | None:
         if k.impl in PACKED:
             outs = packed_kernel(k.impl, kg, kg.prims, k.inputs, k.outputs)(*args)
         else:
-            outs = tb.build(tb.schedule(tb.lower(kg, kg.prims, k.inputs, k.outputs), target, "default"), target)(*args)
+            outs = tb.build(kernel_module(run.graph, run.plan, k, target), target)(*args)
         for t, o in zip(k.outputs, outs):
             if executor.max_error(values[t], np.asarray(o))["rel"] > tol:
                 return f"{k.id} ({k.impl}: {'+'.join(run.graph.by_name[m].op for m in k.members)}) output {t}"

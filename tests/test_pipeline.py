@@ -167,3 +167,28 @@ def test_plan_survives_a_kernel_that_fails_to_build(optimized, monkeypatch):
     assert all(not (k.key == victim.key and k.impl == "tvm") for k in run2.plan.kernels)
     feeds = executor.random_feeds(run.graph, seed=1)
     assert np.allclose(compiled2.run(feeds)["y"], compiled.run(feeds)["y"], rtol=1e-4, atol=1e-6)
+
+
+def test_mismatch_names_the_first_diverging_kernel(optimized, monkeypatch):
+    """verify() turns a mismatch into an error naming the first kernel whose output diverges."""
+    d, model, db, opts, compiled, run = optimized
+    from kernorch import executor as ex
+    victim = run.plan.kernels[1]
+    tensor = victim.outputs[0]
+    real_run = ex.run
+
+    def corrupted(graph, feeds, keep_all=False):
+        values = real_run(graph, feeds, keep_all=keep_all)
+        if keep_all:  # the reference now disagrees with what the victim kernel computes
+            values = dict(values)
+            values[tensor] = values[tensor] + 1.0
+        return values
+
+    monkeypatch.setattr(ex, "run", corrupted)
+    feeds = ex.random_feeds(run.graph, 0)
+    where = pipeline.bisect(run, feeds, 1e-3)
+    assert where is not None and where.startswith(victim.id) and tensor in where
+    real_model_run = compiled.run
+    monkeypatch.setattr(compiled, "run", lambda f: {k: v + 1.0 for k, v in real_model_run(f).items()})
+    with pytest.raises(kernorch.KernorchError, match=f"first diverging kernel: {victim.id}"):
+        pipeline.verify(run, compiled, model)
