@@ -162,8 +162,14 @@ class OrtKernel:
         self.outputs = list(outputs)
         self.out_types = [graph.type_of(o) for o in outputs]
         self.describe = "ort:" + "+".join(p.op for p in members)
+        self._binding, self._bound_ptrs = None, None
 
     def run_dps(self, *args: np.ndarray) -> None:
+        # The VM's planned buffers keep their addresses from call to call: bind them once.
+        ptrs = tuple(a.ctypes.data for a in args)
+        if ptrs == self._bound_ptrs:
+            self.sess.run_with_iobinding(self._binding)
+            return
         b = self.sess.io_binding()
         for i, name in self.feed:
             x = args[i]
@@ -176,6 +182,7 @@ class OrtKernel:
                 raise KernorchError(f"{self.describe}: output buffer {name} is not C-contiguous")
             b.bind_output(name, "cpu", 0, y.dtype, list(y.shape), y.ctypes.data)
         self.sess.run_with_iobinding(b)
+        self._binding, self._bound_ptrs = b, ptrs
 
     def __call__(self, *inputs: np.ndarray) -> list[np.ndarray]:
         outs = [np.empty(tuple(int(d) for d in t.shape), t.dtype) for t in self.out_types]
