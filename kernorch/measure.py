@@ -252,20 +252,31 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
                     bar.advance()
         timed = [j for j in todo if j.impl != "tvm" or j.ident in built]
         with WorkerPool(1, env) as pool, progress.bar(f"{label}: time", len(timed)) as bar:
-            tasks = [(j, built.get(j.ident, {}).get("path"), options.repeats, options.min_repeat_ms, options.verify)
-                     for j in timed]
-            for r in pool.run(_time_task, tasks, options.run_timeout):
-                j = timed[r.index]
-                build_s = built.get(j.ident, {}).get("build_s", 0.0)
-                if not r.ok:
-                    refuse(j, f"run failed: {r.error}", build_s)
-                else:
-                    runs = [int(round(s * 1e9)) for s in r.value["runs"]]
-                    m = Measurement(target, j.key, j.impl, j.schedule, versions(j.impl), "ok",
-                                    max(1, int(np.median(runs))), tuple(runs), "", build_s, j.description)
-                    db.add(m)
-                    results[j.ident] = m
-                    stats.measured += 1
-                bar.advance()
+            # a crashed worker gets one more try in a fresh process: a kernel is refused for what
+            # it does, not for a fault that struck its process once
+            for attempt in (0, 1):
+                tasks = [(j, built.get(j.ident, {}).get("path"), options.repeats, options.min_repeat_ms,
+                          options.verify) for j in timed]
+                retry = []
+                for r in pool.run(_time_task, tasks, options.run_timeout):
+                    j = timed[r.index]
+                    build_s = built.get(j.ident, {}).get("build_s", 0.0)
+                    if not r.ok and attempt == 0 and "crashed" in r.error:
+                        retry.append(j)
+                        continue
+                    if not r.ok:
+                        refuse(j, f"run failed: {r.error}", build_s)
+                    else:
+                        runs = [int(round(s * 1e9)) for s in r.value["runs"]]
+                        m = Measurement(target, j.key, j.impl, j.schedule, versions(j.impl), "ok",
+                                        max(1, int(np.median(runs))), tuple(runs), "", build_s, j.description)
+                        db.add(m)
+                        results[j.ident] = m
+                        stats.measured += 1
+                    bar.advance()
+                if not retry:
+                    break
+                log.warning("%d kernels crashed their worker; trying them once more", len(retry))
+                timed = retry
     stats.seconds = time.perf_counter() - t_start
     return results, stats
