@@ -88,3 +88,33 @@ def test_pool_contains_hangs_and_crashes():
         assert not rs[0].ok and "bad kernel" in rs[0].error
         # the pool still works after all of that
         assert [r.value for r in pool.run(_square, [(3,)], timeout=30)] == [9]
+
+
+# -- measurement: a worker crash gets one retry; a second crash refuses the kernel ---------------
+
+def crash_first_time(job, path, repeats, min_repeat_ms, verify):
+    """Crash the worker the first time this job is timed (a flag file remembers), then time it."""
+    import pathlib
+    from kernorch import measure
+    flag = pathlib.Path(os.environ["KERNORCH_TEST_FLAG"])
+    if not flag.exists():
+        flag.write_text("crashed once")
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return measure._time_task(job, path, repeats, min_repeat_ms, verify)  # unpatched in the worker
+
+
+def test_measure_retries_a_crashed_worker_once(tmp_path, monkeypatch):
+    import numpy as np
+    from kernorch import measure
+    from kernorch.ir import Graph, TensorType, make_prim
+    from kernorch.options import Options
+    t = TensorType((8, 8), "float32")
+    g = Graph((("x", t), ("w", t)), ("y",), (make_prim("y", "matmul", ["x", "w"], t),))
+    job = measure.KernelJob("k-test", "library", "-", g, ("x", "w"), ("y",))
+    monkeypatch.setenv("KERNORCH_TEST_FLAG", str(tmp_path / "flag"))
+    monkeypatch.setattr(measure, "_time_task", crash_first_time)
+    opts = Options(threads=1, repeats=2, min_repeat_ms=0.1)
+    with ProfileDB(tmp_path / "db.sqlite") as db:
+        res, stats = measure.measure([job], db, opts)
+    assert (tmp_path / "flag").exists()
+    assert res[job.ident].ok and stats.measured == 1 and stats.refused == 0
