@@ -28,6 +28,11 @@ _BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divi
 _UNARY = {"relu", "sigmoid", "tanh", "exp", "neg", "abs", "sqrt", "reciprocal", "erf", "softplus"}
 
 
+# epilogue ops that are one numpy ufunc, applied in place
+_UFUNCS = {"tanh": np.tanh, "exp": np.exp, "neg": np.negative, "abs": np.abs, "sqrt": np.sqrt,
+           "reciprocal": np.reciprocal}
+
+
 def _unary_inplace(op: str, y: np.ndarray) -> None:
     if op == "relu":
         np.maximum(y, 0, out=y)
@@ -36,18 +41,8 @@ def _unary_inplace(op: str, y: np.ndarray) -> None:
         np.exp(y, out=y)
         y += 1
         np.reciprocal(y, out=y)
-    elif op == "tanh":
-        np.tanh(y, out=y)
-    elif op == "exp":
-        np.exp(y, out=y)
-    elif op == "neg":
-        np.negative(y, out=y)
-    elif op == "abs":
-        np.abs(y, out=y)
-    elif op == "sqrt":
-        np.sqrt(y, out=y)
-    elif op == "reciprocal":
-        np.reciprocal(y, out=y)
+    elif op in _UFUNCS:
+        _UFUNCS[op](y, out=y)
     elif op == "erf":
         from .. import primitives
 
