@@ -5,7 +5,7 @@
     kernorch plan MODEL [-o plan.json]
     kernorch optimize MODEL -o OUTDIR [--force]
     kernorch run OUTDIR --input x.npy
-    kernorch db stats|export|clear
+    kernorch db stats|export|clear [--refused]
     kernorch bench MODEL [--against ort,tvm,torch] [--threads N] [--runs N]
     kernorch report OUTDIR
     kernorch demo
@@ -63,6 +63,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("db", help="the profile database")
     _common(p, model=False)
     p.add_argument("action", choices=["stats", "export", "clear"])
+    p.add_argument("--refused", action="store_true", help="clear: only the refusals (to retry them after a fix)")
     p = sub.add_parser("bench", help="time kernorch against ONNX Runtime/TVM/PyTorch, interleaved")
     _common(p)
     _tuning_args(p)

@@ -99,8 +99,8 @@ def cmd_db(args, options: Options) -> int:
         elif args.action == "export":
             _emit_json(db.export())
         else:
-            n = db.clear()
-            print(f"cleared {n} measurements from {db.path}")
+            n = db.clear(refused_only=args.refused)
+            print(f"cleared {n} {'refusals' if args.refused else 'measurements'} from {db.path}")
     return 0
 
 

@@ -119,9 +119,10 @@ class ProfileDB:
     def export(self) -> list[dict]:
         return [m.__dict__ | {"runs_ns": list(m.runs_ns)} for m in self.rows()]
 
-    def clear(self) -> int:
-        n = self.conn.execute("SELECT COUNT(*) FROM measurements").fetchone()[0]
-        self.conn.execute("DELETE FROM measurements")
+    def clear(self, refused_only: bool = False) -> int:
+        where = " WHERE status='refused'" if refused_only else ""
+        n = self.conn.execute("SELECT COUNT(*) FROM measurements" + where).fetchone()[0]
+        self.conn.execute("DELETE FROM measurements" + where)
         self.conn.commit()
         return n
 

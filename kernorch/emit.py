@@ -101,6 +101,7 @@ def build_module(graph: Graph, plan: Plan, threads: int):
                     call = relax.call_dps_packed(_lib_name(i, k.key), args, out_ty if len(out_ty) > 1 else out_ty[0])
                 else:
                     mod = kernel_module(graph, plan, k, target)
+                    tb.check_bounds(mod)
                     gv = bb.add_func(tb.relax_func(mod, f"k{i}"), f"k{i}")
                     call = relax.call_tir(gv, args, out_ty if len(out_ty) > 1 else out_ty[0])
                 res = bb.emit(call)

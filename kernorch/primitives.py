@@ -382,12 +382,12 @@ def _pool_te(T, ins, a, out):
     if mode == "max":
         def body(*i):
             lead, o = i[:rank - sp], i[rank - sp:]
-            return T.te.max(T.tir.Select(inside(o), load(lead, o), T.te.min_value(dtype)), axis=r)
+            return T.te.max(T.tir.if_then_else(inside(o), load(lead, o), T.te.min_value(dtype)), axis=r)
         return T.te.compute(tuple(out.shape), body, name="maxpool")
 
     def sbody(*i):
         lead, o = i[:rank - sp], i[rank - sp:]
-        return T.te.sum(T.tir.Select(inside(o), load(lead, o), T.tir.const(0, dtype)), axis=r)
+        return T.te.sum(T.tir.if_then_else(inside(o), load(lead, o), T.tir.const(0, dtype)), axis=r)
 
     summed = T.te.compute(tuple(out.shape), sbody, name="sumpool")
     outs = [int(v) for v in out.shape[rank - sp:]]
@@ -536,10 +536,10 @@ def _concat_te(T, ins, a, out):
         for x, o in zip(ins, offsets):
             idx = list(i)
             idx[ax] = i[ax] - o
-            # clamp so that the not-taken branches still index in range
-            idx[ax] = T.tir.max(T.tir.min(idx[ax], int(x.shape[ax]) - 1), 0)
             v = x(*idx)
-            val = v if val is None else T.tir.Select(i[ax] >= o, v, val)
+            # if_then_else, not Select: Select evaluates both sides, and the simplifier uses its
+            # condition to drop index clamps, so a Select chain reads far outside the inputs
+            val = v if val is None else T.tir.if_then_else(i[ax] >= o, v, val)
         return val
 
     return T.te.compute(tuple(out.shape), body, name="concat")
@@ -581,7 +581,7 @@ def _pad_te(T, ins, a, out):
             clamped = [T.tir.max(T.tir.min(j[d], n[d] - 1), 0) for d in range(r)]
             if not conds:
                 return x(*j)
-            return T.tir.Select(T.tir.all(*conds) if len(conds) > 1 else conds[0], x(*clamped),
+            return T.tir.if_then_else(T.tir.all(*conds) if len(conds) > 1 else conds[0], x(*clamped),
                                 T.tir.const(a.get("value", 0.0), x.dtype))
         idx = []
         for d in range(r):
@@ -722,7 +722,7 @@ def _conv_te(T, ins, a, out):
             cond = T.tir.all(*[T.tir.all(j[t] >= 0, j[t] < n_sp[t]) for t in range(sp)]) if sp > 1 else \
                 T.tir.all(j[0] >= 0, j[0] < n_sp[0])
             cl = [T.tir.max(T.tir.min(j[t], n_sp[t] - 1), 0) for t in range(sp)]
-            return T.tir.Select(cond, x(i[0], i[1], *cl), T.tir.const(0, x.dtype))
+            return T.tir.if_then_else(cond, x(i[0], i[1], *cl), T.tir.const(0, x.dtype))
 
         xp = T.te.compute(tuple(padded_shape), pbody, name="conv_pad")
     else:

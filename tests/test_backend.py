@@ -80,6 +80,21 @@ def test_primitive_matches_reference(op, mode, target):
     np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
 
 
+def test_out_of_bounds_kernel_is_refused(target):
+    """A load guarded by Select (both sides evaluated) reads outside its buffer: refused, not run."""
+    from tvm import te, tirx
+    a, b = te.placeholder((4,), name="a"), te.placeholder((4,), name="b")
+    y = te.compute((8,), lambda i: tirx.Select(i >= 4, b[i - 4], a[i]), name="y")
+    import tvm
+    mod = tvm.IRModule({"main": te.create_prim_func([a, b, y]).with_attr("kernorch.num_inputs", 2)})
+    with pytest.raises(KernorchError, match="out of bounds"):
+        kt.build(mod, target)
+    safe = te.compute((8,), lambda i: tirx.if_then_else(i >= 4, b[i - 4], a[i]), name="y")
+    k = kt.build(tvm.IRModule({"main": te.create_prim_func([a, b, safe]).with_attr("kernorch.num_inputs", 2)}), target)
+    x0, x1 = np.arange(4, dtype=np.float32), np.arange(4, 8, dtype=np.float32)
+    np.testing.assert_array_equal(k(x0, x1)[0], np.arange(8, dtype=np.float32))
+
+
 def test_opaque_prim_is_refused(target):
     d = P.TABLE["opaque"]
     types, attrs = d.example()
@@ -144,6 +159,14 @@ def pad_conv_graph():
     return Graph((("x", xs), ("w", ws)), ("y",), tuple(ps)), ["x", "w"]
 
 
+def add_concat_graph():
+    """A producer inlined into a concat: the segformer decode head shape that used to segfault."""
+    a = f32(1, 6, 5, 4)
+    ct = P.infer("concat", [a, a, a], {"axis": 1})
+    ps = [make_prim("s", "add", ["x", "z"], a), make_prim("y", "concat", ["u", "s", "v"], ct, axis=1)]
+    return Graph((("x", a), ("z", a), ("u", a), ("v", a)), ("y",), tuple(ps)), ["x", "z", "u", "v"]
+
+
 def two_output_graph():
     o = f32(32, 48)
     ps = [make_prim("mm", "matmul", ["x", "w"], o), make_prim("y", "relu", ["mm"], o)]
@@ -161,7 +184,7 @@ def gemv_graph():
 
 
 MULTI = {"long_reduction": long_reduction_graph, "gemv": gemv_graph, "softmax": softmax_graph, "layernorm": layernorm_graph, "matmul_gelu": matmul_gelu_graph,
-         "conv_bias_relu": conv_bias_relu_graph, "pad_conv": pad_conv_graph, "two_outputs": two_output_graph,
+         "conv_bias_relu": conv_bias_relu_graph, "pad_conv": pad_conv_graph, "add_concat": add_concat_graph, "two_outputs": two_output_graph,
          "conv_strided_grouped": lambda: conv_bias_relu_graph(pads=(0, 1, 2, 0), strides=(2, 1), group=2)}
 
 

@@ -30,7 +30,9 @@ def test_add_lookup_latest_wins(tmp_path):
         s = db.stats()
         assert s["measurements"] == 3
         assert len(db.export()) == 3
-        assert db.clear() == 3
+        assert db.clear(refused_only=True) == 1
+        assert db.lookup("tgt", "k2", "tvm", "default", "v1") is None
+        assert db.clear() == 2
         assert db.stats()["measurements"] == 0
 
 

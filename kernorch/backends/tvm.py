@@ -700,8 +700,80 @@ def build(mod: tvm.IRModule, target: tvm.target.Target) -> BuiltKernel:
     for buf in func.params:  # 0.27: params are Buffers (no buffer_map)
         params.append((tuple(int(s) for s in buf.shape), str(buf.dtype)))
     n_in = func.attrs[_NUM_INPUTS_ATTR] if func.attrs is not None and _NUM_INPUTS_ATTR in func.attrs else len(params) - 1
+    check_bounds(mod)
     ex = tvm.compile(mod, target=target)
     return BuiltKernel(ex.jit(), params, int(n_in), ex)
+
+
+def check_bounds(mod: tvm.IRModule) -> None:
+    """Refuse a kernel with a load under a `Select` that may fall outside its buffer.
+
+    `Select` evaluates both sides, and the simplifier uses its condition to drop index clamps, so
+    such a load reads far outside the buffer (the concat segfaults of the first session). Guarded
+    loads belong under `if_then_else`, which is lazy. TVM's OOBChecker is not used: it flags
+    guarded loads as well (pool, pad, conv padding).
+    """
+    from tvm.sym.analyzer import Analyzer
+
+    low = tvm.ir.transform.Sequential([s_tir.transform.LowerInitBlock(), s_tir.transform.ConvertBlocksToOpaque(),
+                                       s_tir.transform.LowerOpaqueBlock()])(mod)
+    ana = Analyzer()
+    bad: list[str] = []
+
+    def load_ok(e) -> bool:
+        for idx, n in zip(e.indices, e.source.shape):
+            b = ana.const_int_bound(idx)
+            if b.min_value < 0 or b.max_value >= int(n):
+                return False
+        return True
+
+    def expr(e, in_select: bool) -> None:
+        if isinstance(e, tvm.ir.expr.TensorLoad):
+            if in_select and not load_ok(e):
+                bad.append(f"{e.source.name}[{', '.join(str(i) for i in e.indices)}]")
+            for i in e.indices:
+                expr(i, in_select)
+            return
+        if isinstance(e, tirx.Select):
+            expr(e.condition, in_select)
+            expr(e.true_value, True)
+            expr(e.false_value, True)
+            return
+        for attr in ("a", "b", "value", "condition", "true_value", "false_value", "base", "stride"):
+            sub = getattr(e, attr, None)
+            if sub is not None and not isinstance(sub, (int, float, str)):
+                expr(sub, in_select)
+        for sub in getattr(e, "args", None) or ():
+            expr(sub, in_select)
+
+    def stmt(st) -> None:
+        if isinstance(st, tirx.For):
+            ana.bind(st.loop_var, tvm.ir.Range.from_min_extent(st.min, st.extent))
+            stmt(st.body)
+        elif isinstance(st, tirx.SeqStmt):
+            for x in st.seq:
+                stmt(x)
+        elif isinstance(st, tirx.BufferStore):
+            expr(st.value, False)
+        elif isinstance(st, tirx.IfThenElse):
+            stmt(st.then_case)
+            if st.else_case is not None:
+                stmt(st.else_case)
+        elif isinstance(st, (tirx.LetStmt, tirx.Bind)):
+            ana.bind(st.var, st.value)
+            expr(st.value, False)
+            if hasattr(st, "body"):
+                stmt(st.body)
+        elif isinstance(st, tirx.Evaluate):
+            expr(st.value, False)
+        elif hasattr(st, "body"):
+            stmt(st.body)
+
+    for _, func in low.functions.items():
+        if isinstance(func, tirx.PrimFunc):
+            stmt(func.body)
+    if bad:
+        raise KernorchError(f"kernel may read out of bounds under a Select: {', '.join(bad[:3])}")
 
 
 def relax_func(mod: tvm.IRModule, name: str) -> tirx.PrimFunc:
