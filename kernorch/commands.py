@@ -218,6 +218,13 @@ def _print_optimize(rep: dict, outdir) -> None:
     print(f"predicted {rep['predicted_ms']:.3f} ms (sum of measured kernels) vs measured "
           f"{t.get('kernorch_ms', float('nan')):.3f} ms end to end; "
           f"{len(plan['kernels'])} kernels chosen from {rep['candidates']} candidates ({rep['distinct_keys']} distinct)")
+    mixes = [m for m in rep.get("mixes", []) if "measured_ms" in m]
+    if len(mixes) > 1:
+        _table("Runtime mixes (each emitted and timed end to end, interleaved)",
+               ["mix", "kernels by implementation", "predicted ms", "measured ms", ""],
+               [[m["mix"], ", ".join(f"{k} {v}" for k, v in m["impls"].items()), f"{m['predicted_ms']:.3f}",
+                 f"{m['measured_ms']:.3f}" if m["measured_ms"] is not None else "-", "chosen" if m["chosen"] else ""]
+                for m in mixes])
     print(f"max error vs ONNX Runtime: {rep['verify']['max_rel_error']:.2e} of the output scale")
     print("time per stage: " + ", ".join(f"{k} {v:.1f}s" for k, v in rep["seconds"].items()))
     print(f"saved to {outdir}")

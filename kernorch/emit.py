@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import pickle
+import re
 import shutil
 import time
 from dataclasses import replace
@@ -25,11 +26,11 @@ from .plan import Plan
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
 
 
-def _lib_name(i: int, key: str) -> str:
-    return f"kernorch.lib.k{i}_{key}"  # one registered function per packed kernel of the plan
+def _lib_name(i: int, impl: str, key: str) -> str:
+    return f"kernorch.lib.k{i}_{impl}_{key}"  # one registered function per packed kernel of the plan
 
 
 def _kernel_graph(graph: Graph, k) -> Graph:
@@ -47,7 +48,7 @@ def register_library_kernels(graph: Graph, plan: Plan) -> dict[str, object]:
             continue
         kg = _kernel_graph(graph, k)
         lk = packed_kernel(k.impl, kg, kg.prims, k.inputs, k.outputs)
-        name = _lib_name(i, k.key)
+        name = _lib_name(i, k.impl, k.key)
         tb.register_packed(lk.run_dps, name)
         made[name] = lk
     return made
@@ -98,7 +99,7 @@ def build_module(graph: Graph, plan: Plan, threads: int):
                 args = relax.Tuple([env[t] for t in k.inputs])
                 out_ty = [tty(t) for t in k.outputs]
                 if k.impl in PACKED:
-                    call = relax.call_dps_packed(_lib_name(i, k.key), args, out_ty if len(out_ty) > 1 else out_ty[0])
+                    call = relax.call_dps_packed(_lib_name(i, k.impl, k.key), args, out_ty if len(out_ty) > 1 else out_ty[0])
                 else:
                     mod = kernel_module(graph, plan, k, target)
                     tb.check_bounds(mod)
@@ -176,6 +177,7 @@ class CompiledModel:
     def profile(self, inputs: Mapping[str, np.ndarray], runs: int = 3) -> list[dict]:
         """Per-call latency inside the real executable (VM instrumentation), median over `runs`.
 
+        Each entry: the called symbol, the plan kernel's index (None for VM builtins), the median ms.
         Compared with each kernel's isolated measurement this shows where the end-to-end time goes
         that the additive cost model does not see (cold caches, thread-pool wake-ups, VM calls).
         """
@@ -204,7 +206,13 @@ class CompiledModel:
         for _ in range(runs):
             state["i"] = 0
             vm["main"](*args)
-        return [{"call": k.split(":", 1)[1], "ms": float(np.median(times[k])) * 1e3} for k in order]
+        out = []
+        for k in order:
+            sym = k.split(":", 1)[1]
+            m = re.match(r"(?:kernorch\.lib\.)?k(\d+)(?:_|$)", sym)
+            out.append({"call": sym, "kernel": int(m.group(1)) if m else None,
+                        "ms": float(np.median(times[k])) * 1e3})
+        return out
 
     # -- persistence -------------------------------------------------------------------------
     def save(self, outdir: str | Path, force: bool = False) -> Path:

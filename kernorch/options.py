@@ -93,6 +93,8 @@ class Options:
     min_repeat_ms: float = 10.0
     solver_time_limit: float = 60.0
     library: bool = True                # offer BLAS/im2col implementations
+    select: bool = True                 # emit a plan per runtime mix, keep the fastest end to end
+    select_runs: int = 7                # interleaved timed runs per mix when selecting
     compare_untuned: int = 8            # also time this many kernels untuned, for the report
     verify: bool = True
     seed: int = 0

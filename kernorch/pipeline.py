@@ -42,6 +42,7 @@ class Run:
     plan: Any = None
     seconds: dict[str, float] = field(default_factory=dict)
     tuning: dict | None = None      # kernorch.tune.tune_loop's history when options.budget is set
+    mixes: list = field(default_factory=list)  # select(): each runtime mix, predicted and measured
 
     def timed(self, stage: str, fn, *args, **kw):
         t0 = time.perf_counter()
@@ -128,11 +129,17 @@ def problem_for(graph: Graph, candidates, costs: dict[tuple[str, str], Measureme
     return problem, by_id
 
 
-def orchestrate(run: Run) -> Run:
-    """Solve the binary linear program over every measured candidate and make the plan."""
+def orchestrate(run: Run, packed: tuple[str, ...] | None = None) -> Run:
+    """Solve the binary linear program over every measured candidate and make the plan.
+
+    `packed`: the library implementations the plan may call (None: every one measured).
+    """
     from dataclasses import replace
+    from .backends import PACKED
     from .plan import make_plan
     costs = best_costs(run.measurements)
+    if packed is not None:
+        costs = {k: m for k, m in costs.items() if k[1] not in PACKED or k[1] in packed}
     problem, by_id = problem_for(run.graph, run.enumeration.candidates, costs)
     plan = run.timed("orchestrate", make_plan, problem, run.options.solver_time_limit)
     # the plan's kernels take every tensor they read, in the order the lowering numbers them
@@ -163,8 +170,9 @@ def plan_model(model, options: Options, db: ProfileDB | None = None) -> Run:
             db.close()
 
 
-def emit(run: Run, max_fallbacks: int = 3):
-    """Compile the plan; a kernel that fails to build is dropped and the program re-solved."""
+def emit(run: Run, max_fallbacks: int = 3, packed: tuple[str, ...] | None = None):
+    """Compile the plan; a kernel that fails to build is dropped and the program re-solved
+    (within the runtime mix `packed`, see `orchestrate`)."""
     from . import emit as em
     for attempt in range(max_fallbacks + 1):
         try:
@@ -179,7 +187,78 @@ def emit(run: Run, max_fallbacks: int = 3):
             log.warning("kernel %s (%s, %s) fails to build in the emitted module (%s); falling back to the next "
                         "best implementation", bad.id, bad.impl, "+".join(bad.members), str(e)[:200])
             run.measurements = {k: v for k, v in run.measurements.items() if not (k[0] == bad.key and k[1] == bad.impl)}
-            orchestrate(run)
+            orchestrate(run, packed)
+
+
+#: The runtime mixes `select` tries: the library implementations a plan may call besides TVM
+#: kernels. Each library runs its own thread pool (TVM's, ONNX Runtime's per session, OpenBLAS's),
+#: and handing the cores from one pool to another costs wake-ups that isolated kernel timings do
+#: not see (on gpt2_mini, ORT kernels ran 1.3-1.6x slower between TVM kernels than alone). Which
+#: mix wins depends on the model, so each is emitted and timed end to end.
+MIXES: dict[str, tuple[str, ...]] = {"all": ("library", "ort"), "tvm+ort": ("ort",), "tvm+blas": ("library",),
+                                     "tvm": ()}
+MIX_SLACK = 2.0  # a mix predicted this many times slower than the best one is not emitted
+
+
+def select(run: Run, progress=None):
+    """Emit the plan of every runtime mix, time them interleaved, keep the fastest.
+
+    Mixes whose plan equals an earlier one are not emitted again. With `options.select` off, the
+    plan over every implementation is emitted as is. Returns the chosen CompiledModel; `run.plan`
+    becomes its plan and `run.mixes` records every mix (predicted and measured).
+    """
+    from . import executor
+    mixes = MIXES if run.options.select else {"all": MIXES["all"]}
+    built: dict[str, tuple] = {}
+    seen: dict[tuple, str] = {}
+    best_predicted = None
+    for name, packed in mixes.items():
+        orchestrate(run, packed)
+        sig = tuple((k.key, k.impl) for k in run.plan.kernels)
+        if sig in seen:
+            run.mixes.append({"mix": name, "same_as": seen[sig]})
+            continue
+        predicted = run.plan.predicted_ns
+        best_predicted = predicted if best_predicted is None else min(best_predicted, predicted)
+        if predicted > MIX_SLACK * best_predicted:  # cannot win: pool hand-offs never cost that much
+            run.mixes.append({"mix": name, "predicted_ms": predicted / 1e6, "skipped": "predicted too slow"})
+            continue
+        seen[sig] = name
+        try:
+            compiled = emit(run, packed=packed)
+            built[name] = (run.plan, compiled)
+        except Exception as e:  # noqa: BLE001 - another mix may still build
+            if len(mixes) == 1:
+                raise
+            log.warning("runtime mix %s does not build (%s); skipped", name, str(e)[:200])
+            run.mixes.append({"mix": name, "error": str(e)[:300]})
+    if not built:
+        raise KernorchError("no runtime mix of the plan could be built")
+    times: dict[str, list[float]] = {n: [] for n in built}
+    if len(built) > 1:
+        feeds = executor.random_feeds(run.graph, run.options.seed)
+        for _, c in built.values():
+            c.time(feeds, runs=0, warmup=2)
+        t0 = time.perf_counter()
+        for _ in range(run.options.select_runs):
+            for n, (_, c) in built.items():
+                times[n].extend(c.time(feeds, runs=1, warmup=0))
+        run.seconds["select"] = run.seconds.get("select", 0.0) + time.perf_counter() - t0
+    best = min(built, key=lambda n: float(np.median(times[n])) if times[n] else 0.0)
+    for n, (plan, _) in built.items():
+        run.mixes.append({"mix": n, "predicted_ms": plan.predicted_ns / 1e6, "kernels": len(plan.kernels),
+                          "impls": dict(sorted(_impl_counts(plan).items())),
+                          "measured_ms": float(np.median(times[n])) * 1e3 if times[n] else None,
+                          "runs": len(times[n]), "chosen": n == best})
+    run.plan, compiled = built[best]
+    return compiled
+
+
+def _impl_counts(plan) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for k in plan.kernels:
+        out[k.impl] = out.get(k.impl, 0) + 1
+    return out
 
 
 def _failing_kernel(run: Run):
@@ -270,7 +349,7 @@ def optimize(model, options: Options, runs: int = 20):
     from .backends import tvm as tb
     tb.set_threads(options.threads)
     run = plan_model(model, options)
-    compiled = emit(run)
+    compiled = select(run)
     check = run.timed("verify", verify, run, compiled, model, options.seed)
     timing = run.timed("time", time_against_ort, compiled, model, options.threads, runs, options.seed) if runs else {}
     compiled.report = report_dict(run, check, timing)
@@ -288,4 +367,5 @@ def report_dict(run: Run, check: dict, timing: dict) -> dict:
         "predicted_ms": run.plan.predicted_ns / 1e6, "verify": check, "timing": timing,
         "seconds": dict(run.seconds),
         **({"tuning": run.tuning} if run.tuning else {}),
+        **({"mixes": run.mixes} if run.mixes else {}),
     }

@@ -283,6 +283,15 @@ def _summary_section(report: Mapping, plan, bench: Mapping | None) -> str:
     if measured and pred:
         tot.append(["measured / predicted", _f(measured / (pred / 1e6), ".2f"), "launch overhead and cache effects"])
     out += "<h2>Predicted vs measured</h2>" + _table(["", "ms", "note"], tot, also_left=(2,), cls="totals")
+    mixes = [m for m in report.get("mixes", []) if "chosen" in m]
+    if len(mixes) > 1:
+        out += ("<h2>Runtime mixes</h2><p class=\"muted\">the plan re-solved for each set of libraries it may call "
+                "besides TVM kernels (each library has its own thread pool), emitted, and timed end to end, "
+                "interleaved; the fastest is kept</p>" +
+                _table(["mix", "kernels by implementation", "predicted ms", "measured ms", ""],
+                       [[_e(m["mix"]), _e(", ".join(f"{k} {v}" for k, v in m["impls"].items())),
+                         _f(m["predicted_ms"]), _f(m.get("measured_ms")), "chosen" if m["chosen"] else ""]
+                        for m in mixes], also_left=(1,), cls="mixes"))
     if plan:
         st = plan.stats
         base = [["optimal (solver)", _ms(plan.predicted_ns), "1.00x"]]

@@ -95,6 +95,18 @@ def test_out_of_bounds_kernel_is_refused(target):
     np.testing.assert_array_equal(k(x0, x1)[0], np.arange(8, dtype=np.float32))
 
 
+def test_guarded_tail_loads_are_not_refused(target):
+    """A nearest-resize gather (26 outputs split by the vector width) reads its index table under a
+    Select, guarded by the split's tail condition: in bounds, so it builds (yolox's upsampling)."""
+    x, idx = f32(3, 13), TensorType((26,), "int64")
+    prim = make_prim("y", "gather", ["x", "i"], P.infer("gather", [x, idx], {"axis": 1}), axis=1)
+    table = (np.arange(26) // 2).astype(np.int64)
+    graph = Graph((("x", x),), ("y",), (prim,), constants={"i": table})
+    xs = np.random.default_rng(0).standard_normal((3, 13)).astype(np.float32)
+    (got,), _ = run_kernel(graph, [prim], ["x", "i"], ["y"], target, "default", [xs, table])
+    np.testing.assert_array_equal(got, xs[:, table])
+
+
 def test_opaque_prim_is_refused(target):
     d = P.TABLE["opaque"]
     types, attrs = d.example()

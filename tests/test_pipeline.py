@@ -72,7 +72,55 @@ def test_second_run_is_served_from_database(optimized):
     run2 = pipeline.plan_model(str(model), opts)
     assert run2.measure_stats.measured == 0 and run2.measure_stats.refused == 0
     assert run2.measure_stats.cached == run2.measure_stats.jobs > 0
-    assert run2.plan.predicted_ns == run.plan.predicted_ns
+    all_mix = next(m for m in run.mixes if m["mix"] == "all")
+    assert run2.plan.predicted_ns / 1e6 == pytest.approx(all_mix["predicted_ms"])
+
+
+def _check_mixes(mixes_list, run, select_runs):
+    mixes = {m["mix"]: m for m in mixes_list}
+    assert set(mixes) == set(pipeline.MIXES)
+    built = [m for m in mixes.values() if "chosen" in m]
+    assert built and sum(m["chosen"] for m in built) == 1
+    chosen = next(m for m in built if m["chosen"])
+    if len(built) > 1:  # several distinct plans: each timed, the fastest kept
+        assert all(m["runs"] == select_runs for m in built)
+        assert chosen["measured_ms"] == min(m["measured_ms"] for m in built)
+    for m in built:  # every mix uses only the libraries it allows
+        assert set(m["impls"]) <= set(pipeline.MIXES[m["mix"]]) | {"tvm", "tvm-tuned"}
+    for m in mixes.values():
+        assert "same_as" not in m or "chosen" in mixes[m["same_as"]]
+    assert chosen["predicted_ms"] == pytest.approx(run.plan.predicted_ns / 1e6)
+    assert chosen["impls"] == dict(sorted(pipeline._impl_counts(run.plan).items()))
+    return built
+
+
+def test_runtime_mixes_recorded(optimized):
+    d, model, db, opts, compiled, run = optimized
+    _check_mixes(compiled.report["mixes"], run, opts.select_runs)
+
+
+def test_select_times_distinct_mixes_and_keeps_the_fastest(optimized):
+    """With library kernels made to look free, the mixes differ: each is emitted, timed, compared."""
+    import copy
+    from dataclasses import replace
+    d, model, db, opts, compiled, run = optimized
+    run2 = copy.copy(run)
+    run2.mixes, run2.seconds = [], dict(run.seconds)
+    run2.measurements = {k: (replace(m, median_ns=1) if k[1] in ("ort", "library") else m)
+                         for k, m in run.measurements.items()}
+    c2 = pipeline.select(run2)
+    built = _check_mixes(run2.mixes, run2, opts.select_runs)
+    assert len(built) >= 2
+    feeds = executor.random_feeds(run.graph, seed=2)
+    assert np.allclose(c2.run(feeds)["y"], compiled.run(feeds)["y"], rtol=1e-4, atol=1e-6)
+
+
+def test_profile_attributes_every_call_to_its_kernel(optimized):
+    compiled = optimized[4]
+    prof = compiled.profile(executor.random_feeds(compiled.graph, 0), runs=1)
+    kernels = [p["kernel"] for p in prof if p["kernel"] is not None]
+    assert kernels == list(range(len(compiled.plan.kernels)))
+    assert all(p["ms"] >= 0 for p in prof)
 
 
 def test_save_load_in_fresh_process(optimized, tmp_path):

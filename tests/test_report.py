@@ -79,7 +79,12 @@ def saved_dir(tmp_path_factory) -> Path:
               "verify": {"ok": True, "max_rel_error": 1e-7},
               "timing": {"runs": 3, "kernorch_ms": 0.8, "ort_ms": 1.0},
               "seconds": {"load": 0.1, "fission": 0.05, "measure": 3.0, "orchestrate": 0.02},
-              "tuning": [[0, 1.2], [5, 0.9], [10, 0.85]]}
+              "tuning": [[0, 1.2], [5, 0.9], [10, 0.85]],
+              "mixes": [{"mix": "all", "predicted_ms": 0.5, "kernels": 3, "impls": {"ort": 1, "tvm": 2},
+                         "measured_ms": 0.9, "runs": 7, "chosen": False},
+                        {"mix": "tvm+ort", "same_as": "all"},
+                        {"mix": "tvm", "predicted_ms": 0.6, "kernels": 3, "impls": {"tvm": 3},
+                         "measured_ms": 0.8, "runs": 7, "chosen": True}]}
     (d / "report.json").write_text(json.dumps(report))
     (d / "bench.json").write_text(json.dumps(_bench_dict()))
     return d
@@ -107,7 +112,7 @@ def test_report_contents(saved_dir):
     root = ET.fromstring(svg)  # well-formed XML
     ns = "{http://www.w3.org/2000/svg}"
     assert len(root.findall(f"{ns}g")) == n_prims
-    for needle in ('class="bench"', "Optimal vs greedy", "Time per stage", "Tuning", "1.25", "&lt;boom &amp; co&gt;",
+    for needle in ('class="bench"', 'class="mixes"', "Optimal vs greedy", "Time per stage", "Tuning", "1.25", "&lt;boom &amp; co&gt;",
                    "PyTorch is not installed", "<polyline"):
         assert needle in doc, needle
     assert "http://" not in doc.replace('xmlns="http://www.w3.org/2000/svg"', "")  # nothing fetched from outside

@@ -755,10 +755,12 @@ def check_bounds(mod: tvm.IRModule) -> None:
                 stmt(x)
         elif isinstance(st, tirx.BufferStore):
             expr(st.value, False)
-        elif isinstance(st, tirx.IfThenElse):
-            stmt(st.then_case)
+        elif isinstance(st, tirx.IfThenElse):  # e.g. the tail guard of a non-dividing split
+            with ana.constraint_scope(st.condition):
+                stmt(st.then_case)
             if st.else_case is not None:
-                stmt(st.else_case)
+                with ana.constraint_scope(tirx.Not(st.condition)):
+                    stmt(st.else_case)
         elif isinstance(st, (tirx.LetStmt, tirx.Bind)):
             ana.bind(st.var, st.value)
             expr(st.value, False)
