@@ -8,6 +8,7 @@ build or its check, crashes or hangs is recorded as refused, with the reason, an
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
@@ -65,10 +66,13 @@ def kernel_graph(graph: Graph, members: Sequence[str], inputs: Sequence[str], ou
     return Graph(ins, tuple(outputs), prims, consts, name="kernel")
 
 
+@functools.lru_cache(maxsize=None)
 def versions(impl: str) -> str:
     """The versions that make a measurement reusable."""
-    if impl == "library":
-        return f"kernorch-{__version__};numpy-{np.__version__}"
+    if impl == "library":  # the BLAS kernel (OPENBLAS_CORETYPE can halve GEMM speed) keys it too
+        from .calibrate import blas_info
+        b = blas_info()
+        return f"kernorch-{__version__};numpy-{np.__version__};blas-{b.get('internal_api')}-{b.get('architecture')}"
     if impl == "ort":
         import onnxruntime
         return f"kernorch-{__version__};onnxruntime-{onnxruntime.__version__}"

@@ -243,6 +243,13 @@ def test_time_export_and_load(tmp_path, target):
     assert set(kt.versions()) == {"tvm", "tvm-ffi"}
 
 
+def test_library_measurements_are_keyed_by_the_blas_kernel():
+    """OPENBLAS_CORETYPE can halve GEMM speed, so a library timing names the BLAS core it ran."""
+    from kernorch import measure
+    from kernorch.calibrate import blas_info
+    assert measure.versions("library").endswith(f"blas-{blas_info().get('internal_api')}-{blas_info().get('architecture')}")
+
+
 # -------------------------------------------------------------------------------------------------
 # library kernels
 # -------------------------------------------------------------------------------------------------
