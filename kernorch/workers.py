@@ -28,7 +28,22 @@ class TaskResult:
     seconds: float = 0.0
 
 
-def _worker_main(conn, env: dict[str, str]) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Linux: have the kernel kill this worker when its parent dies (a killed `optimize` must not
+    leave workers compiling for minutes); elsewhere the pipe's EOF ends an idle worker."""
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def _worker_main(conn, env: dict[str, str], parent: int | None = None) -> None:
+    if parent is not None:
+        _die_with_parent(parent)
     os.environ.update(env)
     while True:
         try:
@@ -51,7 +66,7 @@ def _worker_main(conn, env: dict[str, str]) -> None:
 class _Worker:
     def __init__(self, ctx, env):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, env), daemon=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child, env, os.getpid()), daemon=True)
         self.proc.start()
         child.close()
         self.task: int | None = None

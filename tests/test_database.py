@@ -92,6 +92,36 @@ def test_pool_contains_hangs_and_crashes():
         assert [r.value for r in pool.run(_square, [(3,)], timeout=30)] == [9]
 
 
+def test_workers_die_with_a_killed_parent(tmp_path):
+    """SIGKILL the process that owns the pool mid-task: its workers do not linger (Linux)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("parent-death signal is Linux only")
+    pids = tmp_path / "pids"
+    script = textwrap.dedent(f"""
+        import time
+        from kernorch.workers import WorkerPool
+        pool = WorkerPool(2)
+        open({str(pids)!r}, "w").write(" ".join(str(w.proc.pid) for w in pool.workers))
+        for _ in pool.run(time.sleep, [(60,), (60,)], timeout=120):
+            pass
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.time() + 60
+    while not (pids.exists() and pids.read_text()) and time.time() < deadline:
+        time.sleep(0.1)
+    workers = [int(x) for x in pids.read_text().split()]
+    time.sleep(1.0)  # the tasks are running
+    p.kill()
+    p.wait()
+    deadline = time.time() + 10
+    alive = workers
+    while alive and time.time() < deadline:
+        alive = [w for w in workers if os.path.exists(f"/proc/{w}") and
+                 open(f"/proc/{w}/stat").read().split(")")[1].split()[0] != "Z"]
+        time.sleep(0.1)
+    assert not alive, f"workers {alive} outlived their parent"
+
+
 # -- measurement: a worker crash gets one retry; a second crash refuses the kernel ---------------
 
 def crash_first_time(job, path, repeats, min_repeat_ms, verify):
