@@ -86,6 +86,8 @@ def _tuning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-candidates", type=int, default=None, help="candidates per partition")
     p.add_argument("--max-partition", type=int, default=None, help="primitives per partition")
     p.add_argument("--no-library", action="store_true", help="do not offer BLAS/im2col kernels")
+    p.add_argument("--no-select", action="store_true",
+                   help="emit the plan over every implementation without timing the runtime mixes")
     p.add_argument("--time-limit", type=float, default=None, help="solver time limit (s)")
     p.add_argument("--budget", default=None, metavar="200t|20m",
                    help="MetaSchedule tuning budget for the kernels that can change the plan: trials (200t) "
@@ -109,6 +111,8 @@ def options_from(args) -> Options:
             kw[name] = v
     if getattr(args, "no_library", False):
         kw["library"] = False
+    if getattr(args, "no_select", False):
+        kw["select"] = False
     if getattr(args, "time_limit", None):
         kw["solver_time_limit"] = args.time_limit
     if getattr(args, "budget", None):

@@ -115,6 +115,17 @@ def test_select_times_distinct_mixes_and_keeps_the_fastest(optimized):
     assert np.allclose(c2.run(feeds)["y"], compiled.run(feeds)["y"], rtol=1e-4, atol=1e-6)
 
 
+def test_no_select_emits_the_plan_over_every_implementation(optimized):
+    import copy
+    d, model, db, opts, compiled, run = optimized
+    args = cli.parser().parse_args(["optimize", str(model), "-o", str(d / "x"), "--no-select"])
+    assert cli.options_from(args).select is False
+    run2 = copy.copy(run)
+    run2.mixes, run2.options = [], run.options.with_(select=False)
+    pipeline.select(run2)
+    assert [m["mix"] for m in run2.mixes] == ["all"] and run2.mixes[0]["chosen"]
+
+
 def test_profile_attributes_every_call_to_its_kernel(optimized):
     compiled = optimized[4]
     prof = compiled.profile(executor.random_feeds(compiled.graph, 0), runs=1)
