@@ -218,6 +218,10 @@ def _print_optimize(rep: dict, outdir) -> None:
     print(f"predicted {rep['predicted_ms']:.3f} ms (sum of measured kernels) vs measured "
           f"{t.get('kernorch_ms', float('nan')):.3f} ms end to end; "
           f"{len(plan['kernels'])} kernels chosen from {rep['candidates']} candidates ({rep['distinct_keys']} distinct)")
+    by_impl = (rep.get("context") or {}).get("by_impl") or {}
+    if by_impl:
+        print("kernels alone vs inside the model: " + "; ".join(
+            f"{impl} x{d['kernels']} {d['alone_ms']:.2f} -> {d['in_model_ms']:.2f} ms" for impl, d in by_impl.items()))
     mixes = [m for m in rep.get("mixes", []) if "measured_ms" in m]
     if len(mixes) > 1:
         _table("Runtime mixes (each emitted and timed end to end, interleaved)",

@@ -352,11 +352,35 @@ def optimize(model, options: Options, runs: int = 20):
     compiled = select(run)
     check = run.timed("verify", verify, run, compiled, model, options.seed)
     timing = run.timed("time", time_against_ort, compiled, model, options.threads, runs, options.seed) if runs else {}
-    compiled.report = report_dict(run, check, timing)
+    context = run.timed("time", in_context, compiled, options.seed) if runs else {}
+    compiled.report = report_dict(run, check, timing, context)
     return compiled, run
 
 
-def report_dict(run: Run, check: dict, timing: dict) -> dict:
+def in_context(compiled, seed: int = 0, runs: int = 3) -> dict:
+    """Each plan kernel's time inside the executable (median over `runs`), beside its isolated cost:
+    where the end-to-end time goes that the additive cost model does not see."""
+    from . import executor
+    prof = compiled.profile(executor.random_feeds(compiled.graph, seed), runs=runs)
+    kernel_ms = [0.0] * len(compiled.plan.kernels)
+    for p in prof:
+        if p["kernel"] is not None:
+            kernel_ms[p["kernel"]] += p["ms"]
+    return {"runs": runs, "kernel_ms": kernel_ms, "other_ms": sum(p["ms"] for p in prof if p["kernel"] is None),
+            "by_impl": _sum_by_impl(compiled.plan, kernel_ms)}
+
+
+def _sum_by_impl(plan, kernel_ms) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for k, ms in zip(plan.kernels, kernel_ms):
+        d = out.setdefault(k.impl, {"kernels": 0, "alone_ms": 0.0, "in_model_ms": 0.0})
+        d["kernels"] += 1
+        d["alone_ms"] += k.cost_ns / 1e6
+        d["in_model_ms"] += ms
+    return out
+
+
+def report_dict(run: Run, check: dict, timing: dict, context: dict | None = None) -> dict:
     ms = run.measure_stats
     return {
         "model": run.source, "machine": run.machine.to_json(), "threads": run.options.threads,
@@ -368,4 +392,5 @@ def report_dict(run: Run, check: dict, timing: dict) -> dict:
         "seconds": dict(run.seconds),
         **({"tuning": run.tuning} if run.tuning else {}),
         **({"mixes": run.mixes} if run.mixes else {}),
+        **({"context": context} if context else {}),
     }

@@ -314,18 +314,23 @@ def _kernel_section(graph, plan, report: Mapping) -> str:
     if not plan:
         return ""
     total = plan.predicted_ns or 1
+    ctx = (report.get("context") or {}).get("kernel_ms") or []
+    ctx = ctx if len(ctx) == len(plan.kernels) else []
     rows, attrs = [], []
     for i, k in enumerate(plan.kernels):
         ops = [graph.by_name[m].op if graph is not None and m in graph.by_name else m for m in k.members]
         alts = ", ".join(f"{_e(a.impl)} {a.cost_ns / 1e3:.1f}" for a in k.alternatives)
+        in_ctx = [f"{ctx[i] * 1e3:.1f}", f"{ctx[i] * 1e6 / max(k.cost_ns, 1):.2f}x"] if ctx else []
         rows.append([f'<span class="sw" style="background:{kernel_color(i, k.impl)}"></span>{i}', _e(k.id), _e(k.impl),
                      _e(" → ".join(ops)), str(len(k.members)), f"{k.cost_ns / 1e3:.1f}", f"{k.cost_ns / total:.1%}",
-                     "yes" if _is_tuned(k, report) else "no", alts or "–"])
+                     *in_ctx, "yes" if _is_tuned(k, report) else "no", alts or "–"])
         attrs.append(f' class="kern" data-k="{i}"')
-    return ("<h2>Kernels</h2><p class=\"muted\">in execution order; cost = measured median of the kernel alone; "
-            "hover a row to find its primitives in the graph</p>" +
-            _table(["#", "id", "impl", "primitives", "n", "cost µs", "share", "tuned", "alternatives (impl µs)"],
-                   rows, left=4, cls="kernels", row_attrs=attrs, also_left=(7, 8)))
+    cols = ["#", "id", "impl", "primitives", "n", "cost µs", "share"] + (["in model µs", "in model / alone"] if ctx else [])
+    cols += ["tuned", "alternatives (impl µs)"]
+    note = ("; in model = median time of the call inside the executable (VM instrumentation)" if ctx else "")
+    return ("<h2>Kernels</h2><p class=\"muted\">in execution order; cost = measured median of the kernel alone" + note +
+            "; hover a row to find its primitives in the graph</p>" +
+            _table(cols, rows, left=4, cls="kernels", row_attrs=attrs, also_left=(len(cols) - 2, len(cols) - 1)))
 
 
 def _bench_section(bench: Mapping) -> str:

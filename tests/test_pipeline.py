@@ -60,6 +60,9 @@ def test_optimize_matches_ort(optimized):
     rep = compiled.report
     assert rep["verify"]["ok"]
     assert rep["timing"]["runs"] == 3 and rep["timing"]["kernorch_ms"] > 0
+    ctx = rep["context"]
+    assert len(ctx["kernel_ms"]) == len(run.plan.kernels) and all(ms > 0 for ms in ctx["kernel_ms"])
+    assert sum(d["kernels"] for d in ctx["by_impl"].values()) == len(run.plan.kernels)
     plan = run.plan
     assert plan.stats.status == "optimal"
     assert plan.predicted_ns <= plan.unfused_ns

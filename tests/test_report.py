@@ -80,6 +80,7 @@ def saved_dir(tmp_path_factory) -> Path:
               "timing": {"runs": 3, "kernorch_ms": 0.8, "ort_ms": 1.0},
               "seconds": {"load": 0.1, "fission": 0.05, "measure": 3.0, "orchestrate": 0.02},
               "tuning": [[0, 1.2], [5, 0.9], [10, 0.85]],
+              "context": {"runs": 3, "kernel_ms": [0.01 * (i + 1) for i in range(len(plan.kernels))], "other_ms": 0.01},
               "mixes": [{"mix": "all", "predicted_ms": 0.5, "kernels": 3, "impls": {"ort": 1, "tvm": 2},
                          "measured_ms": 0.9, "runs": 7, "chosen": False},
                         {"mix": "tvm+ort", "same_as": "all"},
@@ -112,7 +113,7 @@ def test_report_contents(saved_dir):
     root = ET.fromstring(svg)  # well-formed XML
     ns = "{http://www.w3.org/2000/svg}"
     assert len(root.findall(f"{ns}g")) == n_prims
-    for needle in ('class="bench"', 'class="mixes"', "Optimal vs greedy", "Time per stage", "Tuning", "1.25", "&lt;boom &amp; co&gt;",
+    for needle in ('class="bench"', 'class="mixes"', "in model / alone", "Optimal vs greedy", "Time per stage", "Tuning", "1.25", "&lt;boom &amp; co&gt;",
                    "PyTorch is not installed", "<polyline"):
         assert needle in doc, needle
     assert "http://" not in doc.replace('xmlns="http://www.w3.org/2000/svg"', "")  # nothing fetched from outside
