@@ -48,6 +48,7 @@ T = types.SimpleNamespace(te=te, tir=tirx)
 
 _NUM_INPUTS_ATTR = "kernorch.num_inputs"
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
+_MIN_ROWS = 4  # the row rule needs this many rows to share among threads
 
 # ------------------------------------------------------------------------------------------------
 # target, threads, versions
@@ -546,6 +547,9 @@ def _rule_row(func, lanes: int) -> s_tir.Schedule:
             n = min(n, 1)
     if n == 0:
         raise _NotApplicable("the reduction covers the leading axis")
+    if int(np.prod([e or 1 for e in ext[:n]])) < _MIN_ROWS:
+        # e.g. a LayerNorm whose output is reshaped to (1, H, W, C): the "rows" are one row
+        raise _NotApplicable("too few rows to run in parallel")
     # vectorize the reductions by rfactor *before* compute_at (rfactor needs the block to be the
     # first child of its loop, which it no longer is once the stages share the row loop)
     rf_names = set()
@@ -576,6 +580,8 @@ def _rule_row(func, lanes: int) -> s_tir.Schedule:
             kinds = [int(iv.iter_type) for iv in stmt.iter_vars]
             if len(loops) == len(kinds):
                 lane = max((i for i, k in enumerate(kinds) if k == _DATA_PAR), key=lambda i: (_extent(sch, loops[i]) or 0, i))
+                if (_extent(sch, loops[lane]) or 0) > 4 * lanes:  # not the rfactor lane: LLVM chokes on huge vectors
+                    raise _NotApplicable("the row does not cover the reduction's spatial axes")
                 red = [lp for lp, k in zip(loops, kinds) if k == _COMM_REDUCE]
                 sch.reorder(*red, loops[lane])
                 sch.vectorize(loops[lane])
