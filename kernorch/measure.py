@@ -29,7 +29,8 @@ from .backends import PACKED, packed_kernel
 
 log = logging.getLogger(__name__)
 
-IMPLS = ("tvm", "library", "ort", "tvm-tuned")  # "tvm-tuned": MetaSchedule, measured by kernorch.tune
+IMPLS = ("tvm", "library", "ort", "tvm-tuned")
+DOMINATED = 8.0  # a generated kernel this many times slower than the key's best is timed once  # "tvm-tuned": MetaSchedule, measured by kernorch.tune
 RTOL, ATOL_SCALE = 1e-3, 1e-4
 
 
@@ -159,7 +160,10 @@ def _build_task(job: KernelJob, threads: int, out_dir: str, verify: bool) -> dic
     return {"path": path, "build_s": build_s, "error": err}
 
 
-def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: float, verify: bool) -> dict:
+def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: float, verify: bool,
+               cutoff_s: float | None = None) -> dict:
+    """Time one kernel. `cutoff_s`: when one call already takes longer, that single run is the
+    measurement (the kernel is dominated by another implementation of the same key)."""
     inputs = make_inputs(job)
     if job.impl in PACKED:
         kernel = packed_kernel(job.impl, job.graph, job.graph.prims, job.inputs, job.outputs)
@@ -170,6 +174,10 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
         return {"runs": runs, "error": err}
     from .backends import tvm as tb
     kernel = tb.load(path)
+    if cutoff_s is not None:
+        first = kernel.time(*inputs, number=1, repeat=1)
+        if first[0] > cutoff_s:
+            return {"runs": [float(first[0])], "error": None, "cut": True}
     runs = kernel.time(*inputs, number=1, repeat=repeats, min_repeat_ms=int(min_repeat_ms))
     return {"runs": [float(r) for r in runs], "error": None}
 
@@ -254,33 +262,48 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
                     else:
                         refuse(j, f"build/check failed: {r.error}", r.seconds)
                     bar.advance()
+        # library kernels first: their times let a generated kernel that is far slower for the
+        # same key stop after one call (DOMINATED), instead of repeats of seconds each
         timed = [j for j in todo if j.impl != "tvm" or j.ident in built]
+        best: dict[str, int] = {}
+        for (key, _, sched), m in results.items():
+            if m.ok and sched != "none":
+                best[key] = min(best.get(key, m.median_ns), m.median_ns)
+
+        def cutoff(j: KernelJob) -> float | None:
+            b = best.get(j.key)
+            return DOMINATED * b / 1e9 if (b is not None and j.impl == "tvm") else None
+
         with WorkerPool(1, env) as pool, progress.bar(f"{label}: time", len(timed)) as bar:
-            # a crashed worker gets one more try in a fresh process: a kernel is refused for what
-            # it does, not for a fault that struck its process once
-            for attempt in (0, 1):
-                tasks = [(j, built.get(j.ident, {}).get("path"), options.repeats, options.min_repeat_ms,
-                          options.verify) for j in timed]
-                retry = []
-                for r in pool.run(_time_task, tasks, options.run_timeout):
-                    j = timed[r.index]
-                    build_s = built.get(j.ident, {}).get("build_s", 0.0)
-                    if not r.ok and attempt == 0 and "crashed" in r.error:
-                        retry.append(j)
-                        continue
-                    if not r.ok:
-                        refuse(j, f"run failed: {r.error}", build_s)
-                    else:
-                        runs = [int(round(s * 1e9)) for s in r.value["runs"]]
-                        m = Measurement(target, j.key, j.impl, j.schedule, versions(j.impl), "ok",
-                                        max(1, int(np.median(runs))), tuple(runs), "", build_s, j.description)
-                        db.add(m)
-                        results[j.ident] = m
-                        stats.measured += 1
-                    bar.advance()
-                if not retry:
-                    break
-                log.warning("%d kernels crashed their worker; trying them once more", len(retry))
-                timed = retry
+            groups = ([j for j in timed if j.impl != "tvm"], [j for j in timed if j.impl == "tvm"])
+            for group in groups:  # the cutoffs of the second group come from the first
+                # a crashed worker gets one more try in a fresh process: a kernel is refused for
+                # what it does, not for a fault that struck its process once
+                for attempt in (0, 1):
+                    tasks = [(j, built.get(j.ident, {}).get("path"), options.repeats, options.min_repeat_ms,
+                              options.verify, cutoff(j)) for j in group]
+                    retry = []
+                    for r in pool.run(_time_task, tasks, options.run_timeout):
+                        j = group[r.index]
+                        build_s = built.get(j.ident, {}).get("build_s", 0.0)
+                        if not r.ok and attempt == 0 and "crashed" in r.error:
+                            retry.append(j)
+                            continue
+                        if not r.ok:
+                            refuse(j, f"run failed: {r.error}", build_s)
+                        else:
+                            runs = [int(round(x * 1e9)) for x in r.value["runs"]]
+                            m = Measurement(target, j.key, j.impl, j.schedule, versions(j.impl), "ok",
+                                            max(1, int(np.median(runs))), tuple(runs), "", build_s, j.description)
+                            db.add(m)
+                            results[j.ident] = m
+                            stats.measured += 1
+                            if j.schedule != "none":
+                                best[j.key] = min(best.get(j.key, m.median_ns), m.median_ns)
+                        bar.advance()
+                    if not retry:
+                        break
+                    log.warning("%d kernels crashed their worker; trying them once more", len(retry))
+                    group = retry
     stats.seconds = time.perf_counter() - t_start
     return results, stats

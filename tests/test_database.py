@@ -124,7 +124,7 @@ def test_workers_die_with_a_killed_parent(tmp_path):
 
 # -- measurement: a worker crash gets one retry; a second crash refuses the kernel ---------------
 
-def crash_first_time(job, path, repeats, min_repeat_ms, verify):
+def crash_first_time(job, path, repeats, min_repeat_ms, verify, cutoff_s=None):
     """Crash the worker the first time this job is timed (a flag file remembers), then time it."""
     import pathlib
     from kernorch import measure
@@ -132,7 +132,7 @@ def crash_first_time(job, path, repeats, min_repeat_ms, verify):
     if not flag.exists():
         flag.write_text("crashed once")
         os.kill(os.getpid(), signal.SIGSEGV)
-    return measure._time_task(job, path, repeats, min_repeat_ms, verify)  # unpatched in the worker
+    return measure._time_task(job, path, repeats, min_repeat_ms, verify, cutoff_s)  # unpatched in the worker
 
 
 def test_measure_retries_a_crashed_worker_once(tmp_path, monkeypatch):
@@ -150,3 +150,25 @@ def test_measure_retries_a_crashed_worker_once(tmp_path, monkeypatch):
         res, stats = measure.measure([job], db, opts)
     assert (tmp_path / "flag").exists()
     assert res[job.ident].ok and stats.measured == 1 and stats.refused == 0
+
+
+def test_a_dominated_generated_kernel_is_timed_once(tmp_path):
+    """A generated kernel far slower than the best measured implementation of its key stops after
+    one call instead of `repeats` (measure less where the answer is already clear)."""
+    from kernorch import measure
+    from kernorch.ir import Graph, TensorType, make_prim
+    from kernorch.options import Machine, Options
+    t = TensorType((64, 64), "float32")
+    g = Graph((("x", t), ("w", t)), ("y",), (make_prim("y", "matmul", ["x", "w"], t),))
+    opts = Options(threads=1, repeats=4, min_repeat_ms=0.1)
+    target = Machine.host().fingerprint(opts.threads)
+    fast = Measurement(target, "k-dom", "library", "-", measure.versions("library"), "ok", 1, (1,), "", 0.0, "matmul")
+    jobs = [measure.KernelJob("k-dom", "tvm", "default", g, ("x", "w"), ("y",)),
+            measure.KernelJob("k-other", "tvm", "default", g, ("x", "w"), ("y",))]
+    with ProfileDB(tmp_path / "db.sqlite") as db:
+        db.add(fast)  # a (pretend) 1 ns library kernel for k-dom; nothing for k-other
+        res, stats = measure.measure(jobs + [measure.KernelJob("k-dom", "library", "-", g, ("x", "w"), ("y",))],
+                                     db, opts)
+    assert stats.cached == 1 and stats.measured == 2
+    assert len(res[jobs[0].ident].runs_ns) == 1          # cut after one call
+    assert len(res[jobs[1].ident].runs_ns) == 4          # no cheaper implementation known: fully timed
