@@ -67,7 +67,18 @@ class _Worker:
     def __init__(self, ctx, env):
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_main, args=(child, env, os.getpid()), daemon=True)
-        self.proc.start()
+        # the child must start with `env`: libraries read their variables when first imported
+        # (OpenBLAS its thread count), which happens before the worker's own code runs
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            self.proc.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         child.close()
         self.task: int | None = None
         self.deadline = 0.0

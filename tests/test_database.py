@@ -172,3 +172,18 @@ def test_a_dominated_generated_kernel_is_timed_once(tmp_path):
     assert stats.cached == 1 and stats.measured == 2
     assert len(res[jobs[0].ident].runs_ns) == 1          # cut after one call
     assert len(res[jobs[1].ident].runs_ns) == 4          # no cheaper implementation known: fully timed
+
+
+def _blas_threads():
+    import threadpoolctl
+    return [lib["num_threads"] for lib in threadpoolctl.threadpool_info() if lib.get("user_api") == "blas"]
+
+
+def test_workers_start_with_their_environment():
+    """OpenBLAS reads its thread count when numpy is first imported, before the worker runs any
+    task: the variable must already be set when the worker process starts."""
+    before = os.environ.get("OPENBLAS_NUM_THREADS")
+    with WorkerPool(1, {"OPENBLAS_NUM_THREADS": "1"}) as pool:
+        (r,) = list(pool.run(_blas_threads, [()], timeout=60))
+    assert r.ok and r.value and all(n == 1 for n in r.value)
+    assert os.environ.get("OPENBLAS_NUM_THREADS") == before  # the parent's environment is unchanged
