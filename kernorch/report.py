@@ -241,11 +241,14 @@ def _f(x: Any, fmt: str = ".3f") -> str:
         return "–"
 
 
-def _is_tuned(kernel, report: Mapping) -> bool:
-    """Tuned = not the default schedule: a MetaSchedule impl, or listed in report.json's tuning section."""
+def _is_tuned(kernel, report: Mapping) -> str:
+    """"yes" for a MetaSchedule kernel (or one listed in report.json's tuning section), "no" for a
+    default schedule, "–" for library kernels (ORT/BLAS: tuned by their vendors, not by kernorch)."""
     tuning = report.get("tuning")
     tuned_ids = set(tuning.get("kernels", ())) if isinstance(tuning, Mapping) else set()
-    return kernel.impl not in ("tvm", "library") or kernel.id in tuned_ids or kernel.key in tuned_ids
+    if kernel.impl == "tvm-tuned" or kernel.id in tuned_ids or kernel.key in tuned_ids:
+        return "yes"
+    return "no" if kernel.impl == "tvm" else "–"
 
 
 def _tuning_series(tuning: Any) -> dict[str, list]:
@@ -323,7 +326,7 @@ def _kernel_section(graph, plan, report: Mapping) -> str:
         in_ctx = [f"{ctx[i] * 1e3:.1f}", f"{ctx[i] * 1e6 / max(k.cost_ns, 1):.2f}x"] if ctx else []
         rows.append([f'<span class="sw" style="background:{kernel_color(i, k.impl)}"></span>{i}', _e(k.id), _e(k.impl),
                      _e(" → ".join(ops)), str(len(k.members)), f"{k.cost_ns / 1e3:.1f}", f"{k.cost_ns / total:.1%}",
-                     *in_ctx, "yes" if _is_tuned(k, report) else "no", alts or "–"])
+                     *in_ctx, _is_tuned(k, report), alts or "–"])
         attrs.append(f' class="kern" data-k="{i}"')
     cols = ["#", "id", "impl", "primitives", "n", "cost µs", "share"] + (["in model µs", "in model / alone"] if ctx else [])
     cols += ["tuned", "alternatives (impl µs)"]
