@@ -119,6 +119,15 @@ def test_report_contents(saved_dir):
     assert "http://" not in doc.replace('xmlns="http://www.w3.org/2000/svg"', "")  # nothing fetched from outside
 
 
+def test_tuned_column_by_implementation():
+    from kernorch.report import _is_tuned
+    k = _chain_plan(_tiny_graph()).kernels[0]
+    assert _is_tuned(replace(k, impl="tvm"), {}) == "no"
+    assert _is_tuned(replace(k, impl="tvm-tuned"), {}) == "yes"
+    assert _is_tuned(replace(k, impl="ort"), {}) == "–" and _is_tuned(replace(k, impl="library"), {}) == "–"
+    assert _is_tuned(replace(k, impl="tvm"), {"tuning": {"kernels": [k.key]}}) == "yes"
+
+
 def test_report_with_only_some_files(tmp_path, saved_dir):
     shutil.copy(saved_dir / "graph.pkl", tmp_path / "graph.pkl")
     (tmp_path / "report.json").write_text(json.dumps({"model": "m.onnx"}))
