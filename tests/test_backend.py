@@ -109,6 +109,22 @@ def test_guarded_tail_loads_are_not_refused(target):
     np.testing.assert_array_equal(got, xs[:, table])
 
 
+def test_reflect_padded_resize_is_not_refused(target):
+    """candy's decoder: a nearest resize (gather from an index table) under reflect padding. The
+    table load sits under Selects with a reflect index the interval analysis cannot bound; that
+    index is in range by construction, so the kernel builds."""
+    x, idx = f32(2, 8), TensorType((16,), "int64")
+    g_t = P.infer("gather", [x, idx], {"axis": 1})
+    pad_attrs = {"pads": (0, 1, 0, 1), "mode": "reflect", "value": 0.0}
+    ps = [make_prim("g", "gather", ["x", "i"], g_t, axis=1),
+          make_prim("y", "pad", ["g"], P.infer("pad", [g_t], pad_attrs), **pad_attrs)]
+    table = (np.arange(16) // 2).astype(np.int64)
+    graph = Graph((("x", x),), ("y",), tuple(ps), constants={"i": table})
+    xs = np.random.default_rng(0).standard_normal((2, 8)).astype(np.float32)
+    (got,), _ = run_kernel(graph, list(ps), ["x", "i"], ["y"], target, "default", [xs, table])
+    np.testing.assert_array_equal(got, np.pad(xs[:, table], ((0, 0), (1, 1)), mode="reflect"))
+
+
 def test_opaque_prim_is_refused(target):
     d = P.TABLE["opaque"]
     types, attrs = d.example()
