@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import pickle
-import re
 import shutil
 import time
 from dataclasses import replace
@@ -31,6 +30,12 @@ FORMAT = 2
 
 def _lib_name(i: int, impl: str, key: str) -> str:
     return f"kernorch.lib.k{i}_{impl}_{key}"  # one registered function per packed kernel of the plan
+
+
+def _call_name(i: int, k) -> str:
+    """The symbol the Relax VM calls for plan kernel `i`: a registered packed function or a PrimFunc."""
+    from .backends import PACKED
+    return _lib_name(i, k.impl, k.key) if k.impl in PACKED else f"k{i}"
 
 
 def _kernel_graph(graph: Graph, k) -> Graph:
@@ -98,12 +103,13 @@ def build_module(graph: Graph, plan: Plan, threads: int):
             for i, k in enumerate(plan.kernels):
                 args = relax.Tuple([env[t] for t in k.inputs])
                 out_ty = [tty(t) for t in k.outputs]
+                name = _call_name(i, k)
                 if k.impl in PACKED:
-                    call = relax.call_dps_packed(_lib_name(i, k.impl, k.key), args, out_ty if len(out_ty) > 1 else out_ty[0])
+                    call = relax.call_dps_packed(name, args, out_ty if len(out_ty) > 1 else out_ty[0])
                 else:
                     mod = kernel_module(graph, plan, k, target)
                     tb.check_bounds(mod)
-                    gv = bb.add_func(tb.relax_func(mod, f"k{i}"), f"k{i}")
+                    gv = bb.add_func(tb.relax_func(mod, name), name)
                     call = relax.call_tir(gv, args, out_ty if len(out_ty) > 1 else out_ty[0])
                 res = bb.emit(call)
                 if len(k.outputs) == 1:
@@ -206,12 +212,11 @@ class CompiledModel:
         for _ in range(runs):
             state["i"] = 0
             vm["main"](*args)
+        index = {_call_name(i, k): i for i, k in enumerate(self.plan.kernels)}
         out = []
         for k in order:
             sym = k.split(":", 1)[1]
-            m = re.match(r"(?:kernorch\.lib\.)?k(\d+)(?:_|$)", sym)
-            out.append({"call": sym, "kernel": int(m.group(1)) if m else None,
-                        "ms": float(np.median(times[k])) * 1e3})
+            out.append({"call": sym, "kernel": index.get(sym), "ms": float(np.median(times[k])) * 1e3})
         return out
 
     # -- persistence -------------------------------------------------------------------------

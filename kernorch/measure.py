@@ -29,8 +29,8 @@ from .backends import PACKED, packed_kernel
 
 log = logging.getLogger(__name__)
 
-IMPLS = ("tvm", "library", "ort", "tvm-tuned")
-DOMINATED = 8.0  # a generated kernel this many times slower than the key's best is timed once  # "tvm-tuned": MetaSchedule, measured by kernorch.tune
+IMPLS = ("tvm", "library", "ort", "tvm-tuned")  # "tvm-tuned": MetaSchedule, measured by kernorch.tune
+DOMINATED = 8.0  # a generated kernel this many times slower than the key's best is timed once
 RTOL, ATOL_SCALE = 1e-3, 1e-4
 
 

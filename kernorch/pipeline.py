@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -200,7 +201,7 @@ MIXES: dict[str, tuple[str, ...]] = {"all": ("library", "ort"), "tvm+ort": ("ort
 MIX_SLACK = 2.0  # a mix predicted this many times slower than the best one is not emitted
 
 
-def select(run: Run, progress=None):
+def select(run: Run):
     """Emit the plan of every runtime mix, time them interleaved, keep the fastest.
 
     Mixes whose plan equals an earlier one are not emitted again. With `options.select` off, the
@@ -255,10 +256,7 @@ def select(run: Run, progress=None):
 
 
 def _impl_counts(plan) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for k in plan.kernels:
-        out[k.impl] = out.get(k.impl, 0) + 1
-    return out
+    return dict(Counter(k.impl for k in plan.kernels))
 
 
 def _failing_kernel(run: Run):

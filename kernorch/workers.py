@@ -41,10 +41,10 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _worker_main(conn, env: dict[str, str], parent: int | None = None) -> None:
+def _worker_main(conn, parent: int | None = None) -> None:
+    """Serve tasks until EOF or None. The environment was set before the process started."""
     if parent is not None:
         _die_with_parent(parent)
-    os.environ.update(env)
     while True:
         try:
             msg = conn.recv()
@@ -66,7 +66,7 @@ def _worker_main(conn, env: dict[str, str], parent: int | None = None) -> None:
 class _Worker:
     def __init__(self, ctx, env):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, env, os.getpid()), daemon=True)
+        self.proc = ctx.Process(target=_worker_main, args=(child, os.getpid()), daemon=True)
         # the child must start with `env`: libraries read their variables when first imported
         # (OpenBLAS its thread count), which happens before the worker's own code runs
         saved = {k: os.environ.get(k) for k in env}

@@ -262,6 +262,18 @@ def _contraction_operands(stmt):
     return None
 
 
+def _subexprs(e):
+    """The direct sub-expressions of a TIR expression (a load's indices, an op's operands)."""
+    if isinstance(e, tvm.ir.expr.TensorLoad):
+        yield from e.indices
+        return
+    for attr in ("a", "b", "value", "condition", "true_value", "false_value", "base", "stride"):
+        sub = getattr(e, attr, None)
+        if sub is not None and not isinstance(sub, (int, float, str)):
+            yield sub
+    yield from getattr(e, "args", None) or ()
+
+
 def _loaded_buffers(expr) -> set[str]:
     """Names of the buffers an expression loads from."""
     found: set[str] = set()
@@ -269,14 +281,7 @@ def _loaded_buffers(expr) -> set[str]:
     def walk(e):
         if isinstance(e, tvm.ir.expr.TensorLoad):
             found.add(e.source.name)
-            for i in e.indices:
-                walk(i)
-            return
-        for attr in ("a", "b", "value", "condition", "true_value", "false_value"):
-            sub = getattr(e, attr, None)
-            if sub is not None and not isinstance(sub, (int, float, str)):
-                walk(sub)
-        for sub in getattr(e, "args", None) or ():
+        for sub in _subexprs(e):
             walk(sub)
 
     walk(expr)
@@ -727,21 +732,11 @@ def check_bounds(mod: tvm.IRModule) -> None:
     bad: list[str] = []
 
     def opaque(e) -> bool:
-        """An index built from selects or loads (reflect padding, gathered positions): its range is
-        by construction, which interval analysis cannot follow; such loads are not judged."""
-        found = [False]
-
-        def walk(x):
-            if found[0] or x is None or isinstance(x, (int, float, str)):
-                return
-            if isinstance(x, (tirx.Select, tvm.ir.expr.TensorLoad)) or getattr(x, "args", None):
-                found[0] = True
-                return
-            for attr in ("a", "b", "value", "base", "stride"):
-                walk(getattr(x, attr, None))
-
-        walk(e)
-        return found[0]
+        """An index built from selects, loads or calls (reflect padding, gathered positions): its
+        range is by construction, which interval analysis cannot follow; such loads are not judged."""
+        if isinstance(e, (tirx.Select, tvm.ir.expr.TensorLoad)) or getattr(e, "args", None):
+            return True
+        return any(opaque(sub) for sub in _subexprs(e))
 
     def load_ok(e) -> bool:
         for idx, n in zip(e.indices, e.source.shape):
@@ -753,22 +748,14 @@ def check_bounds(mod: tvm.IRModule) -> None:
         return True
 
     def expr(e, in_select: bool) -> None:
-        if isinstance(e, tvm.ir.expr.TensorLoad):
-            if in_select and not load_ok(e):
-                bad.append(f"{e.source.name}[{', '.join(str(i) for i in e.indices)}]")
-            for i in e.indices:
-                expr(i, in_select)
-            return
+        if isinstance(e, tvm.ir.expr.TensorLoad) and in_select and not load_ok(e):
+            bad.append(f"{e.source.name}[{', '.join(str(i) for i in e.indices)}]")
         if isinstance(e, tirx.Select):
             expr(e.condition, in_select)
             expr(e.true_value, True)
             expr(e.false_value, True)
             return
-        for attr in ("a", "b", "value", "condition", "true_value", "false_value", "base", "stride"):
-            sub = getattr(e, attr, None)
-            if sub is not None and not isinstance(sub, (int, float, str)):
-                expr(sub, in_select)
-        for sub in getattr(e, "args", None) or ():
+        for sub in _subexprs(e):
             expr(sub, in_select)
 
     def stmt(st) -> None:
