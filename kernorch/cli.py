@@ -88,6 +88,9 @@ def _tuning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-library", action="store_true", help="do not offer BLAS/im2col kernels")
     p.add_argument("--no-select", action="store_true",
                    help="emit the plan over every implementation without timing the runtime mixes")
+    p.add_argument("--no-context", action="store_true",
+                   help="weigh kernels by their isolated timings only: do not learn or use how each "
+                        "implementation runs inside the executable")
     p.add_argument("--time-limit", type=float, default=None, help="solver time limit (s)")
     p.add_argument("--budget", default=None, metavar="200t|20m",
                    help="MetaSchedule tuning budget for the kernels that can change the plan: trials (200t) "
@@ -113,6 +116,8 @@ def options_from(args) -> Options:
         kw["library"] = False
     if getattr(args, "no_select", False):
         kw["select"] = False
+    if getattr(args, "no_context", False):
+        kw["context"] = False
     if getattr(args, "time_limit", None):
         kw["solver_time_limit"] = args.time_limit
     if getattr(args, "budget", None):

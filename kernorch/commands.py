@@ -222,6 +222,16 @@ def _print_optimize(rep: dict, outdir) -> None:
     if by_impl:
         print("kernels alone vs inside the model: " + "; ".join(
             f"{impl} x{d['kernels']} {d['alone_ms']:.2f} -> {d['in_model_ms']:.2f} ms" for impl, d in by_impl.items()))
+    ref = rep.get("refined")
+    if ref:
+        print("inside the model (fitted): " + "; ".join(
+            f"{impl} x{f['kernels']} = {f['scale']:.2f} x alone + {f['call_us']:.0f} us" for impl, f in ref["fits"].items()))
+        if not ref.get("changed"):
+            print("re-solved with it: same plan")
+        elif "measured_ms" in ref:
+            m = ref["measured_ms"]
+            print(f"re-solved with it: a different plan, {m['refined']:.3f} ms against {m['selected']:.3f} ms "
+                  f"({ref['runs']} interleaved runs each): {'kept' if ref['kept'] else 'not kept'}")
     mixes = [m for m in rep.get("mixes", []) if "measured_ms" in m]
     if len(mixes) > 1:
         _table("Runtime mixes (each emitted and timed end to end, interleaved)",

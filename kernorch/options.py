@@ -95,6 +95,7 @@ class Options:
     library: bool = True                # offer BLAS/im2col implementations
     select: bool = True                 # emit a plan per runtime mix, keep the fastest end to end
     select_runs: int = 7                # interleaved timed runs per mix when selecting
+    context: bool = True                # learn how each implementation runs inside the executable (refine)
     compare_untuned: int = 8            # also time this many kernels untuned, for the report
     verify: bool = True
     seed: int = 0

@@ -36,6 +36,9 @@ class Choice:
     `inputs` holds only tensors produced by prims (graph inputs and weights are always available,
     so they never constrain the schedule). `outputs` holds the members whose value is used outside
     the kernel or is a graph output; a prim's output tensor is named like the prim.
+
+    `cost_ns` is what the solver weighs: the measured latency `alone_ns` as it is expected inside
+    the executable, `scale` x alone_ns + `call_ns` (1 and 0 unless learned, see pipeline.refine).
     """
 
     id: str
@@ -46,6 +49,9 @@ class Choice:
     outputs: frozenset[str]
     cost_ns: int
     order: tuple[str, ...] = ()
+    scale: float = 1.0
+    call_ns: float = 0.0
+    alone_ns: int | None = None  # None: cost_ns
 
 
 @dataclass(frozen=True, eq=False)

@@ -28,6 +28,12 @@ class Alternative:
     impl: str
     members: tuple[str, ...]
     cost_ns: int
+    scale: float = 1.0
+    call_ns: float = 0.0
+
+    @property
+    def weighed_ns(self) -> int:
+        return weighed(self.cost_ns, self.scale, self.call_ns)
 
 
 @dataclass(frozen=True)
@@ -38,8 +44,25 @@ class Kernel:
     members: tuple[str, ...]  # in execution (topological) order
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    cost_ns: int
+    cost_ns: int                   # measured alone
     alternatives: tuple[Alternative, ...] = ()
+    scale: float = 1.0             # the implementation's context as the solver assumed it:
+    call_ns: float = 0.0           #   in model = scale x alone + call_ns
+
+    @property
+    def weighed_ns(self) -> int:
+        """The cost the solver weighed: the measured latency as expected inside the executable."""
+        return weighed(self.cost_ns, self.scale, self.call_ns)
+
+
+def weighed(alone_ns: int, scale: float, call_ns: float) -> int:
+    """A measured latency as expected inside the executable."""
+    return round(alone_ns * scale + call_ns)
+
+
+def _alone(c) -> int:
+    """A choice's measured latency (its cost_ns is the weighed one)."""
+    return c.cost_ns if c.alone_ns is None else c.alone_ns
 
 
 @dataclass(frozen=True)
@@ -76,8 +99,9 @@ class Plan:
 
     @property
     def predicted_ns(self) -> int:
-        """The additive cost model's prediction: the sum of the kernels' measured latencies."""
-        return sum(k.cost_ns for k in self.kernels)
+        """The additive cost model's prediction: the sum of the kernels' measured latencies, each
+        as expected inside the executable (its implementation's context)."""
+        return sum(k.weighed_ns for k in self.kernels)
 
     # -- construction ------------------------------------------------------------------------
     @staticmethod
@@ -99,8 +123,9 @@ class Plan:
             others = {o.id: o for m in c.members for o in covering.get(m, ()) if o.id != c.id}
             alts = sorted(others.values(), key=lambda o: (o.cost_ns, o.id))[:n_alternatives]
             kernels.append(Kernel(c.id, c.key, c.impl, tuple(members), tuple(sorted(c.inputs)), tuple(sorted(c.outputs)),
-                                  c.cost_ns, tuple(Alternative(o.id, o.impl, tuple(sorted(o.members, key=rank.__getitem__)),
-                                                               o.cost_ns) for o in alts)))
+                                  _alone(c), tuple(Alternative(o.id, o.impl, tuple(sorted(o.members, key=rank.__getitem__)),
+                                                               _alone(o), o.scale, o.call_ns) for o in alts),
+                                  c.scale, c.call_ns))
         produced: dict[str, int] = {}
         last: dict[str, int] = {}
         for step, k in enumerate(kernels):
@@ -132,8 +157,10 @@ class Plan:
         if d.get("version") != PLAN_VERSION:
             raise KernorchError(f"plan file has version {d.get('version')!r}; this kernorch reads version {PLAN_VERSION}")
         kernels = tuple(Kernel(k["id"], k["key"], k["impl"], tuple(k["members"]), tuple(k["inputs"]), tuple(k["outputs"]),
-                               k["cost_ns"], tuple(Alternative(a["id"], a["impl"], tuple(a["members"]), a["cost_ns"])
-                                                   for a in k["alternatives"]))
+                               k["cost_ns"], tuple(Alternative(a["id"], a["impl"], tuple(a["members"]), a["cost_ns"],
+                                                               a.get("scale", 1.0), a.get("call_ns", 0.0))
+                                                   for a in k["alternatives"]),
+                               k.get("scale", 1.0), k.get("call_ns", 0.0))
                         for k in d["kernels"])
         buffers = tuple(Buffer(**b) for b in d["buffers"])
         return Plan(kernels, buffers, tuple(d["outputs"]), SolverStats(**d["stats"]), d.get("unfused_ns"),

@@ -280,7 +280,7 @@ def _summary_section(report: Mapping, plan, bench: Mapping | None) -> str:
     measured = timing.get("kernorch_ms")
     if measured is None and bench:
         measured = (bench.get("systems", {}).get("kernorch") or {}).get("median_ms")
-    tot = [["predicted (sum of measured kernel costs)", _ms(pred), ""],
+    tot = [["predicted (sum of kernel costs, as expected inside the model)", _ms(pred), ""],
            ["measured end to end (median)", _f(measured), f"{timing.get('runs', '')} runs" if timing else "bench"],
            ["ONNX Runtime, all optimizations (median)", _f(timing.get("ort_ms")), ""]]
     if measured and pred:
@@ -295,6 +295,18 @@ def _summary_section(report: Mapping, plan, bench: Mapping | None) -> str:
                        [[_e(m["mix"]), _e(", ".join(f"{k} {v}" for k, v in m["impls"].items())),
                          _f(m["predicted_ms"]), _f(m.get("measured_ms")), "chosen" if m["chosen"] else ""]
                         for m in mixes], also_left=(1,), cls="mixes"))
+    ref = report.get("refined")
+    if ref:
+        rows = [[_e(i), str(f["kernels"]), _f(f["scale"], ".2f"), _f(f["call_us"], ".1f")] for i, f in ref["fits"].items()]
+        verdict = ("re-solving with it gave the same plan" if not ref.get("changed") else
+                   f"re-solving with it gave a different plan: {_f(ref['measured_ms']['refined'])} ms against "
+                   f"{_f(ref['measured_ms']['selected'])} ms ({ref['runs']} interleaved runs each), "
+                   f"{'kept' if ref['kept'] else 'not kept'}" if "measured_ms" in ref else
+                   "re-solving with it gave a different plan that did not build")
+        out += ("<h2>Kernels inside the model</h2><p class=\"muted\">fitted per implementation over this executable's "
+                "kernels: time inside the model = scale &times; time alone + per-call cost; stored, and used to "
+                f"weigh the kernels when solving; {_e(verdict)}</p>" +
+                _table(["implementation", "kernels", "scale", "per call µs"], rows, cls="context"))
     if plan:
         st = plan.stats
         base = [["optimal (solver)", _ms(plan.predicted_ns), "1.00x"]]

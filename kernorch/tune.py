@@ -308,9 +308,9 @@ def tunable_set(run) -> dict[str, float]:
             c = ids.get(a.id.split(".")[0])
             if c is None or c.key in weights and weights[c.key] >= 1.0:
                 continue
-            cover = sum(p.cost_ns for p in plan.kernels if set(p.members) & set(a.members))
-            if a.cost_ns <= CLOSE * max(cover, 1):
-                weights[c.key] = weights.get(c.key, 0.0) + min(1.0, cover / max(a.cost_ns, 1))
+            cover = sum(p.weighed_ns for p in plan.kernels if set(p.members) & set(a.members))
+            if a.weighed_ns <= CLOSE * max(cover, 1):
+                weights[c.key] = weights.get(c.key, 0.0) + min(1.0, cover / max(a.weighed_ns, 1))
     return weights
 
 

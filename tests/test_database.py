@@ -36,6 +36,25 @@ def test_add_lookup_latest_wins(tmp_path):
         assert db.stats()["measurements"] == 0
 
 
+def test_context_is_the_mean_of_the_recent_fits_per_target(tmp_path):
+    from kernorch.database import CONTEXT_WINDOW
+    with ProfileDB(tmp_path / "db.sqlite") as db:
+        assert db.context("tgt") == {}
+        db.add_context("tgt", "ort", 9.0, 9e6, 3, "old.onnx")  # pushed out of the window below
+        for i in range(CONTEXT_WINDOW):
+            db.add_context("tgt", "ort", 1.0 + i, 1000.0 * i, 4, "m.onnx")
+        db.add_context("tgt", "tvm", 1.2, 10.0, 7, "m.onnx")
+        db.add_context("other", "tvm", 3.0, 0.0, 7, "m.onnx")
+        ctx = db.context("tgt")
+        assert set(ctx) == {"ort", "tvm"}
+        assert ctx["ort"] == pytest.approx((1.0 + (CONTEXT_WINDOW - 1) / 2, 500.0 * (CONTEXT_WINDOW - 1)))
+        assert ctx["tvm"] == pytest.approx((1.2, 10.0))
+        db.clear(refused_only=True)
+        assert db.context("tgt")
+        db.clear()
+        assert db.context("tgt") == {} and db.context("other") == {}
+
+
 def test_survives_killed_writer(tmp_path):
     """A process killed mid-run keeps every row it committed."""
     path = tmp_path / "db.sqlite"

@@ -75,8 +75,13 @@ def test_second_run_is_served_from_database(optimized):
     run2 = pipeline.plan_model(str(model), opts)
     assert run2.measure_stats.measured == 0 and run2.measure_stats.refused == 0
     assert run2.measure_stats.cached == run2.measure_stats.jobs > 0
-    all_mix = next(m for m in run.mixes if m["mix"] == "all")
-    assert run2.plan.predicted_ns / 1e6 == pytest.approx(all_mix["predicted_ms"])
+    # it starts from the context the first run learned, and so solves to the plan `refine` re-solved
+    assert {i: pytest.approx(v) for i, v in run2.context.items()} == run.context
+    from dataclasses import replace
+    again = replace(run, seconds={})
+    pipeline.orchestrate(again)
+    assert run2.plan.predicted_ns == again.plan.predicted_ns
+    assert pipeline._signature(run2.plan) == pipeline._signature(again.plan)
 
 
 def _check_mixes(mixes_list, run, select_runs):
@@ -92,8 +97,9 @@ def _check_mixes(mixes_list, run, select_runs):
         assert set(m["impls"]) <= set(pipeline.MIXES[m["mix"]]) | {"tvm", "tvm-tuned"}
     for m in mixes.values():
         assert "same_as" not in m or "chosen" in mixes[m["same_as"]]
-    assert chosen["predicted_ms"] == pytest.approx(run.plan.predicted_ns / 1e6)
-    assert chosen["impls"] == dict(sorted(pipeline._impl_counts(run.plan).items()))
+    if not (run.refined or {}).get("kept"):  # else refine replaced the selected plan
+        assert chosen["predicted_ms"] == pytest.approx(run.plan.predicted_ns / 1e6)
+        assert chosen["impls"] == dict(sorted(pipeline._impl_counts(run.plan).items()))
     return built
 
 
@@ -118,11 +124,80 @@ def test_select_times_distinct_mixes_and_keeps_the_fastest(optimized):
     assert np.allclose(c2.run(feeds)["y"], compiled.run(feeds)["y"], rtol=1e-4, atol=1e-6)
 
 
+def test_refine_fits_the_context_and_stores_it(optimized):
+    d, model, db, opts, compiled, run = optimized
+    ref = compiled.report["refined"]
+    impls = {k.impl for k in run.plan.kernels}
+    assert set(ref["fits"]) <= impls | {"tvm", "tvm-tuned", "ort", "library"} and ref["fits"]
+    for f in ref["fits"].values():
+        assert pipeline.SCALE_RANGE[0] <= f["scale"] <= pipeline.SCALE_RANGE[1] and f["call_us"] >= 0
+    with ProfileDB(db) as pdb:
+        stored = pdb.context(run.machine.fingerprint(opts.threads))
+    assert set(stored) == set(ref["fits"])
+    assert "changed" in ref
+
+
+def test_refine_keeps_a_different_plan_only_if_it_measures_faster(optimized, monkeypatch):
+    """Make the fit say library kernels are 4x slower inside the model: the re-solved plan differs,
+    is emitted, timed against the selected one, and the faster of the two is kept."""
+    import copy
+    from dataclasses import replace
+    d, model, db, opts, compiled, run = optimized
+    run2 = copy.copy(run)
+    run2.mixes, run2.seconds, run2.context, run2.refined = [], {}, {}, None
+    run2.options = run.options.with_(db_path=str(d / "refine.sqlite"))
+    # library kernels look free to select(), so its plan uses them ...
+    run2.measurements = {k: (replace(m, median_ns=1) if k[1] in ("ort", "library") else m)
+                         for k, m in run.measurements.items()}
+    c1 = pipeline.select(run2)
+    if not any(k.impl in ("ort", "library") for k in run2.plan.kernels):
+        pytest.skip("no library kernel in this plan")
+    # ... and then the executable "shows" them 4x slower plus 1 s per call
+    monkeypatch.setattr(pipeline, "fit_context", lambda plan, ms: {"ort": (4.0, 1e9, 1), "library": (4.0, 1e9, 1)})
+    c2, ctx = pipeline.refine(run2, c1)
+    ref = run2.refined
+    assert ref["changed"] and ref["runs"] == opts.select_runs and set(ref["measured_ms"]) == {"selected", "refined"}
+    assert not set(ref["impls"]) & {"ort", "library"}
+    faster = min(ref["measured_ms"], key=ref["measured_ms"].get)
+    assert ref["kept"] == (faster == "refined") and (c2 is not c1) == ref["kept"]
+    assert c2.plan is run2.plan and len(ctx["kernel_ms"]) == len(run2.plan.kernels)
+    feeds = executor.random_feeds(run.graph, seed=4)
+    assert np.allclose(c2.run(feeds)["y"], compiled.run(feeds)["y"], rtol=1e-4, atol=1e-6)
+
+
+def test_fit_context_recovers_scale_and_call_cost():
+    from kernorch.plan import Kernel
+    alone = [10_000, 50_000, 200_000, 800_000, 30_000]
+    kernels = [Kernel(f"c{i}.ort", "k", "ort", ("a",), (), ("a",), a) for i, a in enumerate(alone)]
+    kernels.append(Kernel("c9.tvm", "k", "tvm", ("a",), (), ("a",), 40_000))
+    inside_ms = [(1.5 * a + 20_000) / 1e6 for a in alone] + [0.08]
+    fits = pipeline.fit_context(type("P", (), {"kernels": kernels})(), inside_ms)
+    s, c, n = fits["ort"]
+    assert s == pytest.approx(1.5) and c == pytest.approx(20_000) and n == 5
+    assert fits["tvm"] == (pytest.approx(2.0), 0.0, 1)  # one kernel: the ratio only
+    # implausible fits fall back to the ratio, clipped to SCALE_RANGE
+    wild = pipeline.fit_context(type("P", (), {"kernels": kernels[:5]})(), [a * 100 / 1e6 for a in alone])
+    assert wild["ort"] == (pipeline.SCALE_RANGE[1], 0.0, 5)
+
+
+def test_context_weighs_the_choices(optimized):
+    d, model, db, opts, compiled, run = optimized
+    costs = pipeline.best_costs(run.measurements)
+    plain, _ = pipeline.problem_for(run.graph, run.enumeration.candidates, costs)
+    weighed, _ = pipeline.problem_for(run.graph, run.enumeration.candidates, costs, {"tvm": (2.0, 1000.0)})
+    for a, b in zip(plain.choices, weighed.choices):
+        assert b.alone_ns == a.cost_ns
+        assert b.cost_ns == (round(2 * a.cost_ns + 1000) if a.impl == "tvm" else a.cost_ns)
+
+
 def test_no_select_emits_the_plan_over_every_implementation(optimized):
     import copy
     d, model, db, opts, compiled, run = optimized
     args = cli.parser().parse_args(["optimize", str(model), "-o", str(d / "x"), "--no-select"])
     assert cli.options_from(args).select is False
+    assert cli.options_from(args).context is True
+    args = cli.parser().parse_args(["optimize", str(model), "-o", str(d / "x"), "--no-context"])
+    assert cli.options_from(args).context is False
     run2 = copy.copy(run)
     run2.mixes, run2.options = [], run.options.with_(select=False)
     pipeline.select(run2)

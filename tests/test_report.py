@@ -85,7 +85,11 @@ def saved_dir(tmp_path_factory) -> Path:
                          "measured_ms": 0.9, "runs": 7, "chosen": False},
                         {"mix": "tvm+ort", "same_as": "all"},
                         {"mix": "tvm", "predicted_ms": 0.6, "kernels": 3, "impls": {"tvm": 3},
-                         "measured_ms": 0.8, "runs": 7, "chosen": True}]}
+                         "measured_ms": 0.8, "runs": 7, "chosen": True}],
+              "refined": {"fits": {"ort": {"scale": 1.47, "call_us": 88.0, "kernels": 24},
+                                   "tvm": {"scale": 1.38, "call_us": 8.0, "kernels": 55}},
+                          "changed": True, "kept": False, "runs": 7,
+                          "measured_ms": {"selected": 0.8, "refined": 0.85}}}
     (d / "report.json").write_text(json.dumps(report))
     (d / "bench.json").write_text(json.dumps(_bench_dict()))
     return d
@@ -113,7 +117,7 @@ def test_report_contents(saved_dir):
     root = ET.fromstring(svg)  # well-formed XML
     ns = "{http://www.w3.org/2000/svg}"
     assert len(root.findall(f"{ns}g")) == n_prims
-    for needle in ('class="bench"', 'class="mixes"', "in model / alone", "Optimal vs greedy", "Time per stage", "Tuning", "1.25", "&lt;boom &amp; co&gt;",
+    for needle in ('class="bench"', 'class="mixes"', "in model / alone", 'class="context"', "1.47", "not kept", "Optimal vs greedy", "Time per stage", "Tuning", "1.25", "&lt;boom &amp; co&gt;",
                    "PyTorch is not installed", "<polyline"):
         assert needle in doc, needle
     assert "http://" not in doc.replace('xmlns="http://www.w3.org/2000/svg"', "")  # nothing fetched from outside
