@@ -130,16 +130,8 @@ def _onnx_inputs(proto) -> list[str]:
 
 def _ort_system(name: str, proto_bytes: bytes, feeds: dict, threads: int, level: str) -> System:
     import onnxruntime as ort
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.log_severity_level = 3
-    so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
-    if ORT_SPINNING == "stop":
-        so.add_session_config_entry("session.force_spinning_stop", "1")
-    elif not ORT_SPINNING:
-        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    sess = ort.InferenceSession(proto_bytes, so, providers=["CPUExecutionProvider"])
+    from .executor import ort_session
+    sess = ort_session(proto_bytes, threads, level, ORT_SPINNING)
     names = [o.name for o in sess.get_outputs()]
     feeds = {i.name: feeds[i.name] for i in sess.get_inputs()}
     return System(name, _timer(lambda: sess.run(names, feeds)), lambda: [np.asarray(o) for o in sess.run(names, feeds)],
