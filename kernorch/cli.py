@@ -91,6 +91,9 @@ def _tuning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-context", action="store_true",
                    help="weigh kernels by their isolated timings only: do not learn or use how each "
                         "implementation runs inside the executable")
+    p.add_argument("--remeasure", action="store_true",
+                   help="time again the kernels whose stored repeats disagreed by more than 1.5x (up to 3 "
+                        "measurements per kernel); the fastest counts")
     p.add_argument("--time-limit", type=float, default=None, help="solver time limit (s)")
     p.add_argument("--budget", default=None, metavar="200t|20m",
                    help="MetaSchedule tuning budget for the kernels that can change the plan: trials (200t) "
@@ -118,6 +121,8 @@ def options_from(args) -> Options:
         kw["select"] = False
     if getattr(args, "no_context", False):
         kw["context"] = False
+    if getattr(args, "remeasure", False):
+        kw["remeasure"] = True
     if getattr(args, "time_limit", None):
         kw["solver_time_limit"] = args.time_limit
     if getattr(args, "budget", None):

@@ -131,7 +131,7 @@ def candidates_report(run) -> dict:
     return {"model": run.source, "primitives": len(run.graph.prims), "partitions": parts,
             "candidates": len(en.candidates), "distinct_keys": len({c.key for c in en.candidates}),
             "jobs": s.jobs, "from_database": s.cached, "measured": s.measured, "refused": s.refused,
-            "measure_seconds": round(s.seconds, 2), "seconds": {k: round(v, 2) for k, v in run.seconds.items()},
+            "remeasured": s.remeasured, "measure_seconds": round(s.seconds, 2), "seconds": {k: round(v, 2) for k, v in run.seconds.items()},
             "untuned_vs_default": untuned_speedups(run)}
 
 
@@ -166,8 +166,9 @@ def cmd_candidates(args, options: Options) -> int:
              ", ".join(f"{k}: {v}" for k, v in p["rejected"].items()) or "-", p["enumerate_s"]]
             for p in rep["partitions"]])
     print(f"{rep['candidates']} candidates, {rep['distinct_keys']} distinct keys; {rep['jobs']} measurements needed: "
-          f"{rep['from_database']} from the database, {rep['measured']} measured, {rep['refused']} refused, "
-          f"in {rep['measure_seconds']} s")
+          f"{rep['from_database']} from the database, {rep['measured']} measured"
+          + (f" ({rep['remeasured']} again: disturbed)" if rep.get("remeasured") else "")
+          + f", {rep['refused']} refused, in {rep['measure_seconds']} s")
     sp = rep["untuned_vs_default"]
     if sp:
         import numpy as np

@@ -2,7 +2,9 @@
 
 A measurement is keyed by (target fingerprint, kernel key, implementation, schedule, versions).
 Each row is committed the moment it exists, so a killed run loses nothing it measured; a second
-run on the same model finds everything and measures nothing.
+run on the same model finds everything and measures nothing. A key measured more than once
+(`measure --remeasure`) counts its fastest measurement: other work on the machine only ever makes
+a kernel slower.
 """
 from __future__ import annotations
 
@@ -64,6 +66,12 @@ class Measurement:
     def ok(self) -> bool:
         return self.status == "ok"
 
+    @property
+    def spread(self) -> float:
+        """Slowest over fastest repeat (1.0 with fewer than two): how much the timing was disturbed."""
+        runs = [r for r in self.runs_ns if r > 0]
+        return max(runs) / min(runs) if len(runs) > 1 else 1.0
+
 
 class ProfileDB:
     def __init__(self, path: str | Path):
@@ -93,25 +101,26 @@ class ProfileDB:
         self.conn.commit()
 
     def lookup(self, target: str, key: str, impl: str, schedule: str, versions: str) -> Measurement | None:
-        """The latest measurement for this exact key, or None."""
-        row = self.conn.execute(
-            "SELECT target,key,impl,schedule,versions,status,median_ns,runs_ns,reason,build_s,description "
-            "FROM measurements WHERE target=? AND key=? AND impl=? AND schedule=? AND versions=? "
-            "ORDER BY id DESC LIMIT 1", (target, key, impl, schedule, versions)).fetchone()
-        return _row(row) if row else None
+        """The measurement that counts for this exact key (see `best`), or None."""
+        return self.lookup_many(target, versions, [(key, impl, schedule)]).get((key, impl, schedule))
 
-    def lookup_many(self, target: str, versions: str, keys: Iterable[tuple[str, str, str]]
-                    ) -> dict[tuple[str, str, str], Measurement]:
-        """Latest measurement for each (key, impl, schedule)."""
+    def history(self, target: str, versions: str, keys: Iterable[tuple[str, str, str]]
+                ) -> dict[tuple[str, str, str], list[Measurement]]:
+        """Every measurement of each (key, impl, schedule), oldest first."""
         want = set(keys)
-        out: dict[tuple[str, str, str], Measurement] = {}
+        out: dict[tuple[str, str, str], list[Measurement]] = {}
         for row in self.conn.execute(
                 "SELECT target,key,impl,schedule,versions,status,median_ns,runs_ns,reason,build_s,description "
                 "FROM measurements WHERE target=? AND versions=? ORDER BY id", (target, versions)):
             k = (row[1], row[2], row[3])
             if k in want:
-                out[k] = _row(row)
+                out.setdefault(k, []).append(_row(row))
         return out
+
+    def lookup_many(self, target: str, versions: str, keys: Iterable[tuple[str, str, str]]
+                    ) -> dict[tuple[str, str, str], Measurement]:
+        """The measurement that counts for each (key, impl, schedule) (see `best`)."""
+        return {k: best(ms) for k, ms in self.history(target, versions, keys).items()}
 
     def rows(self) -> Iterator[Measurement]:
         for row in self.conn.execute(
@@ -155,6 +164,12 @@ class ProfileDB:
             self.conn.execute("DELETE FROM context")
         self.conn.commit()
         return n
+
+
+def best(measurements: list[Measurement]) -> Measurement:
+    """The fastest successful measurement; without one, the latest (a refusal)."""
+    ok = [m for m in measurements if m.ok]
+    return min(ok, key=lambda m: m.median_ns) if ok else measurements[-1]
 
 
 def _row(row) -> Measurement:

@@ -16,10 +16,12 @@ def _m(key, impl="tvm", ns=100, status="ok"):
     return Measurement("tgt", key, impl, "default", "v1", status, ns if status == "ok" else None, (ns, ns), "", 0.1, "add")
 
 
-def test_add_lookup_latest_wins(tmp_path):
+def test_add_lookup_fastest_counts(tmp_path):
     with ProfileDB(tmp_path / "db.sqlite") as db:
         db.add(_m("k1", ns=100))
         db.add(_m("k1", ns=90))
+        db.add(_m("k1", ns=95))                  # taken again, slower: the fastest still counts
+        db.add(_m("k1", status="refused"))      # a later refusal does not hide a measurement
         db.add(_m("k2", status="refused"))
         assert db.lookup("tgt", "k1", "tvm", "default", "v1").median_ns == 90
         assert db.lookup("tgt", "k1", "tvm", "default", "v2") is None
@@ -27,12 +29,14 @@ def test_add_lookup_latest_wins(tmp_path):
         many = db.lookup_many("tgt", "v1", [("k1", "tvm", "default"), ("k2", "tvm", "default"), ("k3", "tvm", "default")])
         assert set(many) == {("k1", "tvm", "default"), ("k2", "tvm", "default")}
         assert not many[("k2", "tvm", "default")].ok
+        assert [m.median_ns for m in db.history("tgt", "v1", [("k1", "tvm", "default")])[("k1", "tvm", "default")]] \
+            == [100, 90, 95, None]
         s = db.stats()
-        assert s["measurements"] == 3
-        assert len(db.export()) == 3
-        assert db.clear(refused_only=True) == 1
+        assert s["measurements"] == 5
+        assert len(db.export()) == 5
+        assert db.clear(refused_only=True) == 2
         assert db.lookup("tgt", "k2", "tvm", "default", "v1") is None
-        assert db.clear() == 2
+        assert db.clear() == 3
         assert db.stats()["measurements"] == 0
 
 
@@ -191,6 +195,32 @@ def test_a_dominated_generated_kernel_is_timed_once(tmp_path):
     assert stats.cached == 1 and stats.measured == 2
     assert len(res[jobs[0].ident].runs_ns) == 1          # cut after one call
     assert len(res[jobs[1].ident].runs_ns) == 4          # no cheaper implementation known: fully timed
+
+
+def test_remeasure_takes_disturbed_measurements_again(tmp_path):
+    """--remeasure: a stored measurement whose repeats disagree is timed again (until the key has
+    REMEASURE_TRIES), and the fastest counts; steady measurements are served as they are."""
+    from kernorch import measure
+    from kernorch.ir import Graph, TensorType, make_prim
+    from kernorch.options import Machine, Options
+    t = TensorType((32, 32), "float32")
+    g = Graph((("x", t), ("w", t)), ("y",), (make_prim("y", "matmul", ["x", "w"], t),))
+    opts = Options(threads=1, repeats=3, min_repeat_ms=0.1)
+    target = Machine.host().fingerprint(opts.threads)
+    ver = measure.versions("library")
+    noisy = measure.KernelJob("k-noisy", "library", "-", g, ("x", "w"), ("y",))
+    steady = measure.KernelJob("k-steady", "library", "-", g, ("x", "w"), ("y",))
+    slow = 10**9  # 1 s, disturbed (repeats 1 s and 3 s): any real timing of a 32x32 matmul beats it
+    with ProfileDB(tmp_path / "db.sqlite") as db:
+        db.add(Measurement(target, "k-noisy", "library", "-", ver, "ok", slow, (slow, 3 * slow), "", 0.0, "matmul"))
+        db.add(Measurement(target, "k-steady", "library", "-", ver, "ok", slow, (slow, slow), "", 0.0, "matmul"))
+        res, stats = measure.measure([noisy, steady], db, opts)           # not asked: both served
+        assert stats.cached == 2 and stats.measured == 0
+        res, stats = measure.measure([noisy, steady], db, opts.with_(remeasure=True))
+        assert stats.cached == 1 and stats.measured == 1 and stats.remeasured == 1
+        assert res[noisy.ident].median_ns < slow and res[steady.ident].median_ns == slow
+        assert db.lookup(target, "k-noisy", "library", "-", ver).median_ns == res[noisy.ident].median_ns
+        assert len(db.history(target, ver, [noisy.ident])[noisy.ident]) == 2
 
 
 def _blas_threads():
