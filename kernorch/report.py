@@ -192,6 +192,46 @@ def line_chart_svg(series: Mapping[str, Iterable], xlabel: str = "seconds", ylab
     return "".join(parts)
 
 
+def scatter_svg(points: Mapping[str, Iterable], fits: Mapping[str, tuple[float, float]] | None = None,
+                xlabel: str = "alone µs", ylabel: str = "in model µs", width: int = 560, height: int = 300) -> str:
+    """Log-log scatter of named (x, y) point sets, with y = x and each set's fitted y = scale x + call."""
+    import math
+    pts = {n: [(float(x), float(y)) for x, y in ps if x > 0 and y > 0] for n, ps in points.items()}
+    allv = [v for ps in pts.values() for p in ps for v in p]
+    if not allv:
+        return ""
+    lo, hi = math.log10(min(allv)), math.log10(max(allv))
+    lo, hi = math.floor(lo), max(math.ceil(hi), math.floor(lo) + 1)
+    L, R, T, B = 56, 12, 12, 36
+    sx = lambda x: L + (math.log10(x) - lo) / (hi - lo) * (width - L - R)  # noqa: E731
+    sy = lambda y: height - B - (math.log10(y) - lo) / (hi - lo) * (height - T - B)  # noqa: E731
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" width="{width}" height="{height}">',
+             f'<line x1="{L}" y1="{height - B}" x2="{width - R}" y2="{height - B}" stroke="#333"/>',
+             f'<line x1="{L}" y1="{T}" x2="{L}" y2="{height - B}" stroke="#333"/>',
+             f'<line x1="{sx(10 ** lo):.1f}" y1="{sy(10 ** lo):.1f}" x2="{sx(10 ** hi):.1f}" y2="{sy(10 ** hi):.1f}" '
+             f'stroke="#999" stroke-dasharray="4 3"><title>in model = alone</title></line>']
+    for e in range(lo, hi + 1):
+        parts.append(f'<text x="{L - 4}" y="{sy(10 ** e) + 4:.0f}" font-size="10" text-anchor="end">{10 ** e:g}</text>')
+        parts.append(f'<text x="{sx(10 ** e):.0f}" y="{height - B + 14}" font-size="10" text-anchor="middle">{10 ** e:g}</text>')
+    parts.append(f'<text x="{(L + width) / 2:.0f}" y="{height - 4}" font-size="11" text-anchor="middle">{_e(xlabel)}</text>')
+    parts.append(f'<text x="12" y="{T + 8}" font-size="11">{_e(ylabel)}</text>')
+    for i, (name, ps) in enumerate(pts.items()):
+        color = f"hsl({(i * 137.508) % 360:.0f},65%,40%)"
+        for x, y in ps:
+            parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{color}" fill-opacity="0.6">'
+                         f'<title>{_e(name)}: {x:.1f} µs alone, {y:.1f} µs in model</title></circle>')
+        fit = (fits or {}).get(name)
+        if fit and ps:
+            xs = [10 ** (lo + (hi - lo) * t / 40) for t in range(41)]
+            line = [(x, fit[0] * x + fit[1]) for x in xs if lo <= math.log10(fit[0] * x + fit[1]) <= hi]
+            if len(line) > 1:
+                d = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in line)
+                parts.append(f'<polyline points="{d}" fill="none" stroke="{color}" stroke-width="1.5"/>')
+        parts.append(f'<text x="{L + 8}" y="{T + 12 + 13 * i}" font-size="11" fill="{color}">{_e(name)}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
 def bar_chart_svg(values: Mapping[str, float], unit: str = "ms", width: int = 560) -> str:
     """Horizontal bars (bench latencies), labelled."""
     if not values:
@@ -307,6 +347,13 @@ def _summary_section(report: Mapping, plan, bench: Mapping | None) -> str:
                 "kernels: time inside the model = scale &times; time alone + per-call cost; stored, and used to "
                 f"weigh the kernels when solving; {_e(verdict)}</p>" +
                 _table(["implementation", "kernels", "scale", "per call µs"], rows, cls="context"))
+        ctx = (report.get("context") or {}).get("kernel_ms") or []
+        if plan and len(ctx) == len(plan.kernels):
+            pts: dict[str, list] = {}
+            for k, ms in zip(plan.kernels, ctx):
+                pts.setdefault(k.impl, []).append((k.cost_ns / 1e3, ms * 1e3))
+            fits = {i: (f["scale"], f["call_us"]) for i, f in ref["fits"].items()}
+            out += scatter_svg(pts, fits)
     if plan:
         st = plan.stats
         base = [["optimal (solver)", _ms(plan.predicted_ns), "1.00x"]]

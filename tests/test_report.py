@@ -117,7 +117,7 @@ def test_report_contents(saved_dir):
     root = ET.fromstring(svg)  # well-formed XML
     ns = "{http://www.w3.org/2000/svg}"
     assert len(root.findall(f"{ns}g")) == n_prims
-    for needle in ('class="bench"', 'class="mixes"', "in model / alone", 'class="context"', "1.47", "not kept", "Optimal vs greedy", "Time per stage", "Tuning", "1.25", "&lt;boom &amp; co&gt;",
+    for needle in ('class="bench"', 'class="mixes"', "in model / alone", 'class="context"', "1.47", "not kept", "in model = alone", "<circle", "Optimal vs greedy", "Time per stage", "Tuning", "1.25", "&lt;boom &amp; co&gt;",
                    "PyTorch is not installed", "<polyline"):
         assert needle in doc, needle
     assert "http://" not in doc.replace('xmlns="http://www.w3.org/2000/svg"', "")  # nothing fetched from outside
@@ -182,7 +182,7 @@ def test_report_renders_in_browser(saved_dir, tmp_path):
     assert _console_errors(dom.stderr) == []
 
     shot = tmp_path / "shot.png"
-    r = _headless(browser, page, tmp_path, f"--screenshot={shot}", "--window-size=1200,1600")
+    r = _headless(browser, page, tmp_path, f"--screenshot={shot}", "--window-size=1200,2400")
     assert r.returncode == 0 and shot.exists(), r.stderr[-2000:]
     assert _console_errors(r.stderr) == []
     import matplotlib.image
