@@ -92,8 +92,8 @@ def _tuning_args(p: argparse.ArgumentParser) -> None:
                    help="weigh kernels by their isolated timings only: do not learn or use how each "
                         "implementation runs inside the executable")
     p.add_argument("--remeasure", action="store_true",
-                   help="time again the kernels whose stored repeats disagreed by more than 1.5x (up to 3 "
-                        "measurements per kernel); the fastest counts")
+                   help="time every kernel again (until it has 3 measurements); the fastest counts, so "
+                        "timings disturbed by other work on the machine are replaced")
     p.add_argument("--time-limit", type=float, default=None, help="solver time limit (s)")
     p.add_argument("--budget", default=None, metavar="200t|20m",
                    help="MetaSchedule tuning budget for the kernels that can change the plan: trials (200t) "

@@ -167,7 +167,7 @@ def cmd_candidates(args, options: Options) -> int:
             for p in rep["partitions"]])
     print(f"{rep['candidates']} candidates, {rep['distinct_keys']} distinct keys; {rep['jobs']} measurements needed: "
           f"{rep['from_database']} from the database, {rep['measured']} measured"
-          + (f" ({rep['remeasured']} again: disturbed)" if rep.get("remeasured") else "")
+          + (f" ({rep['remeasured']} of them again)" if rep.get("remeasured") else "")
           + f", {rep['refused']} refused, in {rep['measure_seconds']} s")
     sp = rep["untuned_vs_default"]
     if sp:

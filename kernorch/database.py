@@ -66,12 +66,6 @@ class Measurement:
     def ok(self) -> bool:
         return self.status == "ok"
 
-    @property
-    def spread(self) -> float:
-        """Slowest over fastest repeat (1.0 with fewer than two): how much the timing was disturbed."""
-        runs = [r for r in self.runs_ns if r > 0]
-        return max(runs) / min(runs) if len(runs) > 1 else 1.0
-
 
 class ProfileDB:
     def __init__(self, path: str | Path):

@@ -197,9 +197,9 @@ def test_a_dominated_generated_kernel_is_timed_once(tmp_path):
     assert len(res[jobs[1].ident].runs_ns) == 4          # no cheaper implementation known: fully timed
 
 
-def test_remeasure_takes_disturbed_measurements_again(tmp_path):
-    """--remeasure: a stored measurement whose repeats disagree is timed again (until the key has
-    REMEASURE_TRIES), and the fastest counts; steady measurements are served as they are."""
+def test_remeasure_times_kernels_again_and_the_fastest_counts(tmp_path):
+    """--remeasure: each kernel is timed again until it has REMEASURE_TRIES measurements, and the
+    fastest counts (a slow stored timing is replaced, a faster one kept)."""
     from kernorch import measure
     from kernorch.ir import Graph, TensorType, make_prim
     from kernorch.options import Machine, Options
@@ -208,19 +208,26 @@ def test_remeasure_takes_disturbed_measurements_again(tmp_path):
     opts = Options(threads=1, repeats=3, min_repeat_ms=0.1)
     target = Machine.host().fingerprint(opts.threads)
     ver = measure.versions("library")
-    noisy = measure.KernelJob("k-noisy", "library", "-", g, ("x", "w"), ("y",))
-    steady = measure.KernelJob("k-steady", "library", "-", g, ("x", "w"), ("y",))
-    slow = 10**9  # 1 s, disturbed (repeats 1 s and 3 s): any real timing of a 32x32 matmul beats it
+    slow = measure.KernelJob("k-slow", "library", "-", g, ("x", "w"), ("y",))
+    fast = measure.KernelJob("k-fast", "library", "-", g, ("x", "w"), ("y",))
+    done = measure.KernelJob("k-done", "library", "-", g, ("x", "w"), ("y",))
+
+    def row(key, ns):
+        return Measurement(target, key, "library", "-", ver, "ok", ns, (ns, ns), "", 0.0, "matmul")
     with ProfileDB(tmp_path / "db.sqlite") as db:
-        db.add(Measurement(target, "k-noisy", "library", "-", ver, "ok", slow, (slow, 3 * slow), "", 0.0, "matmul"))
-        db.add(Measurement(target, "k-steady", "library", "-", ver, "ok", slow, (slow, slow), "", 0.0, "matmul"))
-        res, stats = measure.measure([noisy, steady], db, opts)           # not asked: both served
-        assert stats.cached == 2 and stats.measured == 0
-        res, stats = measure.measure([noisy, steady], db, opts.with_(remeasure=True))
-        assert stats.cached == 1 and stats.measured == 1 and stats.remeasured == 1
-        assert res[noisy.ident].median_ns < slow and res[steady.ident].median_ns == slow
-        assert db.lookup(target, "k-noisy", "library", "-", ver).median_ns == res[noisy.ident].median_ns
-        assert len(db.history(target, ver, [noisy.ident])[noisy.ident]) == 2
+        db.add(row("k-slow", 10**9))   # 1 s, stored under load: any real timing of a 32x32 matmul beats it
+        db.add(row("k-fast", 1))       # 1 ns: no real timing beats it
+        for _ in range(measure.REMEASURE_TRIES):
+            db.add(row("k-done", 10**9))
+        jobs = [slow, fast, done]
+        res, stats = measure.measure(jobs, db, opts)                       # not asked: all served
+        assert stats.cached == 3 and stats.measured == 0
+        res, stats = measure.measure(jobs, db, opts.with_(remeasure=True))
+        assert stats.cached == 1 and stats.measured == 2 and stats.remeasured == 2
+        assert 1 < res[slow.ident].median_ns < 10**9
+        assert res[fast.ident].median_ns == 1 and res[done.ident].median_ns == 10**9
+        assert db.lookup(target, "k-slow", "library", "-", ver).median_ns == res[slow.ident].median_ns
+        assert len(db.history(target, ver, [slow.ident])[slow.ident]) == 2
 
 
 def _blas_threads():
