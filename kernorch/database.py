@@ -127,7 +127,8 @@ class ProfileDB:
         total = c.execute("SELECT COUNT(*) FROM measurements").fetchone()[0]
         by = c.execute("SELECT target, impl, status, COUNT(*), COUNT(DISTINCT key) FROM measurements "
                        "GROUP BY target, impl, status ORDER BY target, impl, status").fetchall()
-        return {"path": str(self.path), "measurements": total,
+        fits = c.execute("SELECT COUNT(*) FROM context").fetchone()[0]
+        return {"path": str(self.path), "measurements": total, "context_fits": fits,
                 "size_bytes": self.path.stat().st_size if self.path.exists() else 0,
                 "groups": [{"target": t, "impl": i, "status": s, "rows": n, "distinct_keys": k}
                            for t, i, s, n, k in by]}
