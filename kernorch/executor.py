@@ -105,8 +105,9 @@ def ort_session(model: Any, threads: int | None = None, level: str = "ORT_ENABLE
         so.add_session_config_entry("session.force_spinning_stop", "1")
     elif not spinning:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
-    return ort.InferenceSession(data if isinstance(data, bytes) else str(data), so, providers=["CPUExecutionProvider"])
+    if isinstance(model, onnx.ModelProto):
+        model = model.SerializeToString()
+    return ort.InferenceSession(model if isinstance(model, bytes) else str(model), so, providers=["CPUExecutionProvider"])
 
 
 def max_error(ref: np.ndarray, got: np.ndarray) -> dict[str, float]:

@@ -235,7 +235,7 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
     by_version: dict[str, list[KernelJob]] = {}
     for j in jobs:
         by_version.setdefault(versions(j.impl), []).append(j)
-    previous: dict[tuple[str, str, str], Measurement] = {}  # noisy measurements being taken again
+    previous: dict[tuple[str, str, str], Measurement] = {}  # best stored measurement of each kernel timed again
     for ver, js in by_version.items():
         hist = db.history(target, ver, [j.ident for j in js])
         for j in js:

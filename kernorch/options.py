@@ -96,7 +96,7 @@ class Options:
     select: bool = True                 # emit a plan per runtime mix, keep the fastest end to end
     select_runs: int = 7                # interleaved timed runs per mix when selecting
     context: bool = True                # learn how each implementation runs inside the executable (refine)
-    remeasure: bool = False             # time disturbed measurements again (measure.NOISY_SPREAD)
+    remeasure: bool = False             # time every kernel again (measure.REMEASURE_TRIES); the fastest counts
     compare_untuned: int = 8            # also time this many kernels untuned, for the report
     verify: bool = True
     seed: int = 0

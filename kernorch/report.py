@@ -160,6 +160,23 @@ def graph_svg(graph, plan=None) -> str:
             f'viewBox="0 0 {width:.0f} {height:.0f}">' + "".join(edges) + "".join(nodes) + "</svg>")
 
 
+_MARGINS = (56, 12, 12, 36)  # left, right, top, bottom of the inline charts
+
+
+def _chart_frame(width: int, height: int, xlabel: str, ylabel: str) -> list[str]:
+    """An inline chart's opening tag, axes and axis labels (the caller closes it with </svg>)."""
+    L, R, T, B = _MARGINS
+    return [f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" width="{width}" height="{height}">',
+            f'<line x1="{L}" y1="{height - B}" x2="{width - R}" y2="{height - B}" stroke="#333"/>',
+            f'<line x1="{L}" y1="{T}" x2="{L}" y2="{height - B}" stroke="#333"/>',
+            f'<text x="{(L + width) / 2:.0f}" y="{height - 4}" font-size="11" text-anchor="middle">{_e(xlabel)}</text>',
+            f'<text x="12" y="{T + 8}" font-size="11">{_e(ylabel)}</text>']
+
+
+def _series_color(i: int) -> str:
+    return f"hsl({(i * 137.508) % 360:.0f},65%,40%)"
+
+
 def line_chart_svg(series: Mapping[str, Iterable], xlabel: str = "seconds", ylabel: str = "ms",
                    width: int = 560, height: int = 260) -> str:
     """A small inline line chart of named (x, y) series (tuning curves)."""
@@ -170,21 +187,17 @@ def line_chart_svg(series: Mapping[str, Iterable], xlabel: str = "seconds", ylab
     x0, x1 = min(p[0] for p in allp), max(p[0] for p in allp)
     y0, y1 = 0.0, max(p[1] for p in allp)
     x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else 1.0)
-    L, R, T, B = 56, 12, 12, 36
+    L, R, T, B = _MARGINS
     sx = lambda x: L + (x - x0) / (x1 - x0) * (width - L - R)  # noqa: E731
     sy = lambda y: height - B - (y - y0) / (y1 - y0) * (height - T - B)  # noqa: E731
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" width="{width}" height="{height}">',
-             f'<line x1="{L}" y1="{height - B}" x2="{width - R}" y2="{height - B}" stroke="#333"/>',
-             f'<line x1="{L}" y1="{T}" x2="{L}" y2="{height - B}" stroke="#333"/>']
+    parts = _chart_frame(width, height, xlabel, ylabel)
     for f in (0, 0.5, 1):
         yv = y0 + f * (y1 - y0)
         parts.append(f'<text x="{L - 4}" y="{sy(yv) + 4:.0f}" font-size="10" text-anchor="end">{yv:.3g}</text>')
         xv = x0 + f * (x1 - x0)
         parts.append(f'<text x="{sx(xv):.0f}" y="{height - B + 14}" font-size="10" text-anchor="middle">{xv:.3g}</text>')
-    parts.append(f'<text x="{(L + width) / 2:.0f}" y="{height - 4}" font-size="11" text-anchor="middle">{_e(xlabel)}</text>')
-    parts.append(f'<text x="12" y="{T + 8}" font-size="11">{_e(ylabel)}</text>')
     for i, (name, s) in enumerate(pts.items()):
-        color = f"hsl({(i * 137.508) % 360:.0f},65%,40%)"
+        color = _series_color(i)
         d = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in s)
         parts.append(f'<polyline points="{d}" fill="none" stroke="{color}" stroke-width="2"><title>{_e(name)}</title></polyline>')
         parts.append(f'<text x="{width - R - 4}" y="{T + 12 + 13 * i}" font-size="11" fill="{color}" text-anchor="end">{_e(name)}</text>')
@@ -202,21 +215,17 @@ def scatter_svg(points: Mapping[str, Iterable], fits: Mapping[str, tuple[float, 
         return ""
     lo, hi = math.log10(min(allv)), math.log10(max(allv))
     lo, hi = math.floor(lo), max(math.ceil(hi), math.floor(lo) + 1)
-    L, R, T, B = 56, 12, 12, 36
+    L, R, T, B = _MARGINS
     sx = lambda x: L + (math.log10(x) - lo) / (hi - lo) * (width - L - R)  # noqa: E731
     sy = lambda y: height - B - (math.log10(y) - lo) / (hi - lo) * (height - T - B)  # noqa: E731
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="chart" width="{width}" height="{height}">',
-             f'<line x1="{L}" y1="{height - B}" x2="{width - R}" y2="{height - B}" stroke="#333"/>',
-             f'<line x1="{L}" y1="{T}" x2="{L}" y2="{height - B}" stroke="#333"/>',
-             f'<line x1="{sx(10 ** lo):.1f}" y1="{sy(10 ** lo):.1f}" x2="{sx(10 ** hi):.1f}" y2="{sy(10 ** hi):.1f}" '
-             f'stroke="#999" stroke-dasharray="4 3"><title>in model = alone</title></line>']
+    parts = _chart_frame(width, height, xlabel, ylabel)
+    parts.append(f'<line x1="{sx(10 ** lo):.1f}" y1="{sy(10 ** lo):.1f}" x2="{sx(10 ** hi):.1f}" y2="{sy(10 ** hi):.1f}" '
+                 f'stroke="#999" stroke-dasharray="4 3"><title>in model = alone</title></line>')
     for e in range(lo, hi + 1):
         parts.append(f'<text x="{L - 4}" y="{sy(10 ** e) + 4:.0f}" font-size="10" text-anchor="end">{10 ** e:g}</text>')
         parts.append(f'<text x="{sx(10 ** e):.0f}" y="{height - B + 14}" font-size="10" text-anchor="middle">{10 ** e:g}</text>')
-    parts.append(f'<text x="{(L + width) / 2:.0f}" y="{height - 4}" font-size="11" text-anchor="middle">{_e(xlabel)}</text>')
-    parts.append(f'<text x="12" y="{T + 8}" font-size="11">{_e(ylabel)}</text>')
     for i, (name, ps) in enumerate(pts.items()):
-        color = f"hsl({(i * 137.508) % 360:.0f},65%,40%)"
+        color = _series_color(i)
         for x, y in ps:
             parts.append(f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{color}" fill-opacity="0.6">'
                          f'<title>{_e(name)}: {x:.1f} µs alone, {y:.1f} µs in model</title></circle>')
