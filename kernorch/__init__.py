@@ -3,20 +3,13 @@
     compiled = kernorch.optimize("model.onnx", threads=2)
     outputs = compiled.run({"input": x})
     compiled.save("out/"); kernorch.load("out/")
+
+Importing kernorch changes nothing in the environment: the thread count is set where a model is
+built or loaded (kernorch.backends.tvm.set_threads).
 """
-import os as _os
+from .ir import KernorchError
 
-# Two thread pools share the cores in an emitted model: TVM's (generated kernels) and OpenBLAS's
-# (library kernels). Both spin after a parallel region by default, and on a 2-core machine the
-# spinning pool steals the cores the other one needs (kernels measured 20-50x slower in context
-# than alone). Let idle workers sleep quickly; the user's own settings win. OpenBLAS reads its
-# variable when numpy is first imported, so this only helps when kernorch is imported first.
-_os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
-_os.environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
-
-from .ir import KernorchError  # noqa: E402
-
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def optimize(model, target=None, *, runs: int = 20, **options):
@@ -32,13 +25,13 @@ def optimize(model, target=None, *, runs: int = 20, **options):
     opts = Options().with_(**options)
     if target is not None and target != Machine.host():
         raise KernorchError("kernorch measures kernels on the machine it runs on: optimize on the target itself")
-    compiled, _run = pipeline.optimize(model, opts, runs=runs)
+    compiled, _ = pipeline.optimize(model, opts, runs=runs)
     return compiled
 
 
 def load(outdir, threads=None):
     """Load a model saved by `CompiledModel.save` (no re-optimization)."""
-    from .emit import load as _load
+    from .runtime import load as _load
     return _load(outdir, threads)
 
 

@@ -1,13 +1,12 @@
 """This machine's ceilings, measured: peak fp32 GEMM rate and memory bandwidth, and a model's roofline.
 
-Why measure rather than trust `Machine`'s nominal 430 GFLOP/s: the BLAS kernel that actually runs
-depends on the environment (machine-notes: with OPENBLAS_CORETYPE=Haswell numpy's OpenBLAS runs
-its AVX2 kernel at ~223 GFLOP/s instead of ~430), and a shared box may give less. So the
-calibration records *which* OpenBLAS core type ran; a floor computed from a Haswell-kernel peak is
-an honest floor for numpy on this box, not for the CPU (the result says so in "note").
+The peak is measured with kernorch's own micro-kernel (a packed-weight GEMM, every register tile the
+machine allows, the fastest kept), not with numpy's BLAS: the BLAS that numpy runs depends on the
+environment (with OPENBLAS_CORETYPE=Haswell, OpenBLAS runs its AVX2 kernel at half speed on an
+AVX-512 CPU), and the generated kernels are what kernorch runs.
 
 The calibration takes a few seconds and is cached per machine fingerprint (CPU, ISA, cores,
-threads, BLAS core type) as JSON in the user's cache directory.
+threads) as JSON in the user's cache directory.
 
     cal = calibrate(threads=2)            # {"peak_gflops": ..., "bandwidth_gbs": ..., ...}
     rf = roofline(graph, cal)             # {"flops": ..., "bytes": ..., "floor_ms": ..., "bound": ...}
@@ -24,11 +23,10 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_VERSION = 1
-GEMM_SIZES = ((1024, 5), (2048, 3), (3072, 2))   # (n, repeats); best rate over all
+CALIBRATION_VERSION = 2
+GEMM_SHAPE = (1024, 1024, 1024)   # M, K, N of the peak measurement
 COPY_MIB = 64
 COPY_REPEATS = 8
-_ENV_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "TVM_NUM_THREADS")
 
 
 def cache_path() -> Path:
@@ -36,43 +34,36 @@ def cache_path() -> Path:
     return Path(platformdirs.user_cache_dir("kernorch")) / "calibration.json"
 
 
-def blas_info() -> dict:
-    """The BLAS numpy uses (threadpoolctl): library, version, core type ('SkylakeX', 'Haswell', ...)."""
-    import threadpoolctl
-    for lib in threadpoolctl.threadpool_info():
-        if lib.get("user_api") == "blas":
-            return {k: lib.get(k) for k in ("internal_api", "version", "architecture", "threading_layer", "num_threads")}
-    return {}
-
-
 def fingerprint(threads: int) -> str:
-    """What makes a calibration transferable: the machine (as the profile DB keys it) and the BLAS kernel."""
+    """What makes a calibration transferable: the machine, as the profile DB keys it."""
     import hashlib
     from .options import Machine
-    b = blas_info()
-    blob = json.dumps([Machine.host().fingerprint(threads), b.get("internal_api"), b.get("version"),
-                       b.get("architecture"), CALIBRATION_VERSION])
+    blob = json.dumps([Machine.host().fingerprint(threads), CALIBRATION_VERSION])
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 
-def measure_gemm(threads: int) -> dict:
-    """Best fp32 matmul rate over a few square sizes with exactly `threads` BLAS threads."""
-    import threadpoolctl
+def measure_gemm(threads: int, shape: tuple[int, int, int] = GEMM_SHAPE) -> dict:
+    """The best fp32 GEMM rate of kernorch's packed micro-kernel over the machine's register tiles."""
+    from .backends import tvm as tb
+    from .ir import Graph, TensorType, make_prim
+    from .kernels import contraction_tiles, pack_args, variant_packs
+    from .options import Machine
+    m, k, n = shape
     rng = np.random.default_rng(0)
-    per_size = {}
-    with threadpoolctl.threadpool_limits(limits=threads, user_api="blas"):
-        for n, reps in GEMM_SIZES:
-            a = rng.standard_normal((n, n), dtype=np.float32)
-            b = rng.standard_normal((n, n), dtype=np.float32)
-            c = np.empty((n, n), np.float32)
-            np.matmul(a, b, out=c)  # warm-up: page faults, BLAS thread start
-            best = float("inf")
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                np.matmul(a, b, out=c)
-                best = min(best, time.perf_counter() - t0)
-            per_size[str(n)] = 2.0 * n ** 3 / best / 1e9
-    return {"peak_gflops": max(per_size.values()), "gemm_gflops_by_size": per_size}
+    w = rng.standard_normal((k, n), dtype=np.float32)
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    g = Graph((("x", TensorType((m, k))),), ("y",), (make_prim("y", "matmul", ["x", "w"], TensorType((m, n))),),
+              {"w": w})
+    tb.set_threads(threads)
+    target = tb.make_target(threads)
+    rates = {}
+    for tile in contraction_tiles(Machine.host(), m, n, k, pack=True):
+        packs = variant_packs(g, ["x", "w"], tile.name)
+        kernel = tb.build(tb.schedule(tb.lower(g, g.prims, ["x", "w"], ["y"], packs), target, tile.name), target)
+        secs = kernel.time(*pack_args(g, ["x", "w"], tile.name, [x, w]), number=3, repeat=5)
+        rates[tile.name] = 2.0 * m * n * k / min(secs) / 1e9
+    best = max(rates, key=rates.get)
+    return {"peak_gflops": rates[best], "peak_kernel": f"{m}x{k}x{n} {best}", "gemm_gflops_by_tile": rates}
 
 
 def measure_bandwidth() -> dict:
@@ -105,9 +96,7 @@ def calibrate(threads: int = 2, force: bool = False, path: Path | None = None) -
     if old and not force and not (old.get("loaded") and not machine_busy()):
         return old
     t0 = time.perf_counter()
-    blas = blas_info()
-    result = {"version": CALIBRATION_VERSION, "fingerprint": key, "threads": threads, "blas": blas,
-              "env": {v: os.environ[v] for v in _ENV_VARS if v in os.environ},
+    result = {"version": CALIBRATION_VERSION, "fingerprint": key, "threads": threads,
               "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     result.update(measure_gemm(threads))
     result.update(measure_bandwidth())
@@ -120,11 +109,8 @@ def calibrate(threads: int = 2, force: bool = False, path: Path | None = None) -
         for k in ("peak_gflops", "bandwidth_gbs"):
             result[k] = max(result[k], old.get(k, 0.0))
         result["loaded"] = result["loaded"] and old.get("loaded", True)
-    if blas.get("architecture") == "Haswell" and "avx512f" in _cpu_flags():
-        result["note"] = ("numpy's OpenBLAS ran its AVX2 (Haswell) kernel on an AVX-512 CPU (OPENBLAS_CORETYPE?): "
-                          "the peak understates the CPU by about 2x")
-    log.info("calibration (%d threads, BLAS %s): %.0f GFLOP/s, %.1f GB/s in %.1f s", threads,
-             blas.get("architecture"), result["peak_gflops"], result["bandwidth_gbs"], result["seconds"])
+    log.info("calibration (%d threads): %.0f GFLOP/s (%s), %.1f GB/s in %.1f s", threads, result["peak_gflops"],
+             result["peak_kernel"], result["bandwidth_gbs"], result["seconds"])
     cache[key] = result
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -163,16 +149,6 @@ def _loadavg() -> float | None:
         return None
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def graph_flops(graph) -> float:
     """Sum of every primitive's FLOPs (the primitive table's own count; opaque ops count one per output)."""
     from . import primitives
@@ -206,12 +182,7 @@ def roofline(graph, calibration: dict | None = None, threads: int = 2) -> dict:
     nbytes = min_traffic_bytes(graph)
     compute_ms = flops / (cal["peak_gflops"] * 1e9) * 1e3
     memory_ms = nbytes / (cal["bandwidth_gbs"] * 1e9) * 1e3
-    # the nominal ceilings (machine-notes, quiet box, AVX-512 OpenBLAS) bound a loaded calibration from below
-    from .options import Machine
-    m = Machine.host()
-    nominal_ms = max(flops / (m.peak_gflops * 1e9), nbytes / (m.bandwidth_gbs * 1e9)) * 1e3
     return {"flops": flops, "gflops": flops / 1e9, "bytes": nbytes, "compute_ms": compute_ms, "memory_ms": memory_ms,
             "floor_ms": max(compute_ms, memory_ms), "bound": "compute" if compute_ms >= memory_ms else "memory",
             "peak_gflops": cal["peak_gflops"], "bandwidth_gbs": cal["bandwidth_gbs"],
-            "blas_core": (cal.get("blas") or {}).get("architecture"), "calibrated_under_load": bool(cal.get("loaded")),
-            "nominal_floor_ms": nominal_ms, "nominal_peak_gflops": m.peak_gflops}
+            "peak_kernel": cal.get("peak_kernel"), "calibrated_under_load": bool(cal.get("loaded"))}

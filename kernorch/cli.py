@@ -6,19 +6,15 @@
     kernorch optimize MODEL -o OUTDIR [--force]
     kernorch run OUTDIR --input x.npy
     kernorch db stats|export|clear [--refused]
-    kernorch bench MODEL [--against ort,tvm,torch] [--threads N] [--runs N]
+    kernorch bench MODEL [--against ort,openvino,tvm,torch] [--threads N] [--rounds N] [--kernels]
     kernorch report OUTDIR
     kernorch demo
 """
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import os
 import sys
-import time
-from pathlib import Path
 
 from .ir import KernorchError
 from .options import Options
@@ -29,7 +25,7 @@ def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
         p.add_argument("model", help="an ONNX model file")
         p.add_argument("--shape", action="append", default=[], metavar="NAME=D1xD2...",
                        help="bind an input's symbolic dimensions, e.g. input=1x3x224x224")
-    p.add_argument("--threads", type=int, default=None, help="threads for kernels, BLAS and ONNX Runtime")
+    p.add_argument("--threads", type=int, default=None, help="threads for kernorch's kernels and for every peer")
     p.add_argument("--db", default=None, help="profile database (default: in the user's cache directory)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -64,20 +60,25 @@ def parser() -> argparse.ArgumentParser:
     _common(p, model=False)
     p.add_argument("action", choices=["stats", "export", "clear"])
     p.add_argument("--refused", action="store_true", help="clear: only the refusals (to retry them after a fix)")
-    p = sub.add_parser("bench", help="time kernorch against ONNX Runtime/TVM/PyTorch, interleaved")
+    p = sub.add_parser("bench", help="time kernorch against ONNX Runtime, OpenVINO, TVM, PyTorch, each in its own "
+                                     "process; --kernels: each contraction kernel against ONNX Runtime's")
     _common(p)
     _tuning_args(p)
-    p.add_argument("--against", default="ort,ort-basic,tvm,torch", help="peers, comma-separated")
-    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--against", default="ort,ort-basic,openvino,tvm,torch", help="peers, comma-separated")
+    p.add_argument("--rounds", type=int, default=10, help="turns per system (3 timed runs each)")
+    p.add_argument("--kernels", action="store_true",
+                   help="benchmark every distinct contraction of the model against ONNX Runtime's one-node operator")
+    p.add_argument("--kernel-threads", default="1,2", help="thread counts for --kernels")
     p.add_argument("--budget-trials", type=int, default=0, help="MetaSchedule trials for the TVM peer")
     p.add_argument("-o", "--output", help="kernorch model dir (loaded if saved there, else saved there)")
     p = sub.add_parser("report", help="write OUTDIR/report.html")
     _common(p, model=False)
     p.add_argument("outdir")
-    p = sub.add_parser("demo", help="optimize a bundled example model and print the comparison")
+    p = sub.add_parser("demo", help="optimize a bundled example model and compare it with the best peer")
     _common(p, model=False)
     _tuning_args(p)
     p.add_argument("--example", default="transformer_block")
+    p.add_argument("--rounds", type=int, default=7, help="turns per system (3 timed runs each)")
     return ap
 
 
@@ -85,12 +86,9 @@ def _tuning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-kernel-size", type=int, default=None, help="primitives per candidate kernel")
     p.add_argument("--max-candidates", type=int, default=None, help="candidates per partition")
     p.add_argument("--max-partition", type=int, default=None, help="primitives per partition")
-    p.add_argument("--no-library", action="store_true", help="do not offer BLAS/im2col kernels")
-    p.add_argument("--no-select", action="store_true",
-                   help="emit the plan over every implementation without timing the runtime mixes")
-    p.add_argument("--no-context", action="store_true",
-                   help="weigh kernels by their isolated timings only: do not learn or use how each "
-                        "implementation runs inside the executable")
+    p.add_argument("--allow-python-kernels", action="store_true",
+                   help="let operators without a compiled kernel (TopK, NonZero, ...) run through onnx's "
+                        "reference evaluator as Python callbacks inside the executable (slow; off by default)")
     p.add_argument("--remeasure", action="store_true",
                    help="time every kernel again (until it has 3 measurements); the fastest counts, so "
                         "timings disturbed by other work on the machine are replaced")
@@ -115,12 +113,8 @@ def options_from(args) -> Options:
         v = getattr(args, name, None)
         if v:
             kw[name] = v
-    if getattr(args, "no_library", False):
-        kw["library"] = False
-    if getattr(args, "no_select", False):
-        kw["select"] = False
-    if getattr(args, "no_context", False):
-        kw["context"] = False
+    if getattr(args, "allow_python_kernels", False):
+        kw["python_kernels"] = True
     if getattr(args, "remeasure", False):
         kw["remeasure"] = True
     if getattr(args, "time_limit", None):

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 from . import pipeline, primitives
 from .database import ProfileDB
 from .ir import KernorchError
-from .options import Options
+from .options import Machine, Options
 
 # max error relative to the output's scale (max |reference|) accepted as "matches ONNX Runtime"
 VERIFY_TOL = 1e-4
@@ -36,7 +35,8 @@ def _emit_json(obj) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def inspect_report(model, options: Options, verify: bool = False) -> dict:
-    run = pipeline.load(model, options)
+    clock = pipeline.Clock()
+    run = pipeline.load(model, options, clock)
     g = run.graph
     kinds: dict[str, int] = {}
     for p in g.prims:
@@ -54,7 +54,7 @@ def inspect_report(model, options: Options, verify: bool = False) -> dict:
         "primitive_ops": g.histogram(),
         "primitive_kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
         "weights": len(g.constants),
-        "seconds": {k: round(v, 3) for k, v in run.seconds.items()},
+        "seconds": {k: round(v, 3) for k, v in clock.seconds.items()},
     }
     if verify:
         from .executor import compare_with_ort
@@ -93,8 +93,7 @@ def cmd_db(args, options: Options) -> int:
             if args.json:
                 _emit_json(s)
             else:
-                print(f"{s['path']}: {s['measurements']} measurements, {s['context_fits']} in-model context fits, "
-                      f"{s['size_bytes'] / 1e6:.2f} MB")
+                print(f"{s['path']}: {s['measurements']} measurements, {s['size_bytes'] / 1e6:.2f} MB")
                 _table("Measurements", ["target", "impl", "status", "rows", "distinct keys"],
                        [[g["target"], g["impl"], g["status"], g["rows"], g["distinct_keys"]] for g in s["groups"]])
         elif args.action == "export":
@@ -109,9 +108,8 @@ def _with_db(options: Options):
     return ProfileDB(options.resolved_db())
 
 
-def candidates_report(run) -> dict:
-    en, ms = run.enumeration, run.measurements
-    by_part: dict[int, dict] = {}
+def candidates_report(planned) -> dict:
+    en, ms = planned.enumeration, planned.measured.measurements
     key_part = {}
     for c in en.candidates:
         key_part.setdefault(c.key, c.partition)
@@ -128,35 +126,58 @@ def candidates_report(run) -> dict:
                       "distinct_keys": len(keys), "rejected": st.rejected, "cap_hit": st.cap_hit,
                       "measured": sum(1 for m in mine if m.ok), "refused": refused,
                       "enumerate_s": round(st.seconds, 3)})
-    s = run.measure_stats
-    return {"model": run.source, "primitives": len(run.graph.prims), "partitions": parts,
+    s = planned.measured.stats
+    return {"model": planned.loaded.source, "primitives": len(planned.loaded.graph.prims), "partitions": parts,
             "candidates": len(en.candidates), "distinct_keys": len({c.key for c in en.candidates}),
             "jobs": s.jobs, "from_database": s.cached, "measured": s.measured, "refused": s.refused,
-            "remeasured": s.remeasured, "measure_seconds": round(s.seconds, 2), "seconds": {k: round(v, 2) for k, v in run.seconds.items()},
-            "untuned_vs_default": untuned_speedups(run)}
+            "remeasured": s.remeasured, "measure_seconds": round(s.seconds, 2),
+            "seconds": {k: round(v, 2) for k, v in planned.seconds.items()},
+            "tiles": tile_report(planned), "untuned_vs_default": untuned_speedups(ms)}
 
 
-def untuned_speedups(run) -> list[dict]:
-    """Kernels measured both untuned and with the default schedule: the default schedule's speedup."""
+def tile_report(planned) -> list[dict]:
+    """Per contraction with micro-kernel tiles: each tile's time and the one kept."""
+    g, ms = planned.loaded.graph, planned.measured.measurements
     out = []
-    for (key, impl, sch), m in run.measurements.items():
+    for prim, best in planned.measured.tiles.items():
+        p = g.by_name[prim]
+        times = {sch: m.median_ns / 1e3 for (k, impl, sch), m in ms.items()
+                 if m.ok and impl == "tvm" and sch.startswith("t") and k == _singleton_key(planned, prim)}
+        flops = 2.0 * p.type.size * g.type_of(p.inputs[0]).shape[-1]
+        out.append({"prim": prim, "shape": f"{'x'.join(map(str, g.type_of(p.inputs[0]).shape))} @ "
+                                          f"{'x'.join(map(str, g.type_of(p.inputs[1]).shape))}",
+                    "tiles_us": times, "kept": best, "gflops": flops / (times[best] * 1e3) if best in times else None})
+    return out
+
+
+def _singleton_key(planned, prim: str) -> str | None:
+    return next((c.key for c in planned.enumeration.candidates if c.members == (prim,)), None)
+
+
+def untuned_speedups(measurements) -> list[dict]:
+    """Kernels measured both untuned and scheduled by kernorch: the schedule's speedup."""
+    out = []
+    best = pipeline.best_costs(measurements)
+    for (key, impl, sch), m in measurements.items():
         if sch != "none" or not m.ok:
             continue
-        d = run.measurements.get((key, "tvm", "default"))
-        if d is not None and d.ok:
-            out.append({"kernel": m.description, "untuned_us": m.median_ns / 1e3, "default_us": d.median_ns / 1e3,
-                        "speedup": m.median_ns / d.median_ns})
+        d = best.get((key, "tvm"))
+        if d is not None:
+            out.append({"kernel": m.description, "untuned_us": m.median_ns / 1e3, "scheduled_us": d.median_ns / 1e3,
+                        "schedule": d.schedule, "speedup": m.median_ns / d.median_ns})
     return out
 
 
 def cmd_candidates(args, options: Options) -> int:
-    from .backends import tvm as tb
-    tb.set_threads(options.threads)
     with _with_db(options) as db:
-        run = pipeline.load(args.model, options)
-        pipeline.enumerate_candidates(run)
-        pipeline.measure_candidates(run, db)
-    rep = candidates_report(run)
+        machine = Machine.host()
+        clock = pipeline.Clock()
+        loaded = pipeline.load(args.model, options, clock)
+        with clock("enumerate"):
+            en = pipeline.enumerate_candidates(loaded.graph, options)
+        with clock("measure"):
+            measured = pipeline.measure_candidates(loaded.graph, en, db, options, machine)
+    rep = candidates_report(pipeline.Planned(loaded, en, measured, None, None, clock.seconds, machine))
     if args.json:
         _emit_json(rep)
         return 0
@@ -166,6 +187,11 @@ def cmd_candidates(args, options: Options) -> int:
              ", ".join(f"{k}: {v}" for k, v in p["refused"].items()) or "-",
              ", ".join(f"{k}: {v}" for k, v in p["rejected"].items()) or "-", p["enumerate_s"]]
             for p in rep["partitions"]])
+    if rep["tiles"]:
+        _table("Micro-kernel tiles (each contraction alone; the fastest is used by its fused kernels)",
+               ["contraction", "tiles µs", "kept", "GFLOP/s"],
+               [[t["shape"], ", ".join(f"{k} {v:.1f}" for k, v in sorted(t["tiles_us"].items(), key=lambda kv: kv[1])),
+                 t["kept"], f"{t['gflops']:.0f}" if t["gflops"] else "-"] for t in rep["tiles"]])
     print(f"{rep['candidates']} candidates, {rep['distinct_keys']} distinct keys; {rep['jobs']} measurements needed: "
           f"{rep['from_database']} from the database, {rep['measured']} measured"
           + (f" ({rep['remeasured']} of them again)" if rep.get("remeasured") else "")
@@ -173,18 +199,18 @@ def cmd_candidates(args, options: Options) -> int:
     sp = rep["untuned_vs_default"]
     if sp:
         import numpy as np
-        print(f"default schedule vs untuned TVM on {len(sp)} kernels: geomean speedup "
+        print(f"kernorch's schedules vs untuned TVM on {len(sp)} kernels: geomean speedup "
               f"{float(np.exp(np.mean(np.log([x['speedup'] for x in sp])))):.1f}x")
     return 0
 
 
-def _print_plan(run) -> None:
-    plan, g = run.plan, run.graph
+def _print_plan(planned) -> None:
+    plan, g = planned.plan, planned.loaded.graph
     rows = []
     for i, k in enumerate(plan.kernels):
         ops = "+".join(g.by_name[m].op for m in k.members)
-        rows.append([i, ops[:60], k.impl, f"{k.cost_ns / 1e3:.1f}", len(k.outputs)])
-    _table(f"Plan for {run.source}", ["#", "primitives", "impl", "cost µs", "outputs"], rows)
+        rows.append([i, ops[:60], k.impl, k.schedule, f"{k.cost_ns / 1e3:.1f}", len(k.outputs)])
+    _table(f"Plan for {planned.loaded.source}", ["#", "primitives", "impl", "schedule", "cost µs", "outputs"], rows)
     st = plan.stats
     print(f"solver: {st.status}, objective {st.objective_ns / 1e6:.3f} ms, bound {st.bound_ns / 1e6:.3f} ms, "
           f"gap {0 if st.gap is None else st.gap:.2%}, {st.solve_seconds:.2f} s, {st.n_cuts} cycle cuts")
@@ -194,15 +220,13 @@ def _print_plan(run) -> None:
 
 
 def cmd_plan(args, options: Options) -> int:
-    from .backends import tvm as tb
-    tb.set_threads(options.threads)
-    run = pipeline.plan_model(args.model, options)
+    planned = pipeline.plan_model(args.model, options)
     if args.output:
-        run.plan.save(args.output)
+        planned.plan.save(args.output)
     if args.json:
-        _emit_json(run.plan.to_json())
+        _emit_json(planned.plan.to_json())
     else:
-        _print_plan(run)
+        _print_plan(planned)
         if args.output:
             print(f"plan written to {args.output}")
     return 0
@@ -213,34 +237,20 @@ def _print_optimize(rep: dict, outdir) -> None:
     rows = []
     if t:
         rows.append(["kernorch", f"{t['kernorch_ms']:.3f}", f"{t['speedup']:.2f}x"])
-        rows.append(["ONNX Runtime (all optimizations)", f"{t['ort_ms']:.3f}", "1.00x"])
-    _table(f"{rep['model']}: median of {t.get('runs', 0)} interleaved runs, {rep['threads']} threads",
+        rows.append(["ONNX Runtime (all optimizations), own process", f"{t['ort_ms']:.3f}", "1.00x"])
+    _table(f"{rep['model']}: medians of {t.get('runs', 0)} runs, {rep['threads']} threads, in turns",
            ["system", "latency ms", "speedup vs ORT"], rows)
     plan = rep["plan"]
-    print(f"predicted {rep['predicted_ms']:.3f} ms (sum of measured kernels) vs measured "
-          f"{t.get('kernorch_ms', float('nan')):.3f} ms end to end; "
+    ctx = rep.get("context") or {}
+    print(f"predicted {rep['predicted_ms']:.3f} ms (sum of the kernels measured alone); inside the executable "
+          f"the kernels take {ctx.get('in_model_ms', float('nan')):.3f} ms, end to end "
+          f"{t.get('kernorch_ms', float('nan')):.3f} ms; "
           f"{len(plan['kernels'])} kernels chosen from {rep['candidates']} candidates ({rep['distinct_keys']} distinct)")
-    by_impl = (rep.get("context") or {}).get("by_impl") or {}
-    if by_impl:
-        print("kernels alone vs inside the model: " + "; ".join(
-            f"{impl} x{d['kernels']} {d['alone_ms']:.2f} -> {d['in_model_ms']:.2f} ms" for impl, d in by_impl.items()))
-    ref = rep.get("refined")
-    if ref:
-        print("inside the model (fitted): " + "; ".join(
-            f"{impl} x{f['kernels']} = {f['scale']:.2f} x alone + {f['call_us']:.0f} us" for impl, f in ref["fits"].items()))
-        if not ref.get("changed"):
-            print("re-solved with it: same plan")
-        elif "measured_ms" in ref:
-            m = ref["measured_ms"]
-            print(f"re-solved with it: a different plan, {m['refined']:.3f} ms against {m['selected']:.3f} ms "
-                  f"({ref['runs']} interleaved runs each): {'kept' if ref['kept'] else 'not kept'}")
-    mixes = [m for m in rep.get("mixes", []) if "measured_ms" in m]
-    if len(mixes) > 1:
-        _table("Runtime mixes (each emitted and timed end to end, interleaved)",
-               ["mix", "kernels by implementation", "predicted ms", "measured ms", ""],
-               [[m["mix"], ", ".join(f"{k} {v}" for k, v in m["impls"].items()), f"{m['predicted_ms']:.3f}",
-                 f"{m['measured_ms']:.3f}" if m["measured_ms"] is not None else "-", "chosen" if m["chosen"] else ""]
-                for m in mixes])
+    by_sched: dict[str, int] = {}
+    for k in plan["kernels"]:
+        kind = "micro-kernel tile" if k["schedule"].startswith("t") else k["schedule"]
+        by_sched[f"{k['impl']} {kind}"] = by_sched.get(f"{k['impl']} {kind}", 0) + 1
+    print("kernels: " + ", ".join(f"{v} {k}" for k, v in sorted(by_sched.items())))
     print(f"max error vs ONNX Runtime: {rep['verify']['max_rel_error']:.2e} of the output scale")
     print("time per stage: " + ", ".join(f"{k} {v:.1f}s" for k, v in rep["seconds"].items()))
     print(f"saved to {outdir}")
@@ -250,7 +260,7 @@ def cmd_optimize(args, options: Options) -> int:
     out = Path(args.output)
     if out.exists() and any(out.iterdir()) and not args.force:
         raise KernorchError(f"{out} exists and is not empty; pass --force to overwrite it")
-    compiled, run = pipeline.optimize(args.model, options, runs=args.runs)
+    compiled, _ = pipeline.optimize(args.model, options, runs=args.runs)
     compiled.save(out, force=args.force)
     from .report import write_report
     write_report(out)
@@ -263,7 +273,7 @@ def cmd_optimize(args, options: Options) -> int:
 
 def cmd_run(args, options: Options) -> int:
     import numpy as np
-    from .emit import load
+    from .runtime import load
     m = load(args.outdir, options.threads if args.threads else None)
     feeds = {}
     for spec in args.input:
@@ -286,26 +296,44 @@ def cmd_run(args, options: Options) -> int:
 
 def cmd_demo(args, options: Options) -> int:
     import tempfile
-    from . import examples
-    work = Path(tempfile.mkdtemp(prefix="kernorch-demo-"))
-    model = work / f"{args.example}.onnx"
     import onnx
+    from . import examples
+    from .bench import SUMMARY_COLUMNS, bench, summary_rows
     if args.example not in examples.EXAMPLES:
         raise KernorchError(f"unknown example {args.example!r}; choose from {sorted(examples.EXAMPLES)}")
+    work = Path(tempfile.mkdtemp(prefix="kernorch-demo-"))
+    model = work / f"{args.example}.onnx"
     onnx.save(examples.EXAMPLES[args.example](), str(model))
     print(f"optimizing the bundled example {args.example} ({model})")
-    compiled, run = pipeline.optimize(str(model), options)
+    compiled, _ = pipeline.optimize(str(model), options, runs=0)
     compiled.save(work / "out", force=True)
+    del compiled
+    print("timing kernorch, ONNX Runtime and OpenVINO, each alone in its own process, in turns")
+    r = bench(str(model), ("kernorch", "ort", "openvino"), threads=options.threads, rounds=args.rounds,
+              outdir=work / "out", options=options)
     from .report import write_report
     print(f"report: {write_report(work / 'out')}")
-    _print_optimize(compiled.report, work / "out")
+    _table(f"{r['model']}, {r['threads']} threads", SUMMARY_COLUMNS, summary_rows(r))
+    k = r["systems"].get("kernorch", {})
+    if r.get("best_peer") and "vs_best_peer" in k:
+        verdict = "faster than" if k["vs_best_peer"] > 1 else "slower than"
+        print(f"kernorch is {k['vs_best_peer']:.2f}x the best peer ({r['best_peer']}): {verdict} it, "
+              f"medians of {k['runs']} runs each")
     return 0
 
 
 def cmd_bench(args, options: Options) -> int:
+    if args.kernels:
+        from .kbench import bench_kernels, print_kernels
+        r = bench_kernels(args.model, options, threads=tuple(int(t) for t in args.kernel_threads.split(",")))
+        if args.json:
+            _emit_json(r)
+        else:
+            print_kernels(r)
+        return 0
     from .bench import SUMMARY_COLUMNS, bench, summary_rows
     r = bench(args.model, ("kernorch", *[s for s in args.against.split(",") if s]), threads=options.threads,
-              runs=args.runs, budget_trials=args.budget_trials, outdir=args.output, options=options)
+              rounds=args.rounds, budget_trials=args.budget_trials, outdir=args.output, options=options)
     if args.json:
         _emit_json(r)
     else:

@@ -32,21 +32,7 @@ CREATE TABLE IF NOT EXISTS measurements (
     created REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS by_key ON measurements(target, key, impl, schedule, versions);
-CREATE TABLE IF NOT EXISTS context (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    target TEXT NOT NULL,
-    impl TEXT NOT NULL,
-    scale REAL NOT NULL,           -- in model = scale x alone + call_ns, fitted over one executable's kernels
-    call_ns REAL NOT NULL,
-    kernels INTEGER NOT NULL,      -- how many of the plan's kernels of this implementation it was fitted on
-    model TEXT NOT NULL,
-    created REAL NOT NULL
-);
 """
-
-#: How many recent context fits of one implementation are averaged (see `context`).
-CONTEXT_WINDOW = 5
-
 
 @dataclass(frozen=True)
 class Measurement:
@@ -127,8 +113,7 @@ class ProfileDB:
         total = c.execute("SELECT COUNT(*) FROM measurements").fetchone()[0]
         by = c.execute("SELECT target, impl, status, COUNT(*), COUNT(DISTINCT key) FROM measurements "
                        "GROUP BY target, impl, status ORDER BY target, impl, status").fetchall()
-        fits = c.execute("SELECT COUNT(*) FROM context").fetchone()[0]
-        return {"path": str(self.path), "measurements": total, "context_fits": fits,
+        return {"path": str(self.path), "measurements": total,
                 "size_bytes": self.path.stat().st_size if self.path.exists() else 0,
                 "groups": [{"target": t, "impl": i, "status": s, "rows": n, "distinct_keys": k}
                            for t, i, s, n, k in by]}
@@ -136,27 +121,10 @@ class ProfileDB:
     def export(self) -> list[dict]:
         return [m.__dict__ | {"runs_ns": list(m.runs_ns)} for m in self.rows()]
 
-    def add_context(self, target: str, impl: str, scale: float, call_ns: float, kernels: int, model: str) -> None:
-        """Record how `impl`'s kernels ran inside one measured executable: scale x alone + call_ns."""
-        self.conn.execute("INSERT INTO context(target,impl,scale,call_ns,kernels,model,created) VALUES (?,?,?,?,?,?,?)",
-                          (target, impl, float(scale), float(call_ns), int(kernels), model, time.time()))
-        self.conn.commit()
-
-    def context(self, target: str) -> dict[str, tuple[float, float]]:
-        """Per implementation: (scale, call_ns), the means of its last CONTEXT_WINDOW fits on this target."""
-        out: dict[str, list[tuple[float, float]]] = {}
-        for impl, scale, call_ns in self.conn.execute(
-                "SELECT impl, scale, call_ns FROM context WHERE target=? ORDER BY id DESC", (target,)):
-            if len(out.setdefault(impl, [])) < CONTEXT_WINDOW:
-                out[impl].append((scale, call_ns))
-        return {impl: (sum(s for s, _ in v) / len(v), sum(c for _, c in v) / len(v)) for impl, v in out.items()}
-
     def clear(self, refused_only: bool = False) -> int:
         where = " WHERE status='refused'" if refused_only else ""
         n = self.conn.execute("SELECT COUNT(*) FROM measurements" + where).fetchone()[0]
         self.conn.execute("DELETE FROM measurements" + where)
-        if not refused_only:
-            self.conn.execute("DELETE FROM context")
         self.conn.commit()
         return n
 

@@ -149,6 +149,22 @@ class Graph:
             h[p.op] = h.get(p.op, 0) + 1
         return dict(sorted(h.items(), key=lambda kv: (-kv[1], kv[0])))
 
+    def to_json(self) -> dict:
+        """Everything but the constants' values (their types are recorded), as plain JSON."""
+        return {"name": self.name, "inputs": [[n, t.to_json()] for n, t in self.inputs], "outputs": list(self.outputs),
+                "prims": [{"name": p.name, "op": p.op, "inputs": list(p.inputs), "attrs": [[k, v] for k, v in p.attrs],
+                           "type": p.type.to_json(), "origin": p.origin} for p in self.prims],
+                "constants": {n: TensorType(tuple(int(d) for d in np.shape(c)), str(np.asarray(c).dtype)).to_json()
+                              for n, c in self.constants.items()}}
+
+    @staticmethod
+    def from_json(d: Mapping) -> "Graph":
+        """The graph of `to_json` (without constants: `type_of` still knows the inputs it has)."""
+        prims = tuple(Prim(p["name"], p["op"], tuple(p["inputs"]), tuple((k, freeze(v)) for k, v in p["attrs"]),
+                           TensorType.from_json(p["type"]), p.get("origin", "")) for p in d["prims"])
+        return Graph(tuple((n, TensorType.from_json(t)) for n, t in d["inputs"]), tuple(d["outputs"]), prims, {},
+                     d.get("name", "graph"))
+
     def validate(self) -> None:
         """Topological order, every input defined, every output produced, names unique."""
         known = {n for n, _ in self.inputs} | set(self.constants)

@@ -1,20 +1,21 @@
 """Measure what each distinct candidate kernel costs on this machine.
 
 Discipline: the profile database first (nothing measured twice); then builds in parallel worker
-processes (lower + default schedule + compile + check against the numpy reference of the kernel's
-primitives); then timing, one kernel at a time in one worker process so builds never disturb
-timings (warm-up, `repeats` repeats, median; threads set explicitly). A kernel that fails its
-build or its check, crashes or hangs is recorded as refused, with the reason, and never chosen.
+processes (lower + schedule or micro-kernel tile + compile + check against the numpy reference of
+the kernel's primitives); then timing, one kernel at a time in one worker process so builds never
+disturb timings (warm-up, `repeats` repeats, median; threads set explicitly). A kernel variant
+whose constant operand is packed (kernorch.kernels) is built, checked and timed with the packed
+array, exactly as the executable will call it. A kernel that fails its build or its check, crashes
+or hangs is recorded as refused, with the reason, and never chosen.
 """
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import tempfile
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -26,11 +27,11 @@ from .database import best as best_of
 from .ir import Graph, KernorchError
 from .options import Machine, Options
 from .workers import WorkerPool
-from .backends import PACKED, packed_kernel
+from .backends import registry
+from .kernels import pack_args, variant_packs
 
 log = logging.getLogger(__name__)
 
-IMPLS = ("tvm", "library", "ort", "tvm-tuned")  # "tvm-tuned": MetaSchedule, measured by kernorch.tune
 DOMINATED = 8.0  # a generated kernel this many times slower than the key's best is timed once
 # --remeasure: every kernel is timed again until it has REMEASURE_TRIES measurements, and the
 # fastest counts. Disturbed timings are not always visible in their repeats: on this shared 2-core
@@ -76,14 +77,9 @@ def kernel_graph(graph: Graph, members: Sequence[str], inputs: Sequence[str], ou
 @functools.lru_cache(maxsize=None)
 def versions(impl: str) -> str:
     """The versions that make a measurement reusable."""
-    if impl == "library":  # the BLAS kernel (OPENBLAS_CORETYPE can halve GEMM speed) keys it too
-        from .calibrate import blas_info
-        b = blas_info()
-        return f"kernorch-{__version__};numpy-{np.__version__};blas-{b.get('internal_api')}-{b.get('architecture')}"
-    if impl == "ort":
-        import onnxruntime
-        return f"kernorch-{__version__};onnxruntime-{onnxruntime.__version__}"
     import importlib.metadata as md
+    if not registry.native(impl):  # the reference evaluator
+        return f"kernorch-{__version__};onnx-{md.version('onnx')};numpy-{np.__version__}"
     try:
         tvm_v = md.version("apache-tvm")
     except md.PackageNotFoundError:
@@ -113,6 +109,11 @@ def make_inputs(job: KernelJob, seed: int = 0) -> list[np.ndarray]:
         else:
             out.append(np.zeros(shape, dtype=ty.dtype))
     return out
+
+
+def kernel_args(job: KernelJob, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """The arrays the kernel variant takes: `inputs` with packed operands in their packed layout."""
+    return pack_args(job.graph, job.inputs, job.schedule, inputs)
 
 
 def reference(job: KernelJob, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -153,14 +154,15 @@ def _build_task(job: KernelJob, threads: int, out_dir: str, verify: bool) -> dic
     from .backends import tvm as tb
     t0 = time.perf_counter()
     target = tb.make_target(threads)
-    mod = tb.lower(job.graph, job.graph.prims, job.inputs, job.outputs)
+    packs = variant_packs(job.graph, job.inputs, job.schedule)
+    mod = tb.lower(job.graph, job.graph.prims, job.inputs, job.outputs, packs)
     mod = tb.schedule(mod, target, job.schedule)
     kernel = tb.build(mod, target)
     build_s = time.perf_counter() - t0
     err = None
     if verify:
         inputs = make_inputs(job)
-        err = check(job, kernel(*inputs), reference(job, inputs))
+        err = check(job, kernel(*kernel_args(job, inputs)), reference(job, inputs))
     path = str(Path(out_dir) / f"{job.key}-{job.schedule}.so")
     kernel.export(path)
     return {"path": path, "build_s": build_s, "error": err}
@@ -171,8 +173,8 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
     """Time one kernel. `cutoff_s`: when one call already takes longer, that single run is the
     measurement (the kernel is dominated by another implementation of the same key)."""
     inputs = make_inputs(job)
-    if job.impl in PACKED:
-        kernel = packed_kernel(job.impl, job.graph, job.graph.prims, job.inputs, job.outputs)
+    if not registry.native(job.impl):
+        kernel = registry.python_kernel(job.impl, job.graph, job.graph.prims, job.inputs, job.outputs)
         err = check(job, kernel(*inputs), reference(job, inputs)) if verify else None
         outs = [np.empty(tuple(int(d) for d in job.graph.type_of(o).shape), job.graph.type_of(o).dtype)
                 for o in job.outputs]  # preallocated, as the VM passes them
@@ -180,6 +182,7 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
         return {"runs": runs, "error": err}
     from .backends import tvm as tb
     kernel = tb.load(path)
+    inputs = kernel_args(job, inputs)
     if cutoff_s is not None:
         first = kernel.time(*inputs, number=1, repeat=1)
         if first[0] > cutoff_s:
@@ -216,10 +219,13 @@ class MeasureStats:
     remeasured: int = 0     # of `measured`: taken again (--remeasure)
     seconds: float = 0.0
 
+    def merged(self, other: "MeasureStats") -> "MeasureStats":
+        return MeasureStats(*(a + b for a, b in zip(astuple(self), astuple(other))))
+
 
 def worker_env(threads: int) -> dict[str, str]:
-    return {"TVM_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
-            "OPENBLAS_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    """Workers start with TVM's thread count set (TVM reads it when its pool starts)."""
+    return {"TVM_NUM_THREADS": str(threads)}
 
 
 def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine: Machine | None = None,
@@ -265,7 +271,7 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
     env = worker_env(options.threads)
     with tempfile.TemporaryDirectory(prefix="kernorch-build-") as tmp:
         built: dict[tuple[str, str, str], dict] = {}
-        tvm_jobs = [j for j in todo if j.impl == "tvm"]
+        tvm_jobs = [j for j in todo if registry.native(j.impl)]
         if tvm_jobs:
             with WorkerPool(min(options.workers, len(tvm_jobs)), env) as pool, \
                     progress.bar(f"{label}: build", len(tvm_jobs)) as bar:
@@ -277,9 +283,9 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
                     else:
                         refuse(j, f"build/check failed: {r.error}", r.seconds)
                     bar.advance()
-        # library kernels first: their times let a generated kernel that is far slower for the
+        # Python kernels first: their times let a generated kernel that is far slower for the
         # same key stop after one call (DOMINATED), instead of repeats of seconds each
-        timed = [j for j in todo if j.impl != "tvm" or j.ident in built]
+        timed = [j for j in todo if not registry.native(j.impl) or j.ident in built]
         best: dict[str, int] = {}
         for (key, _, sched), m in results.items():
             if m.ok and sched != "none":
@@ -287,10 +293,10 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
 
         def cutoff(j: KernelJob) -> float | None:
             b = best.get(j.key)
-            return DOMINATED * b / 1e9 if (b is not None and j.impl == "tvm") else None
+            return DOMINATED * b / 1e9 if (b is not None and registry.native(j.impl)) else None
 
         with WorkerPool(1, env) as pool, progress.bar(f"{label}: time", len(timed)) as bar:
-            groups = ([j for j in timed if j.impl != "tvm"], [j for j in timed if j.impl == "tvm"])
+            groups = ([j for j in timed if not registry.native(j.impl)], [j for j in timed if registry.native(j.impl)])
             for group in groups:  # the cutoffs of the second group come from the first
                 # a crashed worker gets one more try in a fresh process: a kernel is refused for
                 # what it does, not for a fault that struck its process once

@@ -37,29 +37,70 @@ def physical_cores() -> int:
     return os.cpu_count() or 1
 
 
+def _cache_kib() -> dict[str, int]:
+    """Per-core data cache sizes from sysfs: {"l1d": KiB, "l2": KiB, "l3": KiB} (what is readable)."""
+    out: dict[str, int] = {}
+    for d in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level = (d / "level").read_text().strip()
+            kind = (d / "type").read_text().strip()
+            size = (d / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        if kind == "Instruction":
+            continue
+        scale = 1024 if size.endswith("M") else 1
+        try:
+            kib = int(size.rstrip("KM")) * scale
+        except ValueError:
+            continue
+        out["l1d" if level == "1" else f"l{level}"] = kib
+    return out
+
+
+#: ISA extensions a kernel compiled for this host may use; a saved model records the ones its host
+#: had, and refuses to load where one is missing.
+ISA_PREFIXES = ("avx", "fma", "sse4", "amx", "f16c", "bmi", "vnni")
+
+
 @dataclass(frozen=True)
 class Machine:
-    """A CPU target as data. Peak rates are nominal until `kernorch.calibrate` measures them."""
+    """A CPU target as data, read from the host: ISA, vector width, register file and caches.
+
+    The micro-kernel templates size their register tiles and cache blocks from it (never assume
+    AVX-512: AVX2-only parts are among the machines this runs on), and `fingerprint` keys the
+    profile database so measurements never leak between machines or thread counts.
+    """
 
     name: str
     isa: tuple[str, ...]
     cores: int
     simd_bits: int
-    l1d_kib: int = 48
-    l2_kib: int = 1024
-    l3_kib: int = 32768
-    peak_gflops: float = 430.0      # fp32, all cores (machine-notes: OpenBLAS AVX-512 on this CPU)
-    bandwidth_gbs: float = 40.0     # bytes read + written per second
+    l1d_kib: int = 32
+    l2_kib: int = 512
+    l3_kib: int = 8192
     kind: str = "llvm"
 
     @staticmethod
     def host() -> "Machine":
         info = _cpuinfo()
         flags = set(info.get("flags", "").split())
-        isa = tuple(sorted(f for f in flags if f.startswith(("avx", "fma", "sse4", "amx"))))
+        isa = tuple(sorted(f for f in flags if f.startswith(ISA_PREFIXES)))
         simd = 512 if "avx512f" in flags else 256 if "avx2" in flags else 128
+        caches = _cache_kib()
         return Machine(name=info.get("model name", platform.processor() or platform.machine()), isa=isa,
-                       cores=physical_cores(), simd_bits=simd)
+                       cores=physical_cores(), simd_bits=simd, l1d_kib=caches.get("l1d", 32),
+                       l2_kib=caches.get("l2", 512), l3_kib=caches.get("l3", 8192))
+
+    @property
+    def lanes(self) -> int:
+        """float32 lanes of one vector register."""
+        return self.simd_bits // 32
+
+    @property
+    def vector_registers(self) -> int:
+        """Architectural vector registers: 32 with AVX-512 (zmm0-31), 16 with AVX2/SSE."""
+        return 32 if "avx512f" in self.isa else 16
 
     def fingerprint(self, threads: int) -> str:
         """CPU model, ISA, cores and threads: what makes a measurement transferable."""
@@ -67,7 +108,12 @@ class Machine:
         return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return asdict(self) | {"lanes": self.lanes, "vector_registers": self.vector_registers}
+
+    @staticmethod
+    def from_json(d: dict) -> "Machine":
+        return Machine(d["name"], tuple(d["isa"]), int(d["cores"]), int(d["simd_bits"]), int(d.get("l1d_kib", 32)),
+                       int(d.get("l2_kib", 512)), int(d.get("l3_kib", 8192)), d.get("kind", "llvm"))
 
 
 def default_db_path() -> Path:
@@ -92,10 +138,7 @@ class Options:
     repeats: int = 5                    # timing repeats (median taken)
     min_repeat_ms: float = 10.0
     solver_time_limit: float = 60.0
-    library: bool = True                # offer BLAS/im2col implementations
-    select: bool = True                 # emit a plan per runtime mix, keep the fastest end to end
-    select_runs: int = 7                # interleaved timed runs per mix when selecting
-    context: bool = True                # learn how each implementation runs inside the executable (refine)
+    python_kernels: bool = False        # allow operators kept whole to run as Python callbacks (backends.registry)
     remeasure: bool = False             # time every kernel again (measure.REMEASURE_TRIES); the fastest counts
     compare_untuned: int = 8            # also time this many kernels untuned, for the report
     verify: bool = True

@@ -5,10 +5,12 @@ This module is a pure data interface. The pipeline turns a primitive graph into 
 returns the provably cheapest executable selection. Nothing here knows about ONNX or TVM, so the
 solver can be tested on synthetic instances against an exact search (`brute_force`).
 
-The model is (B) of /work/shared/reference/orchestration-notes.md: binary x_k per candidate,
-continuous availability a_t per consumed tensor, and one coverage row per live primitive. The
-coverage rows are what make the LP relaxation tight (root gap <= 0.2 % in the notes) and let
-HiGHS prove optimality at the root on graphs of thousands of primitives.
+The model: a binary x_k per candidate, a continuous availability a_t per consumed tensor (a_t <=
+sum of the x_k that write t, and x_k <= a_t for every t that k reads), and one coverage row per
+live primitive (the chosen kernels together compute it at least once). The coverage rows make the
+LP relaxation tight (root gaps of a fraction of a percent on our models) and let HiGHS prove
+optimality at the root on graphs of thousands of primitives; cycles among multi-output kernels are
+cut lazily (first-writer cuts, below).
 """
 from __future__ import annotations
 
@@ -31,14 +33,12 @@ KINDS = ("elementwise", "reduce", "broadcast", "layout", "linear", "opaque")
 
 @dataclass(frozen=True)
 class Choice:
-    """One candidate kernel with its measured latency.
+    """One candidate kernel in one implementation and schedule, with its measured latency.
 
     `inputs` holds only tensors produced by prims (graph inputs and weights are always available,
     so they never constrain the schedule). `outputs` holds the members whose value is used outside
-    the kernel or is a graph output; a prim's output tensor is named like the prim.
-
-    `cost_ns` is what the solver weighs: the measured latency `alone_ns` as it is expected inside
-    the executable, `scale` x alone_ns + `call_ns` (1 and 0 unless learned, see pipeline.refine).
+    the kernel or is a graph output; a prim's output tensor is named like the prim. `schedule` is
+    opaque to the solver (the micro-kernel tile, "default", a tuning record): it travels to the plan.
     """
 
     id: str
@@ -49,9 +49,7 @@ class Choice:
     outputs: frozenset[str]
     cost_ns: int
     order: tuple[str, ...] = ()
-    scale: float = 1.0
-    call_ns: float = 0.0
-    alone_ns: int | None = None  # None: cost_ns
+    schedule: str = "default"
 
 
 @dataclass(frozen=True, eq=False)

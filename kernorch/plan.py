@@ -17,7 +17,7 @@ from kernorch.orchestrate import Problem, Solution, greedy, solve, unfused
 
 log = logging.getLogger(__name__)
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -28,12 +28,7 @@ class Alternative:
     impl: str
     members: tuple[str, ...]
     cost_ns: int
-    scale: float = 1.0
-    call_ns: float = 0.0
-
-    @property
-    def weighed_ns(self) -> int:
-        return weighed(self.cost_ns, self.scale, self.call_ns)
+    schedule: str = "default"
 
 
 @dataclass(frozen=True)
@@ -44,25 +39,9 @@ class Kernel:
     members: tuple[str, ...]  # in execution (topological) order
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    cost_ns: int                   # measured alone
+    cost_ns: int                   # measured alone, in this schedule
     alternatives: tuple[Alternative, ...] = ()
-    scale: float = 1.0             # the implementation's context as the solver assumed it:
-    call_ns: float = 0.0           #   in model = scale x alone + call_ns
-
-    @property
-    def weighed_ns(self) -> int:
-        """The cost the solver weighed: the measured latency as expected inside the executable."""
-        return weighed(self.cost_ns, self.scale, self.call_ns)
-
-
-def weighed(alone_ns: int, scale: float, call_ns: float) -> int:
-    """A measured latency as expected inside the executable."""
-    return round(alone_ns * scale + call_ns)
-
-
-def _alone(c) -> int:
-    """A choice's measured latency (its cost_ns is the weighed one)."""
-    return c.cost_ns if c.alone_ns is None else c.alone_ns
+    schedule: str = "default"      # "default" rules, a micro-kernel tile ("t14x32p"), a tuning record
 
 
 @dataclass(frozen=True)
@@ -99,9 +78,8 @@ class Plan:
 
     @property
     def predicted_ns(self) -> int:
-        """The additive cost model's prediction: the sum of the kernels' measured latencies, each
-        as expected inside the executable (its implementation's context)."""
-        return sum(k.weighed_ns for k in self.kernels)
+        """The additive cost model's prediction: the sum of the kernels' measured latencies."""
+        return sum(k.cost_ns for k in self.kernels)
 
     # -- construction ------------------------------------------------------------------------
     @staticmethod
@@ -123,9 +101,9 @@ class Plan:
             others = {o.id: o for m in c.members for o in covering.get(m, ()) if o.id != c.id}
             alts = sorted(others.values(), key=lambda o: (o.cost_ns, o.id))[:n_alternatives]
             kernels.append(Kernel(c.id, c.key, c.impl, tuple(members), tuple(sorted(c.inputs)), tuple(sorted(c.outputs)),
-                                  _alone(c), tuple(Alternative(o.id, o.impl, tuple(sorted(o.members, key=rank.__getitem__)),
-                                                               _alone(o), o.scale, o.call_ns) for o in alts),
-                                  c.scale, c.call_ns))
+                                  c.cost_ns, tuple(Alternative(o.id, o.impl, tuple(sorted(o.members, key=rank.__getitem__)),
+                                                               o.cost_ns, o.schedule) for o in alts),
+                                  c.schedule))
         produced: dict[str, int] = {}
         last: dict[str, int] = {}
         for step, k in enumerate(kernels):
@@ -158,9 +136,8 @@ class Plan:
             raise KernorchError(f"plan file has version {d.get('version')!r}; this kernorch reads version {PLAN_VERSION}")
         kernels = tuple(Kernel(k["id"], k["key"], k["impl"], tuple(k["members"]), tuple(k["inputs"]), tuple(k["outputs"]),
                                k["cost_ns"], tuple(Alternative(a["id"], a["impl"], tuple(a["members"]), a["cost_ns"],
-                                                               a.get("scale", 1.0), a.get("call_ns", 0.0))
-                                                   for a in k["alternatives"]),
-                               k.get("scale", 1.0), k.get("call_ns", 0.0))
+                                                               a["schedule"]) for a in k["alternatives"]),
+                               k["schedule"])
                         for k in d["kernels"])
         buffers = tuple(Buffer(**b) for b in d["buffers"])
         return Plan(kernels, buffers, tuple(d["outputs"]), SolverStats(**d["stats"]), d.get("unfused_ns"),
@@ -179,9 +156,10 @@ class Plan:
     # -- report ------------------------------------------------------------------------------
     def summary(self) -> str:
         """A plain-text table of the kernels and the totals against the baselines."""
-        lines = [f"{'#':>3}  {'kernel':<24} {'impl':<16} {'cost_ns':>10}  members"]
+        lines = [f"{'#':>3}  {'kernel':<24} {'impl':<10} {'schedule':<10} {'cost_ns':>10}  members"]
         for i, k in enumerate(self.kernels):
-            lines.append(f"{i:>3}  {k.id[:24]:<24} {k.impl[:16]:<16} {k.cost_ns:>10}  {', '.join(k.members)}")
+            lines.append(f"{i:>3}  {k.id[:24]:<24} {k.impl[:10]:<10} {k.schedule[:10]:<10} {k.cost_ns:>10}  "
+                         f"{', '.join(k.members)}")
         st = self.stats
         lines.append(f"predicted {self.predicted_ns} ns with {len(self.kernels)} kernels; solver {st.status}, "
                      f"bound {st.bound_ns} ns, gap {'n/a' if st.gap is None else f'{st.gap:.2%}'}, {st.solve_seconds:.2f} s, {st.n_cuts} cuts")

@@ -2,7 +2,7 @@
 
 A record holds the primitive's kind, its shape/dtype rule, its numpy reference, its TE compute and
 its cost features (flops). Tests iterate the table, so a new primitive is tested the moment it
-exists. TE computes receive the backend's TVM namespace `T` (te, tir) as their first argument, so
+exists. TE computes receive the backend's TVM namespace `T` (te, tir, topi) as their first argument, so
 this module never imports TVM itself (TVM stays behind kernorch.backends.tvm).
 
 Kinds: elementwise, reduce, broadcast, layout, linear, opaque.
@@ -119,9 +119,13 @@ def _softplus_np(x):
     return np.maximum(x, 0) + np.log1p(np.exp(-np.abs(x)))
 
 
-def _unary(name, np_fn, te_fn, cost=1.0, dtype_in="float32", positive=False):
+def _unary(name, np_fn, te_fn, cost=1.0, dtype_in="float32", positive=False, fast=None):
+    """`fast`: a vectorizable float32 version, (T, x tensor) -> tensor (LLVM has no vector exp, erf
+    or tanh on x86 and calls libm once per element; polynomial versions vectorize)."""
     def te(T, ins, a, out):
         x = ins[0]
+        if fast is not None and x.dtype == "float32":
+            return fast(T, x)
         return T.te.compute(x.shape, lambda *i: te_fn(T, x(*i)), name=name)
 
     def example():
@@ -141,13 +145,26 @@ def _te_softplus(T, x):
 
 
 _unary("neg", np.negative, lambda T, x: T.tir.const(0, _dt(x)) - x)
-_unary("exp", np.exp, lambda T, x: T.tir.exp(x), 8)
+def _nan_kept(T, x, y, name):
+    """y where x is a number, x (NaN) where it is not: the fast polynomials map NaN to a number."""
+    return T.te.compute(x.shape, lambda *i: T.tir.Select(x(*i) != x(*i), x(*i), y(*i)), name=name)
+
+
+def _fast_sigmoid(T, x):
+    """1 / (1 + exp(-x)) with the polynomial exp (exp(88+) is inf, giving 0; exp(-88-) is 0, giving 1)."""
+    e = T.topi.fast_exp(T.te.compute(x.shape, lambda *i: T.tir.const(0, "float32") - x(*i), name="fast_neg"))
+    return T.te.compute(x.shape, lambda *i: T.tir.const(1, "float32") / (T.tir.const(1, "float32") + e(*i)),
+                        name="fast_sigmoid")
+
+
+_unary("exp", np.exp, lambda T, x: T.tir.exp(x), 8, fast=lambda T, x: T.topi.fast_exp(x))
 _unary("log", np.log, lambda T, x: T.tir.log(x), 8)
 _unary("sqrt", np.sqrt, lambda T, x: T.tir.sqrt(x), 4)
 _unary("reciprocal", lambda x: 1.0 / x, lambda T, x: T.tir.const(1, _dt(x)) / x, 4)
-_unary("tanh", np.tanh, lambda T, x: T.tir.tanh(x), 10)
-_unary("erf", lambda x: _erf_np(x), lambda T, x: T.tir.erf(x), 10)
-_unary("sigmoid", lambda x: 1.0 / (1.0 + np.exp(-x)), lambda T, x: T.tir.sigmoid(x), 10)
+_unary("tanh", np.tanh, lambda T, x: T.tir.tanh(x), 10, fast=lambda T, x: T.topi.fast_tanh(x))
+_unary("erf", lambda x: _erf_np(x), lambda T, x: T.tir.erf(x), 10,
+       fast=lambda T, x: _nan_kept(T, x, T.topi.fast_erf(x), "fast_erf_nan"))
+_unary("sigmoid", lambda x: 1.0 / (1.0 + np.exp(-x)), lambda T, x: T.tir.sigmoid(x), 10, fast=_fast_sigmoid)
 _unary("relu", lambda x: np.maximum(x, 0), lambda T, x: T.tir.max(x, T.tir.const(0, _dt(x))))
 _unary("abs", np.abs, lambda T, x: T.tir.abs(x))
 _unary("floor", np.floor, lambda T, x: T.tir.floor(x))
@@ -390,7 +407,6 @@ def _pool_te(T, ins, a, out):
         return T.te.sum(T.tir.if_then_else(inside(o), load(lead, o), T.tir.const(0, dtype)), axis=r)
 
     summed = T.te.compute(tuple(out.shape), sbody, name="sumpool")
-    outs = [int(v) for v in out.shape[rank - sp:]]
 
     def count(o):
         # number of window taps inside the input (or inside input+explicit pads when count_include_pad)

@@ -1,6 +1,6 @@
 """A self-contained HTML report of an optimized model, and a PNG plot of benchmark results.
 
-    write_report("out/")            # -> out/report.html  (reads report.json, plan.json, graph.pkl, bench.json)
+    write_report("out/")            # -> out/report.html  (reads report.json, plan.json, graph.json, bench.json)
     plot_bench(results, "b.png")    # latency per model per system, and speedup over ONNX Runtime
 
 The report must open anywhere, offline, years later: one HTML file, inline CSS, inline SVG drawn
@@ -16,7 +16,6 @@ from __future__ import annotations
 import html
 import json
 import logging
-import pickle
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -51,8 +50,9 @@ def _e(x: Any) -> str:
 
 
 def kernel_color(i: int, impl: str = "tvm") -> str:
-    """Distinct hues by the golden angle; library kernels a little darker so they stand out."""
-    light = 62 if impl == "library" else 74
+    """Distinct hues by the golden angle; Python kernels a little darker so they stand out."""
+    from .backends import registry
+    light = 74 if registry.native(impl) else 62
     return f"hsl({(i * 137.508) % 360:.0f},62%,{light}%)"
 
 
@@ -291,13 +291,14 @@ def _f(x: Any, fmt: str = ".3f") -> str:
 
 
 def _is_tuned(kernel, report: Mapping) -> str:
-    """"yes" for a MetaSchedule kernel (or one listed in report.json's tuning section), "no" for a
-    default schedule, "–" for library kernels (ORT/BLAS: tuned by their vendors, not by kernorch)."""
+    """"yes" for a MetaSchedule kernel (or one listed in report.json's tuning section), "no" for
+    kernorch's own schedules, "–" for Python kernels."""
+    from .backends import registry
     tuning = report.get("tuning")
     tuned_ids = set(tuning.get("kernels", ())) if isinstance(tuning, Mapping) else set()
     if kernel.impl == "tvm-tuned" or kernel.id in tuned_ids or kernel.key in tuned_ids:
         return "yes"
-    return "no" if kernel.impl == "tvm" else "–"
+    return "no" if registry.native(kernel.impl) else "–"
 
 
 def _tuning_series(tuning: Any) -> dict[str, list]:
@@ -329,40 +330,22 @@ def _summary_section(report: Mapping, plan, bench: Mapping | None) -> str:
     measured = timing.get("kernorch_ms")
     if measured is None and bench:
         measured = (bench.get("systems", {}).get("kernorch") or {}).get("median_ms")
-    tot = [["predicted (sum of kernel costs, as expected inside the model)", _ms(pred), ""],
+    ctx = report.get("context") or {}
+    tot = [["predicted (sum of the kernels measured alone)", _ms(pred), ""],
+           ["the kernels inside the executable (VM instrumentation, median)", _f(ctx.get("in_model_ms")),
+            f"{ctx.get('runs', '')} runs" if ctx else ""],
            ["measured end to end (median)", _f(measured), f"{timing.get('runs', '')} runs" if timing else "bench"],
-           ["ONNX Runtime, all optimizations (median)", _f(timing.get("ort_ms")), ""]]
+           ["ONNX Runtime, all optimizations, own process (median)", _f(timing.get("ort_ms")), ""]]
     if measured and pred:
-        tot.append(["measured / predicted", _f(measured / (pred / 1e6), ".2f"), "launch overhead and cache effects"])
+        tot.append(["measured / predicted", _f(measured / (pred / 1e6), ".2f"), "kernel boundaries and cache effects"])
     out += "<h2>Predicted vs measured</h2>" + _table(["", "ms", "note"], tot, also_left=(2,), cls="totals")
-    mixes = [m for m in report.get("mixes", []) if "chosen" in m]
-    if len(mixes) > 1:
-        out += ("<h2>Runtime mixes</h2><p class=\"muted\">the plan re-solved for each set of libraries it may call "
-                "besides TVM kernels (each library has its own thread pool), emitted, and timed end to end, "
-                "interleaved; the fastest is kept</p>" +
-                _table(["mix", "kernels by implementation", "predicted ms", "measured ms", ""],
-                       [[_e(m["mix"]), _e(", ".join(f"{k} {v}" for k, v in m["impls"].items())),
-                         _f(m["predicted_ms"]), _f(m.get("measured_ms")), "chosen" if m["chosen"] else ""]
-                        for m in mixes], also_left=(1,), cls="mixes"))
-    ref = report.get("refined")
-    if ref:
-        rows = [[_e(i), str(f["kernels"]), _f(f["scale"], ".2f"), _f(f["call_us"], ".1f")] for i, f in ref["fits"].items()]
-        verdict = ("re-solving with it gave the same plan" if not ref.get("changed") else
-                   f"re-solving with it gave a different plan: {_f(ref['measured_ms']['refined'])} ms against "
-                   f"{_f(ref['measured_ms']['selected'])} ms ({ref['runs']} interleaved runs each), "
-                   f"{'kept' if ref['kept'] else 'not kept'}" if "measured_ms" in ref else
-                   "re-solving with it gave a different plan that did not build")
-        out += ("<h2>Kernels inside the model</h2><p class=\"muted\">fitted per implementation over this executable's "
-                "kernels: time inside the model = scale &times; time alone + per-call cost; stored, and used to "
-                f"weigh the kernels when solving; {_e(verdict)}</p>" +
-                _table(["implementation", "kernels", "scale", "per call µs"], rows, cls="context"))
-        ctx = (report.get("context") or {}).get("kernel_ms") or []
-        if plan and len(ctx) == len(plan.kernels):
-            pts: dict[str, list] = {}
-            for k, ms in zip(plan.kernels, ctx):
-                pts.setdefault(k.impl, []).append((k.cost_ns / 1e3, ms * 1e3))
-            fits = {i: (f["scale"], f["call_us"]) for i, f in ref["fits"].items()}
-            out += scatter_svg(pts, fits)
+    kms = ctx.get("kernel_ms") or []
+    if plan and len(kms) == len(plan.kernels):
+        pts: dict[str, list] = {}
+        for k, ms in zip(plan.kernels, kms):
+            pts.setdefault(k.impl, []).append((k.cost_ns / 1e3, ms * 1e3))
+        out += ('<p class="muted">each kernel: time alone (x) against time inside the executable (y), µs</p>'
+                + scatter_svg(pts))
     if plan:
         st = plan.stats
         base = [["optimal (solver)", _ms(plan.predicted_ns), "1.00x"]]
@@ -390,18 +373,18 @@ def _kernel_section(graph, plan, report: Mapping) -> str:
     rows, attrs = [], []
     for i, k in enumerate(plan.kernels):
         ops = [graph.by_name[m].op if graph is not None and m in graph.by_name else m for m in k.members]
-        alts = ", ".join(f"{_e(a.impl)} {a.cost_ns / 1e3:.1f}" for a in k.alternatives)
+        alts = ", ".join(f"{_e(a.impl)} {_e(a.schedule)} {a.cost_ns / 1e3:.1f}" for a in k.alternatives)
         in_ctx = [f"{ctx[i] * 1e3:.1f}", f"{ctx[i] * 1e6 / max(k.cost_ns, 1):.2f}x"] if ctx else []
         rows.append([f'<span class="sw" style="background:{kernel_color(i, k.impl)}"></span>{i}', _e(k.id), _e(k.impl),
-                     _e(" → ".join(ops)), str(len(k.members)), f"{k.cost_ns / 1e3:.1f}", f"{k.cost_ns / total:.1%}",
+                     _e(k.schedule), _e(" → ".join(ops)), str(len(k.members)), f"{k.cost_ns / 1e3:.1f}", f"{k.cost_ns / total:.1%}",
                      *in_ctx, _is_tuned(k, report), alts or "–"])
         attrs.append(f' class="kern" data-k="{i}"')
-    cols = ["#", "id", "impl", "primitives", "n", "cost µs", "share"] + (["in model µs", "in model / alone"] if ctx else [])
+    cols = ["#", "id", "impl", "schedule", "primitives", "n", "cost µs", "share"] + (["in model µs", "in model / alone"] if ctx else [])
     cols += ["tuned", "alternatives (impl µs)"]
     note = ("; in model = median time of the call inside the executable (VM instrumentation)" if ctx else "")
     return ("<h2>Kernels</h2><p class=\"muted\">in execution order; cost = measured median of the kernel alone" + note +
             "; hover a row to find its primitives in the graph</p>" +
-            _table(cols, rows, left=4, cls="kernels", row_attrs=attrs, also_left=(len(cols) - 2, len(cols) - 1)))
+            _table(cols, rows, left=5, cls="kernels", row_attrs=attrs, also_left=(len(cols) - 2, len(cols) - 1)))
 
 
 def _bench_section(bench: Mapping) -> str:
@@ -410,22 +393,25 @@ def _bench_section(bench: Mapping) -> str:
         if "median_ms" in e:
             bars[s] = e["median_ms"]
             rows.append([_e(s), e["status"], _f(e["median_ms"]), f"{_f(e['p10_ms'])}–{_f(e['p90_ms'])}", str(e["runs"]),
-                         _f(e.get("speedup_vs_ort"), ".2f") + "x", _f(e.get("max_rel_error"), ".1e"),
+                         _f(e.get("speedup_vs_ort"), ".2f") + "x", _f(e.get("vs_best_peer"), ".2f") + "x",
+                         _f(e.get("max_rel_error"), ".1e"),
                          _f(100 * e["roofline_fraction"], ".1f") + "%" if "roofline_fraction" in e else "–"])
         else:
-            rows.append([_e(s), _e(e.get("status")), "–", _e(e.get("error") or e.get("note", "")), "0", "–", "–", "–"])
+            rows.append([_e(s), _e(e.get("status")), "–", _e(e.get("error") or e.get("note", "")), "0", "–", "–", "–",
+                         "–"])
     rf = bench.get("roofline") or {}
     lb = bench.get("load_before") or {}
-    note = (f'{bench.get("threads")} threads, interleaved round-robin in one process, same inputs; reference: ONNX Runtime '
-            f'(all optimizations). CPU pressure before timing: {_e(lb.get("cpu_pressure", {}).get("avg10", "?"))}% '
+    note = (f'{bench.get("threads")} threads, each system alone in its own process, in turns, same inputs; '
+            f'best peer: {_e(bench.get("best_peer", "–"))}; reference for errors: ONNX Runtime (all optimizations). '
+            f'CPU pressure before timing: {_e(lb.get("cpu_pressure", {}).get("avg10", "?"))}% '
             f'(avg10), load average {_e(", ".join(f"{x:.2f}" for x in lb.get("loadavg", [])))}. ')
     if "floor_ms" in rf:
         note += (f'Roofline floor {rf["floor_ms"]:.3f} ms ({rf["bound"]}-bound: {rf["gflops"]:.3g} GFLOP at '
                  f'{rf["peak_gflops"]:.0f} GFLOP/s, {rf["bytes"] / 1e6:.3g} MB at {rf["bandwidth_gbs"]:.1f} GB/s; '
-                 f'BLAS core {_e(rf.get("blas_core"))}).')
+                 f'peak measured with {_e(rf.get("peak_kernel"))}).')
     return ("<h2>Benchmark</h2>" + f'<p class="muted">{note}</p>' +
-            _table(["system", "status", "median ms", "p10–p90 ms", "runs", "speedup vs ORT", "max rel err", "of roofline"],
-                   rows, left=2, cls="bench") + bar_chart_svg(bars))
+            _table(["system", "status", "median ms", "p10–p90 ms", "runs", "vs ORT", "vs best peer", "max rel err",
+                    "of roofline"], rows, left=2, cls="bench") + bar_chart_svg(bars))
 
 
 def _read_json(p: Path) -> Any:
@@ -437,16 +423,15 @@ def _read_json(p: Path) -> Any:
 
 
 def write_report(outdir, path=None) -> Path:
-    """Write OUTDIR/report.html from whatever of report.json, plan.json, graph.pkl, bench.json is there."""
+    """Write OUTDIR/report.html from whatever of report.json, plan.json, graph.json, bench.json is there."""
+    from .ir import Graph
     from .plan import Plan
     d = Path(outdir)
     report = _read_json(d / "report.json") or {}
     bench = _read_json(d / "bench.json")
     plan = Plan.load(d / "plan.json") if (d / "plan.json").exists() else None
-    graph = None
-    if (d / "graph.pkl").exists():
-        with open(d / "graph.pkl", "rb") as f:
-            graph = pickle.load(f)
+    gj = _read_json(d / "graph.json")
+    graph = Graph.from_json(gj) if gj else None
     title = report.get("model") or (bench or {}).get("model") or d.name
     parts = [f"<h1>kernorch report: {_e(Path(str(title)).name)}</h1>",
              f'<p class="muted">{_e(d.resolve())}</p>']

@@ -39,6 +39,7 @@ from typing import Sequence
 import numpy as np
 
 from . import measure as meas
+from .backends import registry
 from .database import Measurement, ProfileDB
 from .ir import KernorchError
 
@@ -229,26 +230,10 @@ def _lowered(job: meas.KernelJob):
     return tb.lower(job.graph, job.graph.prims, job.inputs, job.outputs)
 
 
-def tuned_module(graph, k, target, directory: str | Path | None):
-    """The emitter's schedule for a "tvm-tuned" plan kernel: the best record in the tuning DB.
-
-    Falls back to the default schedule (correct, slower) when the record is gone.
-    """
-    from .backends import tune_tvm as tt
-    from .backends import tvm as tb
-    kg = meas.kernel_graph(graph, k.members, k.inputs, k.outputs)
-    mod = tb.lower(kg, kg.prims, k.inputs, k.outputs)
-    best = tt.best_module(tt.open_db(directory), mod, target) if directory else None
-    if best is None:
-        log.warning("no tuning record for kernel %s (%s) in %s; using the default schedule", k.id, k.key, directory)
-        return tb.schedule(mod, target, "default")
-    return best
-
-
 def measure_tuned(kernel: Kernel, directory: Path, options, target, fingerprint: str, trials: int) -> Measurement:
     """Build the best tuned schedule, check it against the numpy reference and time it like
     measure._time_task does (median of `options.repeats`). Refused (with the reason) on failure."""
-    from .backends import tune_tvm as tt
+    from .backends.tvm import metaschedule as tt
     from .backends import tvm as tb
     job = kernel.job
     t0 = time.perf_counter()
@@ -274,7 +259,7 @@ def measure_tuned(kernel: Kernel, directory: Path, options, target, fingerprint:
 def _warm_start(kernel: Kernel, state: State, directory: Path, target) -> int:
     """Replay the best traces of tuned kernels of the same family (same ops, other shapes; from any
     model tuned on this target) into the DB, so the search starts from them."""
-    from .backends import tune_tvm as tt
+    from .backends.tvm import metaschedule as tt
     donors = {e["workload"] for k, e in state.data.items()
               if k != kernel.key and e.get("family") == kernel.family and e.get("workload") and not e.get("error")}
     if not donors:
@@ -294,12 +279,10 @@ def _warm_start(kernel: Kernel, state: State, directory: Path, target) -> int:
 # the loop
 # ------------------------------------------------------------------------------------------------
 
-def tunable_set(run) -> dict[str, float]:
-    """Keys worth tuning and their weights: the plan's kernels (their TVM version too when the plan
-    chose a library kernel) weighted by occurrences, plus close alternatives weighted by occurrences
-    times how close they are (chosen cost / alternative cost)."""
-    plan = run.plan
-    ids = {f"c{i}": c for i, c in enumerate(run.enumeration.candidates)}
+def tunable_set(plan, candidates) -> dict[str, float]:
+    """Keys worth tuning and their weights: the plan's kernels weighted by occurrences, plus close
+    alternatives weighted by occurrences times how close they are (chosen cost / alternative cost)."""
+    ids = {f"c{i}": c for i, c in enumerate(candidates)}
     weights: dict[str, float] = {}
     for k in plan.kernels:
         weights[k.key] = weights.get(k.key, 0.0) + 1.0
@@ -308,28 +291,28 @@ def tunable_set(run) -> dict[str, float]:
             c = ids.get(a.id.split(".")[0])
             if c is None or c.key in weights and weights[c.key] >= 1.0:
                 continue
-            cover = sum(p.weighed_ns for p in plan.kernels if set(p.members) & set(a.members))
-            if a.weighed_ns <= CLOSE * max(cover, 1):
-                weights[c.key] = weights.get(c.key, 0.0) + min(1.0, cover / max(a.weighed_ns, 1))
+            cover = sum(p.cost_ns for p in plan.kernels if set(p.members) & set(a.members))
+            if a.cost_ns <= CLOSE * max(cover, 1):
+                weights[c.key] = weights.get(c.key, 0.0) + min(1.0, cover / max(a.cost_ns, 1))
     return weights
 
 
-def _kernels(run, keys) -> dict[str, Kernel]:
+def _kernels(graph, candidates, keys) -> dict[str, Kernel]:
     """A "tvm" KernelJob per key (from the first candidate with that key); opaque kernels skipped."""
     out = {}
-    for c in run.enumeration.candidates:
+    for c in candidates:
         if c.key in keys and c.key not in out:
-            kg = meas.kernel_graph(run.graph, c.members, c.inputs, c.outputs)
+            kg = meas.kernel_graph(graph, c.members, c.inputs, c.outputs)
             if any(p.op == "opaque" for p in kg.prims):
                 continue
             out[c.key] = Kernel(c.key, meas.KernelJob(c.key, "tvm", "default", kg, c.inputs, c.outputs))
     return out
 
 
-def _current_ns(run, key: str) -> float | None:
-    """The best TVM cost of a key (default or tuned) the solver currently sees."""
-    vals = [m.median_ns for (k, impl, _), m in run.measurements.items()
-            if k == key and impl in ("tvm", IMPL) and m.ok and _ != "none"]
+def _current_ns(measurements, key: str) -> float | None:
+    """The best generated cost of a key (any schedule, tuned or not) the solver currently sees."""
+    vals = [m.median_ns for (k, impl, sched), m in measurements.items()
+            if k == key and registry.native(impl) and m.ok and sched != "none"]
     return float(min(vals)) if vals else None
 
 
@@ -337,74 +320,70 @@ def _spent(entries: Sequence[dict], budget: Budget) -> float:
     return sum(e.get("trials", 0) if budget.unit == "t" else e.get("seconds", 0.0) for e in entries)
 
 
-def _add(run, db: ProfileDB, m: Measurement) -> None:
-    """Replace the key's previous tuned measurement in the run and append `m` to the profile DB."""
-    run.measurements = {k: v for k, v in run.measurements.items() if not (k[0] == m.key and k[1] == IMPL)}
-    run.measurements[(m.key, IMPL, m.schedule)] = m
-    db.add(m)
-
-
-def _reuse(run, db: ProfileDB, state: State, directory: Path, target, fingerprint: str) -> int:
+def _reuse(graph, candidates, measured, db: ProfileDB, state: State, directory: Path, options, target,
+           fingerprint: str):
     """Bring in tuned costs of this model's kernels already tuned (this or another model/run):
-    the profile DB row when it matches the recorded trials, else a re-measurement (no tuning)."""
-    from .backends import tune_tvm as tt  # noqa: F401 - fail early if TVM/MetaSchedule is missing
-    keys = {c.key for c in run.enumeration.candidates}
+    the profile DB row when it matches the recorded trials, else a re-measurement (no tuning).
+    Returns (measured, how many)."""
+    from .backends.tvm import metaschedule as tt  # noqa: F401 - fail early if MetaSchedule is missing
+    keys = {c.key for c in candidates}
     tuned = {k: e for k, e in state.data.items() if k in keys and e.get("trials") and not e.get("error")}
     if not tuned:
-        return 0
-    kernels = _kernels(run, tuned)
+        return measured, 0
+    kernels = _kernels(graph, candidates, tuned)
     found = db.lookup_many(fingerprint, meas.versions(IMPL), [(k, IMPL, f"ms:{e['trials']}") for k, e in tuned.items()])
     n = 0
     for key, k in kernels.items():
         m = found.get((key, IMPL, f"ms:{tuned[key]['trials']}"))
         if m is None:
-            m = measure_tuned(k, directory, run.options, target, fingerprint, tuned[key]["trials"])
+            m = measure_tuned(k, directory, options, target, fingerprint, tuned[key]["trials"])
             db.add(m)
-        run.measurements = {x: v for x, v in run.measurements.items() if not (x[0] == key and x[1] == IMPL)}
-        run.measurements[(m.key, IMPL, m.schedule)] = m
+        measured = measured.with_measurement(m)
         n += 1
-    return n
+    return measured, n
 
 
-def tune_loop(run, db: ProfileDB, chunk: int | None = None, max_rounds: int = 1000) -> dict:
-    """Spend `run.options.budget` tuning the kernels that can change `run.plan`; re-solve after
-    each round. Updates run.measurements/run.plan, sets `run.tuning` and returns it:
+def tune_loop(graph, enumeration, measured, plan, db: ProfileDB, options, machine, solve,
+              chunk: int | None = None, max_rounds: int = 1000):
+    """Spend `options.budget` tuning the kernels that can change `plan`; after each round,
+    `solve(measured)` gives the next plan. Returns (plan, measured, history):
 
-        {"budget", "unit", "spent", "curve": [(seconds, predicted ms)], "kernels": [tuned keys],
-         "kernel_curves": {key: [(trials, best ns)]}, "rounds", "new_trials", "seconds"}
+        history = {"budget", "unit", "spent", "curve": [(seconds, predicted ms)], "kernels": [tuned keys],
+                   "kernel_curves": {key: [(trials, best ns)]}, "rounds", "new_trials", "seconds"}
     """
-    from . import pipeline
-    from .backends import tune_tvm as tt
+    from .backends.tvm import metaschedule as tt
     from .backends import tvm as tb
 
-    options = run.options
+    candidates = enumeration.candidates
     budget = parse_budget(options.budget)
     chunk = chunk or (4 if budget.unit == "t" and budget.amount <= 32 else 8)
-    directory = tune_dir(options, run.machine)
+    directory = tune_dir(options, machine)
     directory.mkdir(parents=True, exist_ok=True)
-    fingerprint = run.machine.fingerprint(options.threads)
+    fingerprint = machine.fingerprint(options.threads)
     tb.set_threads(options.threads)
     target = tb.make_target(options.threads)
     state = State(directory)
     t0 = time.perf_counter()
 
-    def predicted_ms() -> float:
-        return run.plan.predicted_ns / 1e6
+    def add(m: Measurement) -> None:
+        nonlocal measured
+        measured = measured.with_measurement(m)
+        db.add(m)
 
     history: dict = {"budget": str(budget), "unit": budget.unit, "dir": str(directory), "rounds": 0,
                      "new_trials": 0, "curve": [], "kernels": [], "kernel_curves": {}}
-    reused = _reuse(run, db, state, directory, target, fingerprint)
+    measured, reused = _reuse(graph, candidates, measured, db, state, directory, options, target, fingerprint)
     if reused:
-        pipeline.orchestrate(run)
+        plan = solve(measured)
     history["reused"] = reused
-    history["curve"].append((0.0, predicted_ms()))
-    log.info("tuning: budget %s, %d kernels already tuned, plan %.4f ms", budget, reused, predicted_ms())
+    history["curve"].append((0.0, plan.predicted_ns / 1e6))
+    log.info("tuning: budget %s, %d kernels already tuned, plan %.4f ms", budget, reused, plan.predicted_ns / 1e6)
 
-    all_keys = {c.key for c in run.enumeration.candidates}
+    all_keys = {c.key for c in candidates}
     failed_now: set[str] = set()
     for _ in range(max_rounds):
-        weights = tunable_set(run)
-        kernels = _kernels(run, weights)
+        weights = tunable_set(plan, candidates)
+        kernels = _kernels(graph, candidates, weights)
         spent = _spent([e for k, e in state.data.items() if k in all_keys], budget)
         remaining = budget.amount - spent
         if remaining < 1:
@@ -413,7 +392,7 @@ def tune_loop(run, db: ProfileDB, chunk: int | None = None, max_rounds: int = 10
         arms = []
         for key, k in kernels.items():
             e = state.get(key) or {}
-            base = _current_ns(run, key)
+            base = _current_ns(measured.measurements, key)
             if base is None or e.get("error") or key in failed_now:
                 continue
             curve = [tuple(p) for p in e.get("curve", [])] or [(0, base)]
@@ -425,7 +404,7 @@ def tune_loop(run, db: ProfileDB, chunk: int | None = None, max_rounds: int = 10
         for key, trials in picks:
             k = kernels[key]
             e = dict(state.get(key) or {"family": k.family, "desc": k.job.description, "trials": 0, "seconds": 0.0,
-                                        "curve": [(0, _current_ns(run, key))]})
+                                        "curve": [(0, _current_ns(measured.measurements, key))]})
             ts = time.perf_counter()
             try:
                 mod = _lowered(k.job)
@@ -439,13 +418,13 @@ def tune_loop(run, db: ProfileDB, chunk: int | None = None, max_rounds: int = 10
                 e["seconds"] = e.get("seconds", 0.0) + time.perf_counter() - ts
                 e["trials"] = max(e["trials"], trials)  # the budget was spent
                 state.put(key, e)
-                _add(run, db, Measurement(fingerprint, key, IMPL, f"ms:{e['trials']}", meas.versions(IMPL), "refused",
-                                          None, (), f"tuning failed: {e['error']}", 0.0, k.job.description))
+                add(Measurement(fingerprint, key, IMPL, f"ms:{e['trials']}", meas.versions(IMPL), "refused",
+                                None, (), f"tuning failed: {e['error']}", 0.0, k.job.description))
                 failed_now.add(key)
                 log.warning("tuning %s (%s) failed: %s", k.job.description, key, e["error"])
                 continue
             m = measure_tuned(k, directory, options, target, fingerprint, e["trials"])
-            _add(run, db, m)
+            add(m)
             e["seconds"] = e.get("seconds", 0.0) + time.perf_counter() - ts
             if m.ok:
                 e["curve"] = list(e["curve"]) + [(e["trials"], min(m.median_ns, min(ns for _, ns in e["curve"])))]
@@ -458,18 +437,17 @@ def tune_loop(run, db: ProfileDB, chunk: int | None = None, max_rounds: int = 10
             log.info("tuned %s (%s): %d trials, %s ns (default %s ns), %.1f s", k.job.description, key, e["trials"],
                      m.median_ns, e["curve"][0][1], time.perf_counter() - ts)
         history["rounds"] += 1
-        pipeline.orchestrate(run)
-        history["curve"].append((time.perf_counter() - t0, predicted_ms()))
-        log.info("tuning round %d: plan %.4f ms, %.0f of %s spent", history["rounds"], predicted_ms(),
+        plan = solve(measured)
+        history["curve"].append((time.perf_counter() - t0, plan.predicted_ns / 1e6))
+        log.info("tuning round %d: plan %.4f ms, %.0f of %s spent", history["rounds"], plan.predicted_ns / 1e6,
                  _spent([e for k, e in state.data.items() if k in all_keys], budget), budget)
     state.save()
     tuned = {k: e for k, e in state.data.items() if k in all_keys and e.get("trials")}
-    history["kernels"] = sorted(k.key for k in run.plan.kernels if k.impl == IMPL)
+    history["kernels"] = sorted(k.key for k in plan.kernels if k.impl == IMPL)
     history["kernel_curves"] = {k: [list(p) for p in e.get("curve", [])] for k, e in tuned.items()}
     history["spent"] = _spent(list(tuned.values()), budget)
     history["seconds"] = time.perf_counter() - t0
-    run.tuning = history
-    return history
+    return plan, measured, history
 
 
 def _seconds_per_trial(state: State) -> float:
@@ -477,4 +455,3 @@ def _seconds_per_trial(state: State) -> float:
     t = sum(e.get("trials", 0) for e in state.data.values())
     s = sum(e.get("seconds", 0.0) for e in state.data.values())
     return s / t if t >= 8 else SEC_PER_TRIAL
-

@@ -118,6 +118,11 @@ class WorkerPool:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def call(self, fn: Callable, args: tuple, timeout: float) -> TaskResult:
+        """Run one task to completion (the pool stays ready for the next)."""
+        (result,) = list(self.run(fn, [args], timeout))
+        return result
+
     def run(self, fn: Callable, tasks: Iterable[tuple], timeout: float) -> Iterator[TaskResult]:
         """Yield results as tasks finish (in completion order)."""
         pending = list(enumerate(tasks))

@@ -1,5 +1,6 @@
 """Backend tests: TE lowering + schedules + build (every primitive of the table), multi-prim
-kernels, numpy/OpenBLAS library kernels, and a Relax module mixing a TIR and a library kernel.
+kernels, micro-kernel tiles with packed weights (host ISA and an AVX2-only target), and a Relax
+module mixing a TIR and a Python kernel.
 
 CPU only; the whole file runs in well under two minutes (each build takes ~0.05-0.3 s).
 Timings are never asserted (see benchmarks/schedule_speedup.py for them).
@@ -16,9 +17,10 @@ import pytest
 os.environ.setdefault("TVM_NUM_THREADS", "2")
 
 from kernorch import primitives as P  # noqa: E402
-from kernorch.backends import library  # noqa: E402
 from kernorch.backends import tvm as kt  # noqa: E402
 from kernorch.ir import Graph, KernorchError, TensorType, make_prim  # noqa: E402
+from kernorch.kernels import variant_packs  # noqa: E402
+from kernorch.options import Machine  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
 
@@ -277,119 +279,129 @@ def test_time_export_and_load(tmp_path, target):
     assert set(kt.versions()) == {"tvm", "tvm-ffi"}
 
 
-def test_library_measurements_are_keyed_by_the_blas_kernel():
-    """OPENBLAS_CORETYPE can halve GEMM speed, so a library timing names the BLAS core it ran."""
-    from kernorch import measure
-    from kernorch.calibrate import blas_info
-    assert measure.versions("library").endswith(f"blas-{blas_info().get('internal_api')}-{blas_info().get('architecture')}")
-
-
 # -------------------------------------------------------------------------------------------------
-# library kernels
+# micro-kernel tiles and packed weights
 # -------------------------------------------------------------------------------------------------
 
-LIB_CASES = {
-    "matmul": lambda: _single_matmul(),
-    "matmul_epilogue_chain": lambda: _matmul_chain(),
-    "conv3x3_pad": conv_bias_relu_graph,
-    "conv_strided_asym_pad_groups": lambda: conv_bias_relu_graph(pads=(0, 1, 2, 0), strides=(2, 1), group=2),
-    "conv_depthwise": lambda: conv_bias_relu_graph(group=8, cin=8, cout=16, strides=(2, 2)),
-    "conv1x1": lambda: conv_bias_relu_graph(pads=(0, 0, 0, 0), k=1),
-    "conv_dilated": lambda: _dilated_conv(),
-}
+AVX2 = Machine("avx2-only test CPU", ("avx", "avx2", "fma", "sse4_1", "sse4_2"), 2, 256, 32, 512, 8192)
+AVX512 = Machine("avx512 test CPU", ("avx", "avx2", "avx512f", "fma"), 2, 512, 48, 2048, 32768)
 
 
-def _single_matmul():
-    ps = [make_prim("y", "matmul", ["a", "b"], f32(3, 20, 24))]
-    return Graph((("a", f32(3, 20, 16)), ("b", f32(16, 24))), ("y",), tuple(ps)), ["a", "b"]
-
-
-def _matmul_chain():
-    o = f32(2, 24, 40)
-    ps = [make_prim("mm", "matmul", ["x", "w"], o), make_prim("b", "add", ["mm", "bias"], o),
-          make_prim("s", "sigmoid", ["b"], o), make_prim("d", "sub", ["c", "s"], o),  # chain value second
-          make_prim("y", "mul", ["d", "d"], o)]
-    consts = {"c": np.full((1,), 0.25, np.float32)}
-    return Graph((("x", f32(2, 24, 32)), ("w", f32(2, 32, 40)), ("bias", f32(40))), ("y",), tuple(ps),
-                 constants=consts), ["x", "w", "bias", "c"]
-
-
-def _dilated_conv():
-    xs, ws = f32(1, 6, 11, 13), f32(4, 6, 3, 2)
-    attrs = dict(strides=(1, 2), pads=(2, 1, 0, 1), dilations=(2, 3), group=1)
-    ps = [make_prim("y", "conv", ["x", "w"], P.infer("conv", [xs, ws], attrs), **attrs)]
-    return Graph((("x", xs), ("w", ws)), ("y",), tuple(ps)), ["x", "w"]
-
-
-@pytest.mark.parametrize("name", list(LIB_CASES))
-def test_library_kernel(name):
-    graph, inputs = LIB_CASES[name]()
-    members, outputs = list(graph.prims), list(graph.outputs)
-    assert library.supports(graph, members, inputs, outputs) is None
-    k = library.make(graph, members, inputs, outputs)
+def gemm_graph(m=50, k=96, n=64, batch=(), const=True, epilogue=True):
+    """x[batch, m, k] @ w[k, n] (+ bias, relu); w a constant (packable) or an input."""
     rng = np.random.default_rng(3)
+    o = f32(*batch, m, n)
+    ps = [make_prim("mm", "matmul", ["x", "w"], o)]
+    if epilogue:
+        ps += [make_prim("b", "add", ["mm", "bias"], o), make_prim("y", "relu", ["b"], o)]
+    consts = {"bias": rng.standard_normal(n).astype(np.float32)} if epilogue else {}
+    ins = [("x", f32(*batch, m, k))]
+    if const:
+        consts["w"] = rng.standard_normal((k, n)).astype(np.float32)
+    else:
+        ins.append(("w", f32(*batch, k, n)))
+    g = Graph(tuple(ins), (ps[-1].name,), tuple(ps), constants=consts)
+    return g, ["x", "w"] + (["bias"] if epilogue else [])
+
+
+@pytest.mark.parametrize("shape", [dict(), dict(m=7), dict(batch=(1,)), dict(batch=(2, 3), const=False),
+                                   dict(epilogue=False, m=33, n=128)])
+def test_every_tile_of_the_host_computes_the_reference(shape, target):
+    """Every tile the host allows, rows that do not divide the tile included (a guarded row tail)."""
+    from kernorch.kernels import pack_args, prim_tiles
+    graph, inputs = gemm_graph(**shape)
+    tiles = prim_tiles(Machine.host(), graph, graph.prims[0])
+    assert tiles, "a 64- or 128-column matmul always has tiles"
+    assert all(t.pack == ("w" in graph.constants) for t in tiles)
+    rng = np.random.default_rng(1)
     arrays = _arrays(graph, inputs, rng)
-    want = reference(graph, {n: a for n, a in zip(inputs, arrays) if n not in graph.constants}, outputs)[0]
-    np.testing.assert_allclose(k(*arrays)[0], want, rtol=RTOL, atol=ATOL)
-    out = np.full(want.shape, np.nan, np.float32)
-    k.run_dps(*arrays, out)
-    k.run_dps(*arrays, out)  # scratch buffers are reused: a second call must give the same result
-    np.testing.assert_allclose(out, want, rtol=RTOL, atol=ATOL)
+    want = reference(graph, {n: a for n, a in zip(inputs, arrays) if n not in graph.constants}, list(graph.outputs))
+    for tile in tiles:
+        packs = variant_packs(graph, inputs, tile.name)
+        mod = kt.schedule(kt.lower(graph, list(graph.prims), inputs, list(graph.outputs), packs), target, tile.name)
+        assert mod["main"].attrs["kernorch.rule"] == f"contraction {tile.name}"
+        got = kt.build(mod, target)(*pack_args(graph, inputs, tile.name, arrays))
+        np.testing.assert_allclose(got[0], want[0], rtol=RTOL, atol=ATOL, err_msg=tile.name)
 
 
-def test_library_refuses_with_reason():
-    graph, inputs = softmax_graph(4, 8)
-    assert "not matmul/conv" in library.supports(graph, list(graph.prims), inputs, ["y"])
-    graph, inputs = two_output_graph()
-    assert "outputs" in library.supports(graph, list(graph.prims), inputs, list(graph.outputs))
-    graph, inputs = matmul_gelu_graph()
-    # the GELU reads the pre-sigmoid value `b` again: a side branch, not an in-place chain
-    assert "side branches" in library.supports(graph, list(graph.prims), inputs, ["y"])
-    ps = [make_prim("mm", "matmul", ["x", "w"], f32(4, 6)), make_prim("r", "reduce_sum", ["mm"], f32(4, 1), axes=(-1,),
-                                                                        keepdims=1)]
-    g = Graph((("x", f32(4, 5)), ("w", f32(5, 6))), ("r",), tuple(ps))
-    assert "not supported" in library.supports(g, ps, ["x", "w"], ["r"])
+def test_packed_weight_is_a_parameter_of_the_packed_shape(target):
+    graph, inputs = gemm_graph(m=16, k=32, n=64)
+    packs = variant_packs(graph, inputs, "t8x32p")
+    assert list(packs) == [1] and packs[1].packed_shape == (2, 32, 32) and packs[1].layout == "KN>N32"
+    w = graph.constants["w"]
+    np.testing.assert_array_equal(packs[1].unpack(packs[1].pack(w)), w)
+    k = kt.build(kt.schedule(kt.lower(graph, list(graph.prims), inputs, ["y"], packs), target, "t8x32p"), target)
+    assert k.input_types[1] == ((2, 32, 32), "float32")
+
+
+def test_a_tile_that_does_not_fit_is_refused_not_replaced(target):
+    graph, inputs = gemm_graph(n=48, const=False)
+    with pytest.raises(KernorchError, match="tile t8x32 does not apply"):
+        kt.schedule(kt.lower(graph, list(graph.prims), inputs, ["y"]), target, "t8x32")
+
+
+def test_tiles_come_from_the_register_file():
+    """AVX-512: 32 registers of 16 lanes; AVX2: 16 registers of 8 lanes; every tile fits."""
+    from kernorch.kernels import contraction_tiles
+    wide = contraction_tiles(AVX512, 128, 1536, 384, pack=True)
+    narrow = contraction_tiles(AVX2, 128, 1536, 384, pack=True)
+    assert {t.nb for t in wide} == {32, 64} and {t.nb for t in narrow} == {16}
+    assert all(t.registers(16) <= 32 for t in wide) and all(t.registers(8) <= 16 for t in narrow)
+    assert max(t.mr for t in wide) == 14 and max(t.mr for t in narrow) == 6
+    assert contraction_tiles(AVX512, 128, 150, 64) == ()  # no tile divides 150 columns
+    assert [t.nb for t in contraction_tiles(AVX512, 128, 16, 64)] == [16]
+
+
+def test_an_avx2_target_builds_correct_8_lane_code():
+    """The same code compiled for an AVX2-only machine: its tiles, ymm registers, no zmm."""
+    from kernorch.kernels import pack_args, prim_tiles
+    target = kt.make_target(2, AVX2)
+    assert target.export()["mcpu"] == "haswell"
+    graph, inputs = gemm_graph(m=24, k=40, n=32)
+    tiles = prim_tiles(AVX2, graph, graph.prims[0])
+    assert tiles and all(t.nb % 8 == 0 and t.nb <= 16 for t in tiles)
+    rng = np.random.default_rng(4)
+    arrays = _arrays(graph, inputs, rng)
+    want = reference(graph, {"x": arrays[0]}, ["y"])
+    for tile in tiles:
+        packs = variant_packs(graph, inputs, tile.name)
+        k = kt.build(kt.schedule(kt.lower(graph, list(graph.prims), inputs, ["y"], packs), target, tile.name), target)
+        asm = k.assembly()
+        assert "ymm" in asm and "zmm" not in asm
+        if "avx2" in Machine.host().isa:  # the host can run AVX2 code
+            np.testing.assert_allclose(k(*pack_args(graph, inputs, tile.name, arrays))[0], want[0], rtol=RTOL, atol=ATOL)
 
 
 # -------------------------------------------------------------------------------------------------
-# Relax: one library kernel (call_dps_packed) and one TIR kernel (call_tir) in one main
+# Relax: a Python kernel (call_dps_packed) and a TIR kernel (call_tir) in one main
 # -------------------------------------------------------------------------------------------------
 
 
-def test_relax_module_with_library_and_tir_kernels(target, tmp_path):
+def test_relax_module_with_python_and_tir_kernels(target, tmp_path):
     import tvm
     from tvm import relax
-
-    m, k_, n = 64, 96, 80
-    # kernel 1 (library): y1 = relu(x @ w + b)
-    o = f32(m, n)
-    g1 = Graph((("x", f32(m, k_)), ("w", f32(k_, n)), ("b", f32(n))), ("y1",),
-               (make_prim("mm", "matmul", ["x", "w"], o), make_prim("ba", "add", ["mm", "b"], o),
-                make_prim("y1", "relu", ["ba"], o)))
-    lib = library.make(g1, list(g1.prims), ["x", "w", "b"], ["y1"])
-    name = library.register(lib, "kernorch.test.lib0")
-    # kernel 2 (TIR): softmax of y1
-    g2, _ = softmax_graph(m, n)
-    tir = kt.schedule(kt.lower(g2, list(g2.prims), ["x"], ["y"]), target)
-
+    from kernorch.backends import reference as ref_impl
+    d = P.TABLE["opaque"]
+    types, attrs = d.example()
+    op = make_prim("h", "opaque", ["x"], d.infer(types, attrs), **attrs)
+    g1 = Graph((("x", types[0]),), ("h",), (op,))
+    k1 = ref_impl.make(g1, [op], ["x"], ["h"])
+    kt.register_packed(k1.run_dps, "kernorch.test.py0")
+    g2 = Graph((("h", op.type),), ("y",), (make_prim("y", "relu", ["h"], op.type),))
+    mod2 = kt.schedule(kt.lower(g2, list(g2.prims), ["h"], ["y"]), target)
+    shape = list(op.type.shape)
     bb = relax.BlockBuilder()
-    xv = relax.Var("x", relax.TensorType((m, k_), "float32"))
-    wv = relax.Var("w", relax.TensorType((k_, n), "float32"))
-    bv = relax.Var("b", relax.TensorType((n,), "float32"))
-    with bb.function("main", [xv, wv, bv]):
-        gv = bb.add_func(kt.relax_func(tir, "softmax_k"), "softmax_k")
+    xv = relax.Var("x", relax.TensorType(shape, "float32"))
+    with bb.function("main", [xv]):
+        gv = bb.add_func(kt.relax_func(mod2, "k1"), "k1")
         with bb.dataflow():
-            y1 = bb.emit(relax.call_dps_packed(name, relax.Tuple([xv, wv, bv]),
-                                               out_ty=relax.TensorType((m, n), "float32")))
-            y2 = bb.emit(relax.call_tir(gv, relax.Tuple([y1]), out_ty=relax.TensorType((m, n), "float32")))
-            out = bb.emit_output(y2)
+            h = bb.emit(relax.call_dps_packed("kernorch.test.py0", relax.Tuple([xv]), relax.TensorType(shape, "float32")))
+            y = bb.emit(relax.call_tir(gv, relax.Tuple([h]), out_ty=relax.TensorType(shape, "float32")))
+            out = bb.emit_output(y)
         bb.emit_func_output(out)
     ex = tvm.compile(bb.get(), target=target)
     vm = relax.VirtualMachine(ex, tvm.cpu())
-    rng = np.random.default_rng(4)
-    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((m, k_), (k_, n), (n,)))
-    got = vm["main"](*(tvm.runtime.tensor(a) for a in (x, w, b))).numpy()
-    h = np.maximum(x @ w + b, 0)
-    e = np.exp(h - h.max(-1, keepdims=True))
-    np.testing.assert_allclose(got, e / e.sum(-1, keepdims=True), rtol=RTOL, atol=ATOL)
+    x = np.random.default_rng(5).standard_normal(shape).astype(np.float32)
+    got = vm["main"](tvm.runtime.tensor(x)).numpy()
+    np.testing.assert_allclose(got, np.maximum(k1(x)[0], 0), rtol=RTOL, atol=ATOL)
     ex.export_library(str(tmp_path / "plan.so"))

@@ -1,5 +1,6 @@
-"""bench(): structure, correctness against ONNX Runtime, roofline fields. Never asserts a timing
-(machine-notes: 2-thread timings on this shared box inflate 2-30x under load)."""
+"""bench() and the peers: each system in its own process, structure, correctness against ONNX
+Runtime, roofline fields, the kernel benchmark. Never asserts a timing (2-thread timings on this
+shared box inflate 2-30x under load)."""
 from __future__ import annotations
 
 import json
@@ -9,23 +10,25 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from kernorch import calibrate
+from kernorch import calibrate, peers
 from kernorch.bench import SYSTEMS, bench, save_json, summary_rows
 from kernorch.ir import KernorchError
+from kernorch.options import Options
 
 
-def tiny_model() -> onnx.ModelProto:
+def tiny_model(path) -> str:
     """MatMul + bias → Relu → Softmax: a linear op (FLOPs for the roofline) and a reduction."""
     rng = np.random.default_rng(0)
-    w = numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "w")
-    b = numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "b")
+    w = numpy_helper.from_array(rng.standard_normal((16, 32)).astype(np.float32), "w")
+    b = numpy_helper.from_array(rng.standard_normal(32).astype(np.float32), "b")
     nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Add", ["m", "b"], ["a"]),
              helper.make_node("Relu", ["a"], ["r"]), helper.make_node("Softmax", ["r"], ["y"], axis=-1)]
     g = helper.make_graph(nodes, "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])], [w, b])
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 32])], [w, b])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 8
-    return m
+    onnx.save(m, str(path))
+    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -37,56 +40,82 @@ def cal_cache(tmp_path_factory):
         yield path
 
 
-def test_bench_structure(tmp_path, cal_cache):
-    r = bench(tiny_model(), systems=("ort", "ort-basic", "tvm"), threads=2, runs=3, cooldown_s=0.0)
-    assert set(r["systems"]) == {"ort", "ort-basic", "tvm"}
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_model(tmp_path_factory.mktemp("m") / "tiny.onnx")
+
+
+def test_bench_structure(tmp_path, cal_cache, model):
+    opts = Options(db_path=str(tmp_path / "db.sqlite"), repeats=2, min_repeat_ms=1.0, max_kernel_size=3)
+    r = bench(model, systems=("kernorch", "ort", "openvino", "tvm"), threads=2, rounds=2, block=2,
+              outdir=tmp_path / "k", options=opts)
+    assert set(r["systems"]) == {"kernorch", "ort", "openvino", "tvm"}
     for name, e in r["systems"].items():
         assert e["status"] == "ok", (name, e)
-        assert e["runs"] == 3
+        assert e["runs"] == 4
         assert e["p10_ms"] <= e["median_ms"] <= e["p90_ms"]
         assert e["max_rel_error"] < 1e-4 and e["matches"]
-        assert e["speedup_vs_ort"] > 0 and e["roofline_fraction"] > 0
+        assert e["speedup_vs_ort"] > 0 and e["roofline_fraction"] > 0 and e["vs_best_peer"] > 0
     assert r["systems"]["ort"]["max_rel_error"] == 0.0 and r["systems"]["ort"]["speedup_vs_ort"] == 1.0
+    assert r["best_peer"] in ("ort", "openvino", "tvm")
+    assert r["systems"]["openvino"]["precision"] == "f32" and r["systems"]["openvino"]["hint"] == "LATENCY"
+    assert r["timing_method"]["isolation"] == "each system alone in its own process"
     rf = r["roofline"]
-    assert rf["flops"] >= 2 * 4 * 16 * 8
-    assert rf["bytes"] == 4 * (4 * 16 + 16 * 8 + 8 + 4 * 8)
+    assert rf["flops"] >= 2 * 4 * 16 * 32
+    assert rf["bytes"] == 4 * (4 * 16 + 16 * 32 + 32 + 4 * 32)
     assert rf["bound"] in ("compute", "memory") and rf["floor_ms"] == max(rf["compute_ms"], rf["memory_ms"])
     assert "cpu_pressure" in r["load_before"] or "loadavg" in r["load_before"]
-    assert r["calibration"]["peak_gflops"] > 0 and r["calibration"]["blas"]
+    assert r["calibration"]["peak_gflops"] > 0 and r["calibration"]["peak_kernel"]
+    assert (tmp_path / "k" / "bench.json").exists()  # beside the saved model, for the report
     p = save_json(r, tmp_path / "bench.json")
     assert json.loads(p.read_text())["systems"]["tvm"]["status"] == "ok"  # JSON-serializable
-    assert len(summary_rows(r)) == 3
+    assert len(summary_rows(r)) == 4
 
 
-def test_failures_are_reported_not_raised(cal_cache, monkeypatch):
-    import kernorch.bench as kb
-
-    def boom(*a, **k):
-        raise RuntimeError("no TVM today")
-    monkeypatch.setattr(kb, "_tvm_system", boom)
-    r = bench(tiny_model(), systems=("ort", "tvm", "torch"), runs=2, cooldown_s=0.0)
-    assert r["systems"]["tvm"]["status"] == "failed" and "no TVM today" in r["systems"]["tvm"]["error"]
-    assert r["systems"]["torch"]["status"] in ("skipped", "ok", "failed")
-    assert r["systems"]["ort"]["runs"] == 2
-
-
-def test_reference_without_timing_ort(cal_cache):
-    """Errors are against ORT-all even when ORT is not among the timed systems."""
-    r = bench(tiny_model(), systems=("ort-basic",), runs=2, cooldown_s=0.0)
-    assert list(r["systems"]) == ["ort-basic"]
-    e = r["systems"]["ort-basic"]
-    assert e["max_rel_error"] < 1e-5 and "speedup_vs_ort" not in e
+def test_systems_run_in_processes_of_their_own(model):
+    import os
+    feeds = {"x": np.ones((4, 16), np.float32)}
+    with peers.Timer(1) as t:
+        assert t.add("ort", model, feeds)["status"] == "ok"
+        assert t.add("openvino", model, feeds)["status"] == "ok"
+        pids = {n: p.workers[0].proc.pid for n, p in t.pools.items()}
+        assert len(set(pids.values())) == 2 and os.getpid() not in pids.values()
+        times = t.rounds(2, block=1)
+    assert {n: len(v) for n, v in times.items()} == {"ort": 2, "openvino": 2}
 
 
-def test_unknown_system():
+def test_failures_are_reported_not_raised(model, monkeypatch):
+    import os
+    feeds = {"x": np.ones((4, 16), np.float32)}
+    with peers.Timer(1) as t:
+        info = t.add("kernorch", os.devnull, feeds)   # not a saved model: fails in its own process
+        assert info["status"] == "failed" and "manifest" in info["error"]
+        assert t.add("torch", model, feeds)["status"] in ("skipped", "ok", "failed")
+        assert t.add("ort", model, feeds)["status"] == "ok"
+        assert "kernorch" not in t.systems and "ort" in t.systems
+
+
+def test_unknown_system(model):
     with pytest.raises(KernorchError, match="unknown system"):
-        bench(tiny_model(), systems=("ort", "tensorflow"))
-    assert "kernorch" in SYSTEMS
+        bench(model, systems=("ort", "tensorflow"))
+    assert {"kernorch", "ort", "openvino", "tvm"} <= set(SYSTEMS)
 
 
 def test_calibration_is_cached(cal_cache):
     a = calibrate.calibrate(2)
-    assert a["peak_gflops"] > 0 and a["bandwidth_gbs"] > 0 and "architecture" in a["blas"]
+    assert a["peak_gflops"] > 0 and a["bandwidth_gbs"] > 0 and a["peak_kernel"].startswith("1024x1024x1024 t")
     assert cal_cache.exists()
     b = calibrate.calibrate(2)
     assert b["created"] == a["created"] or a.get("loaded")  # a loaded calibration may be re-measured
+
+
+def test_kernel_benchmark_compares_every_contraction(tmp_path, cal_cache, model):
+    from kernorch.kbench import bench_kernels
+    opts = Options(db_path=str(tmp_path / "db.sqlite"), repeats=2, min_repeat_ms=1.0)
+    r = bench_kernels(model, opts, threads=(1,), repeats=2)
+    (k,) = r["kernels"]
+    e = k["by_threads"]["1"]
+    assert k["kernel"].startswith("matmul 4x16 · W16x32") and k["count"] == 1
+    assert e["schedule"].startswith("t") and e["ratio"] > 0 and 0 < e["of_peak"]
+    assert e["ort_gflops"] > 0 and e["kernorch_gflops"] > 0 and e["schedule"] in e["tiles_us"]
+    assert r["summary"]["1"]["kernels"] == 1

@@ -40,25 +40,6 @@ def test_add_lookup_fastest_counts(tmp_path):
         assert db.stats()["measurements"] == 0
 
 
-def test_context_is_the_mean_of_the_recent_fits_per_target(tmp_path):
-    from kernorch.database import CONTEXT_WINDOW
-    with ProfileDB(tmp_path / "db.sqlite") as db:
-        assert db.context("tgt") == {}
-        db.add_context("tgt", "ort", 9.0, 9e6, 3, "old.onnx")  # pushed out of the window below
-        for i in range(CONTEXT_WINDOW):
-            db.add_context("tgt", "ort", 1.0 + i, 1000.0 * i, 4, "m.onnx")
-        db.add_context("tgt", "tvm", 1.2, 10.0, 7, "m.onnx")
-        db.add_context("other", "tvm", 3.0, 0.0, 7, "m.onnx")
-        ctx = db.context("tgt")
-        assert set(ctx) == {"ort", "tvm"}
-        assert ctx["ort"] == pytest.approx((1.0 + (CONTEXT_WINDOW - 1) / 2, 500.0 * (CONTEXT_WINDOW - 1)))
-        assert ctx["tvm"] == pytest.approx((1.2, 10.0))
-        db.clear(refused_only=True)
-        assert db.context("tgt")
-        db.clear()
-        assert db.context("tgt") == {} and db.context("other") == {}
-
-
 def test_survives_killed_writer(tmp_path):
     """A process killed mid-run keeps every row it committed."""
     path = tmp_path / "db.sqlite"
@@ -159,13 +140,12 @@ def crash_first_time(job, path, repeats, min_repeat_ms, verify, cutoff_s=None):
 
 
 def test_measure_retries_a_crashed_worker_once(tmp_path, monkeypatch):
-    import numpy as np
     from kernorch import measure
     from kernorch.ir import Graph, TensorType, make_prim
     from kernorch.options import Options
     t = TensorType((8, 8), "float32")
     g = Graph((("x", t), ("w", t)), ("y",), (make_prim("y", "matmul", ["x", "w"], t),))
-    job = measure.KernelJob("k-test", "library", "-", g, ("x", "w"), ("y",))
+    job = measure.KernelJob("k-test", "tvm", "default", g, ("x", "w"), ("y",))
     monkeypatch.setenv("KERNORCH_TEST_FLAG", str(tmp_path / "flag"))
     monkeypatch.setattr(measure, "_time_task", crash_first_time)
     opts = Options(threads=1, repeats=2, min_repeat_ms=0.1)
@@ -185,12 +165,12 @@ def test_a_dominated_generated_kernel_is_timed_once(tmp_path):
     g = Graph((("x", t), ("w", t)), ("y",), (make_prim("y", "matmul", ["x", "w"], t),))
     opts = Options(threads=1, repeats=4, min_repeat_ms=0.1)
     target = Machine.host().fingerprint(opts.threads)
-    fast = Measurement(target, "k-dom", "library", "-", measure.versions("library"), "ok", 1, (1,), "", 0.0, "matmul")
+    fast = Measurement(target, "k-dom", "tvm", "t8x32", measure.versions("tvm"), "ok", 1, (1,), "", 0.0, "matmul")
     jobs = [measure.KernelJob("k-dom", "tvm", "default", g, ("x", "w"), ("y",)),
             measure.KernelJob("k-other", "tvm", "default", g, ("x", "w"), ("y",))]
     with ProfileDB(tmp_path / "db.sqlite") as db:
-        db.add(fast)  # a (pretend) 1 ns library kernel for k-dom; nothing for k-other
-        res, stats = measure.measure(jobs + [measure.KernelJob("k-dom", "library", "-", g, ("x", "w"), ("y",))],
+        db.add(fast)  # a (pretend) 1 ns tile of k-dom; nothing for k-other
+        res, stats = measure.measure(jobs + [measure.KernelJob("k-dom", "tvm", "t8x32", g, ("x", "w"), ("y",))],
                                      db, opts)
     assert stats.cached == 1 and stats.measured == 2
     assert len(res[jobs[0].ident].runs_ns) == 1          # cut after one call
@@ -207,13 +187,13 @@ def test_remeasure_times_kernels_again_and_the_fastest_counts(tmp_path):
     g = Graph((("x", t), ("w", t)), ("y",), (make_prim("y", "matmul", ["x", "w"], t),))
     opts = Options(threads=1, repeats=3, min_repeat_ms=0.1)
     target = Machine.host().fingerprint(opts.threads)
-    ver = measure.versions("library")
-    slow = measure.KernelJob("k-slow", "library", "-", g, ("x", "w"), ("y",))
-    fast = measure.KernelJob("k-fast", "library", "-", g, ("x", "w"), ("y",))
-    done = measure.KernelJob("k-done", "library", "-", g, ("x", "w"), ("y",))
+    ver = measure.versions("tvm")
+    slow = measure.KernelJob("k-slow", "tvm", "default", g, ("x", "w"), ("y",))
+    fast = measure.KernelJob("k-fast", "tvm", "default", g, ("x", "w"), ("y",))
+    done = measure.KernelJob("k-done", "tvm", "default", g, ("x", "w"), ("y",))
 
     def row(key, ns):
-        return Measurement(target, key, "library", "-", ver, "ok", ns, (ns, ns), "", 0.0, "matmul")
+        return Measurement(target, key, "tvm", "default", ver, "ok", ns, (ns, ns), "", 0.0, "matmul")
     with ProfileDB(tmp_path / "db.sqlite") as db:
         db.add(row("k-slow", 10**9))   # 1 s, stored under load: any real timing of a 32x32 matmul beats it
         db.add(row("k-fast", 1))       # 1 ns: no real timing beats it
@@ -226,20 +206,20 @@ def test_remeasure_times_kernels_again_and_the_fastest_counts(tmp_path):
         assert stats.cached == 1 and stats.measured == 2 and stats.remeasured == 2
         assert 1 < res[slow.ident].median_ns < 10**9
         assert res[fast.ident].median_ns == 1 and res[done.ident].median_ns == 10**9
-        assert db.lookup(target, "k-slow", "library", "-", ver).median_ns == res[slow.ident].median_ns
+        assert db.lookup(target, "k-slow", "tvm", "default", ver).median_ns == res[slow.ident].median_ns
         assert len(db.history(target, ver, [slow.ident])[slow.ident]) == 2
 
 
-def _blas_threads():
-    import threadpoolctl
-    return [lib["num_threads"] for lib in threadpoolctl.threadpool_info() if lib.get("user_api") == "blas"]
+def _tvm_threads():
+    import tvm
+    return tvm.runtime.num_threads()
 
 
 def test_workers_start_with_their_environment():
-    """OpenBLAS reads its thread count when numpy is first imported, before the worker runs any
-    task: the variable must already be set when the worker process starts."""
-    before = os.environ.get("OPENBLAS_NUM_THREADS")
-    with WorkerPool(1, {"OPENBLAS_NUM_THREADS": "1"}) as pool:
-        (r,) = list(pool.run(_blas_threads, [()], timeout=60))
-    assert r.ok and r.value and all(n == 1 for n in r.value)
-    assert os.environ.get("OPENBLAS_NUM_THREADS") == before  # the parent's environment is unchanged
+    """TVM reads its thread count when its pool starts, before the worker runs any task: the
+    variable must already be set when the worker process starts (TVM's default here is 1)."""
+    before = os.environ.get("TVM_NUM_THREADS")
+    with WorkerPool(1, {"TVM_NUM_THREADS": "2"}) as pool:
+        r = pool.call(_tvm_threads, (), timeout=60)
+    assert r.ok and r.value == 2
+    assert os.environ.get("TVM_NUM_THREADS") == before  # the parent's environment is unchanged

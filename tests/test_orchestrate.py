@@ -301,19 +301,17 @@ def test_scale_smoke():
     assert unfused(p).objective_ns >= sol.objective_ns
 
 
-def test_plan_keeps_measured_cost_and_context_apart():
-    """Choices weighed by a context (scale x alone + call_ns): the solver sees the weighed cost, the
-    plan's kernels keep the measured one, and the prediction is the weighed sum; JSON round-trips."""
+def test_plan_carries_each_kernels_schedule():
+    """The solver treats schedules as opaque; the plan's kernels and alternatives keep theirs, the
+    prediction is the sum of the chosen costs, and JSON round-trips."""
     from dataclasses import replace
-    from kernorch.plan import weighed
     p = random_problem(random.Random(7), 7, 3)
-    choices = tuple(replace(c, cost_ns=weighed(c.cost_ns, 1.5, 300.0), scale=1.5, call_ns=300.0, alone_ns=c.cost_ns)
-                    for c in p.choices)
+    choices = tuple(replace(c, schedule=f"t{i % 5 + 4}x32p") for i, c in enumerate(p.choices))
     p2 = replace(p, choices=choices)
     sol = solve(p2, time_limit=30)
     plan = Plan.from_solution(p2, sol)
-    alone = {c.id: c.alone_ns for c in choices}
-    assert all(k.cost_ns == alone[k.id] and k.scale == 1.5 and k.call_ns == 300.0 for k in plan.kernels)
-    assert all(a.cost_ns == alone[a.id] for k in plan.kernels for a in k.alternatives)
-    assert plan.predicted_ns == sol.objective_ns == sum(weighed(k.cost_ns, 1.5, 300.0) for k in plan.kernels)
+    sched = {c.id: c.schedule for c in choices}
+    assert all(k.schedule == sched[k.id] for k in plan.kernels)
+    assert all(a.schedule == sched[a.id] for k in plan.kernels for a in k.alternatives)
+    assert plan.predicted_ns == sol.objective_ns
     assert Plan.from_json(json.loads(json.dumps(plan.to_json()))) == plan

@@ -3,7 +3,6 @@ rendered in a real headless browser (Debian chromium; skipped when none is insta
 from __future__ import annotations
 
 import json
-import pickle
 import re
 import shutil
 import subprocess
@@ -27,7 +26,8 @@ def _tiny_graph():
 
 
 def _chain_plan(graph) -> Plan:
-    """Kernels of up to 3 consecutive prims along a chain; linear prims alone as 'library' kernels."""
+    """Kernels of up to 3 consecutive prims along a chain; linear prims alone in a micro-kernel tile,
+    one kernel as a Python ('reference') kernel."""
     kernels, cur = [], []
 
     def flush():
@@ -35,8 +35,9 @@ def _chain_plan(graph) -> Plan:
             i = len(kernels)
             linear = primitives.kind(graph.by_name[cur[0]].op) == "linear"
             ins = sorted({t for m in cur for t in graph.by_name[m].inputs if t not in cur})
-            kernels.append(Kernel(f"c{i}.x", f"key{i}", "library" if linear else "tvm", tuple(cur), tuple(ins),
-                                  (cur[-1],), 1000 * (i + 1), (Alternative(f"c{i}.y", "tvm", tuple(cur), 2000 * (i + 1)),)))
+            kernels.append(Kernel(f"c{i}.x", f"key{i}", "reference" if i == 1 else "tvm", tuple(cur), tuple(ins),
+                                  (cur[-1],), 1000 * (i + 1), (Alternative(f"c{i}.y", "tvm", tuple(cur), 2000 * (i + 1)),),
+                                  "t8x32p" if linear else "default"))
             cur.clear()
 
     for p in graph.prims:
@@ -55,14 +56,15 @@ def _chain_plan(graph) -> Plan:
 
 def _bench_dict() -> dict:
     sys_ = {"ort": {"status": "ok", "median_ms": 1.0, "p10_ms": 0.9, "p90_ms": 1.2, "runs": 3, "speedup_vs_ort": 1.0,
-                    "max_rel_error": 0.0, "roofline_fraction": 0.3},
+                    "vs_best_peer": 1.0, "max_rel_error": 0.0, "roofline_fraction": 0.3},
             "kernorch": {"status": "ok", "median_ms": 0.8, "p10_ms": 0.7, "p90_ms": 0.9, "runs": 3,
-                         "speedup_vs_ort": 1.25, "max_rel_error": 2e-7, "roofline_fraction": 0.37},
+                         "speedup_vs_ort": 1.25, "vs_best_peer": 1.25, "max_rel_error": 2e-7, "roofline_fraction": 0.37},
             "torch": {"status": "skipped", "note": "PyTorch is not installed"},
             "tvm": {"status": "failed", "error": "TVMError: <boom & co>"}}
-    return {"model": "candy_like", "threads": 2, "systems": sys_, "load_before": {"cpu_pressure": {"avg10": 1.5},
-            "loadavg": [0.5, 0.4, 0.3]}, "roofline": {"floor_ms": 0.3, "bound": "compute", "gflops": 0.03, "bytes": 1e5,
-                                                      "peak_gflops": 100.0, "bandwidth_gbs": 20.0, "blas_core": "SkylakeX"}}
+    return {"model": "candy_like", "threads": 2, "systems": sys_, "best_peer": "ort",
+            "load_before": {"cpu_pressure": {"avg10": 1.5}, "loadavg": [0.5, 0.4, 0.3]},
+            "roofline": {"floor_ms": 0.3, "bound": "compute", "gflops": 0.03, "bytes": 1e5, "peak_gflops": 100.0,
+                         "bandwidth_gbs": 20.0, "peak_kernel": "1024x1024x1024 t14x32p"}}
 
 
 @pytest.fixture(scope="module")
@@ -72,24 +74,15 @@ def saved_dir(tmp_path_factory) -> Path:
     graph = _tiny_graph()
     plan = _chain_plan(graph)
     plan.save(d / "plan.json")
-    with open(d / "graph.pkl", "wb") as f:
-        pickle.dump(replace(graph, constants={}), f)
+    (d / "graph.json").write_text(json.dumps(replace(graph, constants={}).to_json()))
     report = {"model": "candy_like.onnx", "machine": {"name": "Test CPU"}, "threads": 2, "primitives": len(graph.prims),
               "partitions": 2, "candidates": 99, "predicted_ms": plan.predicted_ns / 1e6,
               "verify": {"ok": True, "max_rel_error": 1e-7},
               "timing": {"runs": 3, "kernorch_ms": 0.8, "ort_ms": 1.0},
               "seconds": {"load": 0.1, "fission": 0.05, "measure": 3.0, "orchestrate": 0.02},
               "tuning": [[0, 1.2], [5, 0.9], [10, 0.85]],
-              "context": {"runs": 3, "kernel_ms": [0.01 * (i + 1) for i in range(len(plan.kernels))], "other_ms": 0.01},
-              "mixes": [{"mix": "all", "predicted_ms": 0.5, "kernels": 3, "impls": {"ort": 1, "tvm": 2},
-                         "measured_ms": 0.9, "runs": 7, "chosen": False},
-                        {"mix": "tvm+ort", "same_as": "all"},
-                        {"mix": "tvm", "predicted_ms": 0.6, "kernels": 3, "impls": {"tvm": 3},
-                         "measured_ms": 0.8, "runs": 7, "chosen": True}],
-              "refined": {"fits": {"ort": {"scale": 1.47, "call_us": 88.0, "kernels": 24},
-                                   "tvm": {"scale": 1.38, "call_us": 8.0, "kernels": 55}},
-                          "changed": True, "kept": False, "runs": 7,
-                          "measured_ms": {"selected": 0.8, "refined": 0.85}}}
+              "context": {"runs": 3, "kernel_ms": [0.01 * (i + 1) for i in range(len(plan.kernels))], "other_ms": 0.01,
+                          "in_model_ms": 0.123, "alone_ms": 0.1}}
     (d / "report.json").write_text(json.dumps(report))
     (d / "bench.json").write_text(json.dumps(_bench_dict()))
     return d
@@ -117,8 +110,9 @@ def test_report_contents(saved_dir):
     root = ET.fromstring(svg)  # well-formed XML
     ns = "{http://www.w3.org/2000/svg}"
     assert len(root.findall(f"{ns}g")) == n_prims
-    for needle in ('class="bench"', 'class="mixes"', "in model / alone", 'class="context"', "1.47", "not kept", "in model = alone", "<circle", "Optimal vs greedy", "Time per stage", "Tuning", "1.25", "&lt;boom &amp; co&gt;",
-                   "PyTorch is not installed", "<polyline"):
+    for needle in ('class="bench"', "in model / alone", "0.123", "t8x32p", "vs best peer", "<circle",
+                   "Optimal vs greedy", "Time per stage", "Tuning", "1.25", "&lt;boom &amp; co&gt;",
+                   "PyTorch is not installed", "<polyline", "1024x1024x1024 t14x32p"):
         assert needle in doc, needle
     assert "http://" not in doc.replace('xmlns="http://www.w3.org/2000/svg"', "")  # nothing fetched from outside
 
@@ -128,12 +122,12 @@ def test_tuned_column_by_implementation():
     k = _chain_plan(_tiny_graph()).kernels[0]
     assert _is_tuned(replace(k, impl="tvm"), {}) == "no"
     assert _is_tuned(replace(k, impl="tvm-tuned"), {}) == "yes"
-    assert _is_tuned(replace(k, impl="ort"), {}) == "–" and _is_tuned(replace(k, impl="library"), {}) == "–"
+    assert _is_tuned(replace(k, impl="reference"), {}) == "–"
     assert _is_tuned(replace(k, impl="tvm"), {"tuning": {"kernels": [k.key]}}) == "yes"
 
 
 def test_report_with_only_some_files(tmp_path, saved_dir):
-    shutil.copy(saved_dir / "graph.pkl", tmp_path / "graph.pkl")
+    shutil.copy(saved_dir / "graph.json", tmp_path / "graph.json")
     (tmp_path / "report.json").write_text(json.dumps({"model": "m.onnx"}))
     doc = write_report(tmp_path).read_text()
     assert 'id="graph"' in doc and "Benchmark" not in doc

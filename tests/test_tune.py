@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from kernorch import executor, pipeline, tune
+from kernorch import executor, pipeline, tune, verify
 from kernorch.database import ProfileDB
 from kernorch.ir import KernorchError
-from kernorch.options import Options
+from kernorch.options import Machine, Options
 from kernorch.tune import Arm, allocate, expected_gain, flattened, parse_budget
 
 
@@ -102,27 +102,31 @@ def tuned(tmp_path_factory):
     model = tiny_model(d / "tiny.onnx")
     opts = Options().with_(db_path=str(d / "db.sqlite"), tune_dir=str(d / "tuning"), budget="8t", threads=1,
                            max_kernel_size=4, repeats=3, min_repeat_ms=1.0, workers=2, compare_untuned=0)
+    machine = Machine.host()
     with ProfileDB(opts.resolved_db()) as db:
-        run = pipeline.load(str(model), opts)
-        pipeline.enumerate_candidates(run)
-        pipeline.measure_candidates(run, db)
-        pipeline.orchestrate(run)
-        before = run.plan
-        history = tune.tune_loop(run, db)
-    return d, model, opts, before, run, history
+        loaded = pipeline.load(str(model), opts)
+        en = pipeline.enumerate_candidates(loaded.graph, opts)
+        measured = pipeline.measure_candidates(loaded.graph, en, db, opts, machine)
+        meta = pipeline.plan_meta(loaded.source, machine, opts)
+
+        def solve(m):
+            return pipeline.orchestrate(loaded.graph, en, m, opts, meta)
+
+        before = solve(measured)
+        plan, measured, history = tune.tune_loop(loaded.graph, en, measured, before, db, opts, machine, solve)
+    return d, model, opts, before, plan, measured, history, loaded, en, solve
 
 
 @pytest.mark.slow
 def test_loop_tunes_within_budget_and_never_worsens_the_plan(tuned):
-    d, model, opts, before, run, history = tuned
-    assert run.tuning is history
+    d, model, opts, before, plan, measured, history, loaded, en, solve = tuned
     assert 0 < history["new_trials"] and history["spent"] <= 8
     assert history["rounds"] >= 1 and history["kernel_curves"]
-    assert run.plan.predicted_ns <= before.predicted_ns
+    assert plan.predicted_ns <= before.predicted_ns
     times = [t for t, _ in history["curve"]]
-    assert times == sorted(times) and history["curve"][-1][1] == pytest.approx(run.plan.predicted_ns / 1e6)
-    covered = sorted(m for k in run.plan.kernels for m in k.members)
-    assert covered == sorted(p.name for p in run.graph.prims)
+    assert times == sorted(times) and history["curve"][-1][1] == pytest.approx(plan.predicted_ns / 1e6)
+    covered = sorted(m for k in plan.kernels for m in k.members)
+    assert covered == sorted(p.name for p in loaded.graph.prims)
     with ProfileDB(opts.resolved_db()) as db:
         rows = [m for m in db.rows() if m.impl == "tvm-tuned"]
     assert rows and all(m.schedule.startswith("ms:") for m in rows)
@@ -132,25 +136,25 @@ def test_loop_tunes_within_budget_and_never_worsens_the_plan(tuned):
 
 @pytest.mark.slow
 def test_second_run_reuses_tuning(tuned):
-    d, model, opts, before, run, history = tuned
-    run2 = pipeline.plan_model(str(model), opts)
-    assert run2.tuning["new_trials"] == 0 and run2.tuning["reused"] >= 1
-    assert run2.plan.predicted_ns <= before.predicted_ns
-    assert run2.measure_stats.measured == 0
+    d, model, opts, before, plan, measured, history, loaded, en, solve = tuned
+    again = pipeline.plan_model(str(model), opts)
+    assert again.tuning["new_trials"] == 0 and again.tuning["reused"] >= 1
+    assert again.plan.predicted_ns <= before.predicted_ns
+    assert again.measured.stats.measured == 0
 
 
 @pytest.mark.slow
 def test_emitted_model_with_tuned_kernels_matches_ort(tuned):
-    d, model, opts, before, run, history = tuned
-    tuned_keys = {k for (k, impl, _), m in run.measurements.items() if impl == "tvm-tuned" and m.ok}
+    d, model, opts, before, plan, measured, history, loaded, en, solve = tuned
+    tuned_keys = {k for (k, impl, _), m in measured.measurements.items() if impl == "tvm-tuned" and m.ok}
     assert tuned_keys
     # make the tuned kernels free, so the plan takes them and the emitter must rebuild them
-    run.measurements = {k: (replace(m, median_ns=1) if k[1] == "tvm-tuned" and m.ok else m)
-                        for k, m in run.measurements.items()}
-    pipeline.orchestrate(run)
-    assert any(k.impl == "tvm-tuned" for k in run.plan.kernels)
-    compiled = pipeline.emit(run)
-    assert pipeline.verify(run, compiled, str(model))["ok"]
-    feeds = executor.random_feeds(run.graph, seed=5)
+    free = replace(measured, measurements={k: (replace(m, median_ns=1) if k[1] == "tvm-tuned" and m.ok else m)
+                                           for k, m in measured.measurements.items()})
+    plan = solve(free)
+    assert any(k.impl == "tvm-tuned" for k in plan.kernels)
+    compiled = pipeline.emit(loaded.graph, plan, opts, Machine.host())
+    assert verify.verify(compiled, str(model), opts)["ok"]
+    feeds = executor.random_feeds(loaded.graph, seed=5)
     ref = executor.ort_session(str(model), 1).run(None, feeds)[0]
     assert executor.max_error(ref, compiled.run(feeds)["y"])["rel"] < 1e-4

@@ -1,155 +1,30 @@
-"""The TVM backend: the only module of kernorch that imports TVM (0.27).
+"""Schedules without tuning: micro-kernel tiles for contractions, rules for everything else.
 
-Pipeline for one candidate kernel (a convex set of prims of a `Graph`):
-
-    mod = lower(graph, members, inputs, outputs)    # one PrimFunc "main"(inputs..., outputs...)
-    mod = schedule(mod, make_target(2))              # default CPU schedule, no tuning
-    k = build(mod, make_target(2))                   # BuiltKernel: k(*arrays), k.time(...), k.export(p)
-
-Using a scheduled PrimFunc from a Relax program (the emitter's job)::
-
-    bb = relax.BlockBuilder()
-    with bb.function("main", params):
-        gv = bb.add_func(relax_func(mod, "k0"), "k0")  # returns a GlobalVar; renames global_symbol
-        with bb.dataflow():
-            y = bb.emit(relax.call_tir(gv, relax.Tuple([x, w]), out_ty=relax.TensorType(shape, "float32")))
-            ...
-    # a library kernel: register_packed(lib_kernel.run_dps, "kernorch.lib.k1") then
-    #   relax.call_dps_packed("kernorch.lib.k1", relax.Tuple([...]), out_ty=...)
+    mod = schedule(lower(...), target, "default")    # the rule chain
+    mod = schedule(lower(..., packs), target, "t14x32p")   # one micro-kernel variant
 
 `schedule()` marks its result with the attribute "tirx.is_scheduled", so dlight passes run later
-on the Relax module leave it alone. A kernel with several outputs needs `out_ty=[t1, t2]` in
-call_tir (it returns a tuple).
-
-Threads: TVM's pool defaults to ONE thread on this 2-core box, and the count is fixed at the first
-parallel call. Call `set_threads(n)` before building or running anything.
+on a Relax module leave it alone.
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
-import types
-from typing import Callable, Sequence
+from typing import Callable
 
 import numpy as np
 import tvm
-import tvm_ffi
-from tvm import te, tirx
+from tvm import tirx
 from tvm import s_tir
 
-from .. import primitives
-from ..ir import Graph, KernorchError, Prim
+from ...ir import KernorchError
+from ...kernels import Tile
+from .lower import UNPACK
+from .target import vector_bits
 
 log = logging.getLogger(__name__)
 
-#: The TVM namespace handed to the primitive table's TE computes (they never import tvm).
-T = types.SimpleNamespace(te=te, tir=tirx)
-
-_NUM_INPUTS_ATTR = "kernorch.num_inputs"
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
-
-# ------------------------------------------------------------------------------------------------
-# target, threads, versions
-# ------------------------------------------------------------------------------------------------
-
-
-def make_target(threads: int) -> tvm.target.Target:
-    """An llvm target for this host CPU (mcpu detected, so AVX-512 is used where present).
-
-    "num-cores" is required by MetaSchedule and documents the thread count the kernels are built for;
-    it does NOT set the runtime thread count (see `set_threads`).
-    """
-    host = dict(tvm.target.Target.from_device(tvm.cpu()).export())
-    config = {"kind": "llvm", "num-cores": int(threads)}
-    for key in ("mtriple", "mcpu", "mattr"):
-        if host.get(key):
-            config[key] = host[key]
-    return tvm.target.Target(config)
-
-
-def set_threads(n: int) -> None:
-    """Use `n` threads in TVM kernels and in BLAS (numpy/OpenBLAS library kernels).
-
-    Caveats (tvm-0.27-guide.md §2): TVM reads TVM_NUM_THREADS when its thread pool starts, i.e. at
-    the first parallel call; later changes of the variable are ignored. If the pool already runs
-    with another count we reconfigure it with `runtime.config_threadpool(-3, n, cpus)`, which the
-    guide found to change `num_threads()` (its speed effect was not confirmed). On a loaded 2-core
-    machine 2 threads can be slower and noisier than 1. MetaSchedule workers inherit the variable.
-    """
-    n = int(n)
-    os.environ["TVM_NUM_THREADS"] = str(n)
-    try:
-        import threadpoolctl
-
-        threadpoolctl.threadpool_limits(limits=n, user_api="blas")
-    except ImportError:  # pragma: no cover - threadpoolctl is a declared dependency
-        log.warning("threadpoolctl missing: BLAS thread count left unchanged")
-    current = tvm.runtime.num_threads()  # starts the pool if needed (with the variable set above)
-    if current != n:
-        log.warning("TVM thread pool already started with %d threads; reconfiguring to %d", current, n)
-        tvm.get_global_func("runtime.config_threadpool")(-3, n, [str(i) for i in range(n)])
-
-
-def versions() -> dict:
-    """Versions that change generated code: part of the profile database key."""
-    return {"tvm": tvm.__version__, "tvm-ffi": tvm_ffi.__version__}
-
-
-# ------------------------------------------------------------------------------------------------
-# lowering
-# ------------------------------------------------------------------------------------------------
-
-
-def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs: Sequence[str]) -> tvm.IRModule:
-    """Compose the members' TE computes into one PrimFunc `main(*inputs, *outputs)`.
-
-    `members` must be in topological order; every input of a member is another member or a name in
-    `inputs` (graph inputs, constants/weights and other kernels' results are all plain params here).
-    """
-    env: dict[str, te.Tensor] = {}
-    params: list[te.Tensor] = []
-    for i, name in enumerate(inputs):
-        t = graph.type_of(name)
-        if not t.static:
-            raise KernorchError(f"kernel input {name!r} has a symbolic shape {t}; bind the shape first")
-        ph = te.placeholder(tuple(t.shape), t.dtype, name=f"in{i}_{_ident(name)}")
-        env[name] = ph
-        params.append(ph)
-    member_names = {p.name for p in members}
-    for p in members:
-        d = primitives.get(p.op)
-        if d.te is None:
-            raise KernorchError(f"prim {p.name} ({p.op}, from {p.origin or '?'}) has no TE compute; "
-                                "it must run as an opaque kernel, not inside a TIR kernel")
-        missing = [t for t in p.inputs if t not in env]
-        if missing:
-            kind = "a later member" if any(m in member_names for m in missing) else "neither a member nor an input"
-            raise KernorchError(f"prim {p.name} ({p.op}) reads {missing} which is {kind} of the kernel")
-        out = d.te(T, [env[t] for t in p.inputs], p.a, p.type)
-        if tuple(int(s) for s in out.shape) != tuple(p.type.shape) or out.dtype != p.type.dtype:
-            raise KernorchError(f"TE compute of {p.op} ({p.name}) gave {out.dtype}{list(out.shape)}, "
-                                f"expected {p.type}")
-        env[p.name] = out
-    for o in outputs:
-        if o not in member_names:
-            raise KernorchError(f"kernel output {o!r} is not computed by a member")
-    func = te.create_prim_func(params + [env[o] for o in outputs])
-    func = func.with_attr(_NUM_INPUTS_ATTR, len(inputs))
-    return tvm.IRModule({"main": func})
-
-
-def _ident(name: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in name)[:40]
-
-
-# ------------------------------------------------------------------------------------------------
-# default schedule
-# ------------------------------------------------------------------------------------------------
-
-_LANES_BITS = 512  # fallback; replaced by the target's vector width
-
 
 class _NotApplicable(Exception):
     """A schedule rule does not fit this PrimFunc (not an error)."""
@@ -175,10 +50,17 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
     """
     if mode == "none":
         return mod
-    if mode != "default":
-        raise KernorchError(f"unknown schedule mode {mode!r} (expected 'none' or 'default')")
     func = mod["main"]
-    lanes = max(_vector_bits(target) // 32, 4)
+    lanes = max(vector_bits(target) // 32, 4)
+    tile = Tile.parse(mode)
+    if tile is not None:  # a micro-kernel variant: exactly this tile, or a refusal (never another rule)
+        try:
+            sch = _rule_contraction(_inline_pass(func), lanes, tile)
+        except Exception as e:  # noqa: BLE001 - the variant does not apply to this kernel
+            raise KernorchError(f"tile {mode} does not apply: {type(e).__name__}: {_first_line(e)}") from None
+        return _scheduled(sch, f"contraction {mode}")
+    if mode != "default":
+        raise KernorchError(f"unknown schedule mode {mode!r} (expected 'none', 'default' or a tile like 't14x32p')")
     try:
         base = _inline_pass(func)
     except Exception as e:  # noqa: BLE001 - inlining is an optimisation only
@@ -202,20 +84,17 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
         if sch is None:
             continue
         log.debug("scheduled with rule %s", name)
-        out = sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr("kernorch.rule", name)
-        return tvm.IRModule({"main": out})
+        return _scheduled(sch, name)
     log.warning("no schedule rule applied; the kernel stays untuned")
     return mod
 
 
-def _vector_bits(target: tvm.target.Target) -> int:
-    try:
-        from tvm.target.codegen import llvm_get_vector_width
+def _scheduled(sch: s_tir.Schedule, rule: str) -> tvm.IRModule:
+    return tvm.IRModule({"main": sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr("kernorch.rule", rule)})
 
-        bits = int(llvm_get_vector_width(target))
-        return bits if bits > 0 else _LANES_BITS
-    except Exception:  # noqa: BLE001
-        return _LANES_BITS
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else ""
 
 
 # -- analysis helpers ----------------------------------------------------------------------------
@@ -289,9 +168,11 @@ def _loaded_buffers(expr) -> set[str]:
 
 
 def _is_expensive(stmt) -> bool:
-    """Does the block call a math function (exp, tanh, ...)? Such stages are not recomputed."""
+    """Does the block compute a math function (exp, tanh, ... or their polynomial versions, whose
+    blocks topi and the primitive table name "*fast_*")? Such stages are not recomputed."""
     text = str(stmt.body)
-    return any(f"T.{f}(" in text for f in ("exp", "log", "log1p", "tanh", "erf", "sigmoid", "sqrt", "pow", "sin", "cos"))
+    return "fast_" in stmt.name_hint or any(f"T.{f}(" in text for f in ("exp", "log", "log1p", "tanh", "erf",
+                                                                          "sigmoid", "sqrt", "pow", "sin", "cos"))
 
 
 def _extent(sch, loop) -> int | None:
@@ -313,6 +194,9 @@ def _inline_pass(func) -> tirx.PrimFunc:
     separate stage rather than a Select in the conv inner loop) and except expensive stages with
     several consumers (softmax's exp stays materialised instead of being computed twice)."""
     sch = s_tir.Schedule(func)
+    for name in _root_blocks(sch):  # packed-weight views: pure index arithmetic, inlined everywhere
+        if name.startswith(UNPACK):
+            sch.compute_inline(sch.get_sblock(name))
     changed = True
     while changed:
         changed = False
@@ -377,10 +261,14 @@ def _best_divisor(n: int, lanes: int) -> int | None:
 
 # -- rule: contraction (matmul, conv) ------------------------------------------------------------
 
-def _rule_contraction(func, lanes: int) -> s_tir.Schedule:
+def _rule_contraction(func, lanes: int, tile: Tile | None = None) -> s_tir.Schedule:
     """Register-tile the (single) matmul/conv block: outer spatial tiles in parallel, all reduction
     loops, then an unrolled row tile x a vectorized column tile accumulated in a local cache;
-    the elementwise epilogue is inlined into the cache write-back."""
+    the elementwise epilogue is inlined into the cache write-back.
+
+    `tile` (a micro-kernel variant, kernorch.kernels.tiles) fixes the row tile `mr`, the column tile
+    `nb` (which must divide the columns: no guarded vector tail) and the order of the parallel tiles;
+    without it a rule picks them (power-of-two column tiles, rows dividing the extent)."""
     sch = s_tir.Schedule(func)
     names = _root_blocks(sch)
     contractions = [n for n in names if _contraction_operands(sch.get(sch.get_sblock(n))) is not None]
@@ -407,12 +295,18 @@ def _rule_contraction(func, lanes: int) -> s_tir.Schedule:
     vec_vars = _var_names(vec_operand)
     cand = [i for i in range(v) if ext[i] > 1]
     row = next((i for i in reversed(cand) if ivs[i].var.name not in vec_vars), cand[-1] if cand else None)
-    vt = _pick_vec_tile(ext[v], lanes)
-    vregs = -(-vt // lanes)
-    rmax = max(1, 24 // vregs)
-    r = 1
-    if row is not None:
-        r = next((d for d in (16, 12, 8, 6, 4, 3, 2, 1) if d <= rmax and ext[row] % d == 0), 1)
+    if tile is not None:
+        if ext[v] % tile.nb:
+            raise _NotApplicable(f"column tile {tile.nb} does not divide the {ext[v]} columns")
+        vt = tile.nb
+        r = min(tile.mr, ext[row]) if row is not None else 1
+    else:
+        vt = _pick_vec_tile(ext[v], lanes)
+        vregs = -(-vt // lanes)
+        rmax = max(1, 24 // vregs)
+        r = 1
+        if row is not None:
+            r = next((d for d in (16, 12, 8, 6, 4, 3, 2, 1) if d <= rmax and ext[row] % d == 0), 1)
     ro = ri = None
     if row is not None:
         ro, ri = sch.split(loops[row], factors=[None, r])
@@ -421,7 +315,8 @@ def _rule_contraction(func, lanes: int) -> s_tir.Schedule:
     else:
         vo, vi = None, loops[v]
     outer = [loops[i] for i in range(nsp) if i not in (row, v)]
-    outer += [x for x in (ro, vo) if x is not None]
+    tiles_order = (ro, vo) if tile is None or tile.rows_outer else (vo, ro)
+    outer += [x for x in tiles_order if x is not None]
     if not outer:
         raise _NotApplicable("nothing to parallelise")
     red = loops[nsp:]
@@ -443,9 +338,9 @@ def _rule_contraction(func, lanes: int) -> s_tir.Schedule:
     init = sch.decompose_reduction(blk, red[0])
     init_loops = sch.get_loops(init)
     sch.vectorize(init_loops[-1])
-    # everything else (producers like pad, epilogues that could not be inlined)
-    done = {cname, sch.get(wb).name_hint, sch.get(init).name_hint}
-    _schedule_rest(sch, done, lanes)
+    # everything else (producers like pad, epilogues that could not be inlined): the blocks that
+    # existed before this rule, apart from the contraction, and still sit at the root
+    _schedule_rest(sch, set(names) - {cname}, lanes)
     return sch
 
 
@@ -474,10 +369,10 @@ def _reverse_inline_chain(sch, producer, func) -> None:
             return
 
 
-def _schedule_rest(sch, done: set[str], lanes: int) -> None:
-    """Per-block schedule for the blocks still at the root and not handled by a rule."""
+def _schedule_rest(sch, todo: set[str], lanes: int) -> None:
+    """Per-block schedule for the blocks of `todo` still at the root (a rule may have inlined them)."""
     for name in _root_blocks(sch):
-        if name not in done:
+        if name in todo:
             _schedule_block(sch, sch.get_sblock(name), lanes)
 
 
@@ -632,189 +527,3 @@ def _rule_generic(func, lanes: int, careful: bool = False) -> s_tir.Schedule:
             sch = saved
     return sch
 
-
-# ------------------------------------------------------------------------------------------------
-# build, run, time, export
-# ------------------------------------------------------------------------------------------------
-
-
-class BuiltKernel:
-    """A compiled PrimFunc `main(*inputs, *outputs)` callable on numpy arrays."""
-
-    def __init__(self, rt_mod, params: list[tuple[tuple[int, ...], str]], num_inputs: int, executable=None):
-        self.rt_mod = rt_mod
-        self.params = params
-        self.num_inputs = num_inputs
-        self._executable = executable
-        self._fn = rt_mod["main"]
-        self.dev = tvm.cpu()
-
-    @property
-    def input_types(self):
-        return self.params[: self.num_inputs]
-
-    @property
-    def output_types(self):
-        return self.params[self.num_inputs:]
-
-    def _args(self, inputs: Sequence[np.ndarray]):
-        if len(inputs) != self.num_inputs:
-            raise KernorchError(f"kernel takes {self.num_inputs} inputs, got {len(inputs)}")
-        args = []
-        for x, (shape, dtype) in zip(inputs, self.input_types):
-            x = np.asarray(x, dtype=dtype, order="C")  # (ascontiguousarray makes 0-d arrays 1-d)
-            if x.shape != shape:
-                raise KernorchError(f"input of shape {x.shape}, kernel expects {shape}")
-            args.append(tvm.runtime.tensor(x, self.dev))
-        outs = [tvm.runtime.empty(shape, dtype, self.dev) for shape, dtype in self.output_types]
-        return args, outs
-
-    def __call__(self, *inputs: np.ndarray) -> list[np.ndarray]:
-        args, outs = self._args(inputs)
-        self._fn(*args, *outs)
-        return [o.numpy() for o in outs]
-
-    def time(self, *inputs: np.ndarray, number: int = 10, repeat: int = 5, warmup: int = 1,
-             min_repeat_ms: int = 0) -> list[float]:
-        """Seconds per call, one value per repeat (each the mean of `number` calls), on
-        preallocated tensors. Take the median yourself; never assert on it in tests."""
-        args, outs = self._args(inputs)
-        for _ in range(max(warmup, 0)):
-            self._fn(*args, *outs)
-        fe = self.rt_mod.time_evaluator("main", self.dev, number=number, repeat=repeat, min_repeat_ms=min_repeat_ms)
-        return [float(x) for x in fe(*args, *outs).results]
-
-    def export(self, path: str) -> None:
-        """Write a shared library (g++ needed) and `path + '.json'` with the signature."""
-        if self._executable is None:
-            raise KernorchError("this kernel was loaded from a file; export the original")
-        self._executable.export_library(path)
-        with open(path + ".json", "w") as f:
-            json.dump({"num_inputs": self.num_inputs, "params": [[list(s), d] for s, d in self.params],
-                       "versions": versions()}, f)
-
-
-def load(path: str) -> BuiltKernel:
-    """Load a kernel written by `BuiltKernel.export`."""
-    with open(path + ".json") as f:
-        meta = json.load(f)
-    if meta.get("versions") != versions():
-        log.warning("kernel %s was built with %s, running %s", path, meta.get("versions"), versions())
-    params = [(tuple(s), d) for s, d in meta["params"]]
-    return BuiltKernel(tvm.runtime.load_module(path), params, int(meta["num_inputs"]))
-
-
-def build(mod: tvm.IRModule, target: tvm.target.Target) -> BuiltKernel:
-    """tvm.compile the PrimFunc module (about 0.05-0.5 s per kernel)."""
-    func = mod["main"]
-    params = []
-    for buf in func.params:  # 0.27: params are Buffers (no buffer_map)
-        params.append((tuple(int(s) for s in buf.shape), str(buf.dtype)))
-    n_in = func.attrs[_NUM_INPUTS_ATTR] if func.attrs is not None and _NUM_INPUTS_ATTR in func.attrs else len(params) - 1
-    check_bounds(mod)
-    ex = tvm.compile(mod, target=target)
-    return BuiltKernel(ex.jit(), params, int(n_in), ex)
-
-
-def check_bounds(mod: tvm.IRModule) -> None:
-    """Refuse a kernel with a load under a `Select` that may fall outside its buffer.
-
-    `Select` evaluates both sides, and the simplifier uses its condition to drop index clamps, so
-    such a load reads far outside the buffer (the concat segfaults of the first session). Guarded
-    loads belong under `if_then_else`, which is lazy. TVM's OOBChecker is not used: it flags
-    guarded loads as well (pool, pad, conv padding).
-    """
-    from tvm.sym.analyzer import Analyzer
-
-    low = tvm.ir.transform.Sequential([s_tir.transform.LowerInitBlock(), s_tir.transform.ConvertBlocksToOpaque(),
-                                       s_tir.transform.LowerOpaqueBlock()])(mod)
-    ana = Analyzer()
-    bad: list[str] = []
-
-    def opaque(e) -> bool:
-        """An index built from selects, loads or calls (reflect padding, gathered positions): its
-        range is by construction, which interval analysis cannot follow; such loads are not judged."""
-        if isinstance(e, (tirx.Select, tvm.ir.expr.TensorLoad)) or getattr(e, "args", None):
-            return True
-        return any(opaque(sub) for sub in _subexprs(e))
-
-    def load_ok(e) -> bool:
-        for idx, n in zip(e.indices, e.source.shape):
-            if opaque(idx):
-                continue
-            b = ana.const_int_bound(idx)
-            if b.min_value < 0 or b.max_value >= int(n):
-                return False
-        return True
-
-    def expr(e, in_select: bool) -> None:
-        if isinstance(e, tvm.ir.expr.TensorLoad) and in_select and not load_ok(e):
-            bad.append(f"{e.source.name}[{', '.join(str(i) for i in e.indices)}]")
-        if isinstance(e, tirx.Select):
-            expr(e.condition, in_select)
-            expr(e.true_value, True)
-            expr(e.false_value, True)
-            return
-        for sub in _subexprs(e):
-            expr(sub, in_select)
-
-    def stmt(st) -> None:
-        if isinstance(st, tirx.For):
-            ana.bind(st.loop_var, tvm.ir.Range.from_min_extent(st.min, st.extent))
-            stmt(st.body)
-        elif isinstance(st, tirx.SeqStmt):
-            for x in st.seq:
-                stmt(x)
-        elif isinstance(st, tirx.BufferStore):
-            expr(st.value, False)
-        elif isinstance(st, tirx.IfThenElse):  # e.g. the tail guard of a non-dividing split
-            with ana.constraint_scope(st.condition):
-                stmt(st.then_case)
-            if st.else_case is not None:
-                with ana.constraint_scope(tirx.Not(st.condition)):
-                    stmt(st.else_case)
-        elif isinstance(st, (tirx.LetStmt, tirx.Bind)):
-            ana.bind(st.var, st.value)
-            expr(st.value, False)
-            if hasattr(st, "body"):
-                stmt(st.body)
-        elif isinstance(st, tirx.Evaluate):
-            expr(st.value, False)
-        elif hasattr(st, "body"):
-            stmt(st.body)
-
-    for _, func in low.functions.items():
-        if isinstance(func, tirx.PrimFunc):
-            stmt(func.body)
-    if bad:
-        raise KernorchError(f"kernel may read out of bounds under a Select: {', '.join(bad[:3])}")
-
-
-def relax_func(mod: tvm.IRModule, name: str) -> tirx.PrimFunc:
-    """The kernel's PrimFunc renamed for `bb.add_func(relax_func(mod, name), name)`.
-
-    Every kernel is called "main" with global_symbol "main"; two of them (or one beside Relax's
-    own main) in one Relax module fail with "IRModule contains duplicate global symbol: main".
-    """
-    return mod["main"].with_attr("global_symbol", name)
-
-
-# ------------------------------------------------------------------------------------------------
-# packed functions (library kernels callable from Relax)
-# ------------------------------------------------------------------------------------------------
-
-
-def register_packed(fn_dps: Callable[..., None], name: str) -> None:
-    """Register `fn_dps(*inputs, *outputs)` (numpy arrays, outputs written in place) as the global
-    packed function `name`, for `relax.call_dps_packed(name, args, out_ty=...)`.
-
-    The arguments arrive as tvm tensors and are viewed zero-copy with np.from_dlpack. That is safe
-    from Relax call_dps_packed; do NOT call it through TIR `call_packed` (borrowed DLTensor views
-    segfault in from_dlpack, guide §5). A process that loads an exported Relax library must register
-    the same names again before running it.
-    """
-
-    def _call(*args):
-        fn_dps(*[np.from_dlpack(a) for a in args])
-
-    tvm_ffi.register_global_func(name, _call, override=True)

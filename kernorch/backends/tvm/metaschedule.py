@@ -1,6 +1,6 @@
 """MetaSchedule for one kernel: tune, query the best schedule, warm-start from similar kernels.
 
-Kept beside `backends/tvm.py` so TVM stays behind the backend boundary. Facts this relies on
+Part of the TVM backend, so TVM stays behind the backend boundary. Facts this relies on
 (tvm-0.27-guide.md §3):
 
 * The stock LocalBuilder imports `tvm.s_tir.tensor_intrin` in every fresh worker (18-50 s here),
@@ -9,8 +9,8 @@ Kept beside `backends/tvm.py` so TVM stays behind the backend boundary. Facts th
 * The tuning database's key is the structural hash of the PrimFunc, NOT the target: callers pass
   one `work_dir` per target fingerprint (`kernorch.tune.tune_dir`).
 * Builds that fail are committed too (no run_secs), so "has a workload" is not "has a schedule".
-* `python -m tvm.exec.popen_worker` processes can outlive a tuning run; `tune` kills the ones it
-  started, by PID.
+* `python -m tvm.exec.popen_worker` processes can outlive a tuning run; `tune` ends the ones it
+  started (its own descendants, never another run's).
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ import tvm_ffi
 from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
 
-from ..ir import KernorchError
-from . import tvm as tb
+from ...ir import KernorchError
+from .build import build
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def best_seconds(db, mod: tvm.IRModule, target) -> float | None:
 
 
 def best_module(db, mod: tvm.IRModule, target) -> tvm.IRModule | None:
-    """The kernel scheduled by its best record, ready for `tb.build` / the emitter (None if none)."""
+    """The kernel scheduled by its best record, ready for `build` / the emitter (None if none)."""
     if not db.has_workload(mod):
         return None
     sch = db.query_schedule(mod, target, workload_name="main")
@@ -156,7 +156,7 @@ def warm_start(db, mod: tvm.IRModule, target, traces: Sequence, inputs: Sequence
             continue
         seen.add(h)
         try:
-            k = tb.build(sch.mod, target)
+            k = build(sch.mod, target)
             outs = k(*inputs)
             if check is not None:
                 check(outs)
@@ -173,28 +173,20 @@ def warm_start(db, mod: tvm.IRModule, target, traces: Sequence, inputs: Sequence
 # tuning
 # ------------------------------------------------------------------------------------------------
 
-def _popen_workers() -> dict[int, int]:
-    """pid -> ppid of every live `tvm.exec.popen_worker` process."""
+def reap_workers() -> int:
+    """End the `tvm.exec.popen_worker` processes this process started (they can outlive a tuning
+    run, guide §3.2). Only our own descendants: another run's workers are never touched."""
     import psutil
-    out = {}
-    for p in psutil.process_iter(["pid", "ppid", "cmdline"]):
-        cmd = p.info.get("cmdline") or []
-        if any("tvm.exec.popen_worker" in c for c in cmd):
-            out[p.info["pid"]] = p.info["ppid"]
-    return out
-
-
-def _kill_new_workers(before: dict[int, int]) -> int:
-    """Kill popen workers that appeared during our tuning and are ours (child of us) or orphaned."""
-    import psutil
-    me = os.getpid()
     killed = 0
-    for pid, ppid in _popen_workers().items():
-        if pid in before or ppid not in (me, 1):
-            continue
+    try:
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return 0
+    for c in children:
         try:
-            psutil.Process(pid).kill()
-            killed += 1
+            if any("tvm.exec.popen_worker" in part for part in c.cmdline()):
+                c.kill()
+                killed += 1
         except psutil.Error:
             pass
     return killed
@@ -215,7 +207,6 @@ def tune(mod: tvm.IRModule, target, work_dir: str | Path, trials: int, threads: 
                                                           else logging.ERROR)
     db = open_db(work_dir)
     before_n = trials_done(db, mod)
-    workers = _popen_workers()
     t0 = time.perf_counter()
     try:
         ms.tune_tir(
@@ -226,7 +217,7 @@ def tune(mod: tvm.IRModule, target, work_dir: str | Path, trials: int, threads: 
                 number=3, repeat=1, min_repeat_ms=5)),
             num_tuning_cores=max(1, threads), seed=seed)
     finally:
-        n = _kill_new_workers(workers)
+        n = reap_workers()
         if n:
             log.debug("killed %d leftover popen_worker processes", n)
     seconds = time.perf_counter() - t0

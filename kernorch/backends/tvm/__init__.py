@@ -1,0 +1,19 @@
+"""The TVM backend (TVM 0.27): the only package of kernorch that imports TVM.
+
+One candidate kernel (a convex set of prims of a `Graph`):
+
+    mod = lower(graph, members, inputs, outputs, packs)   # lower.py: one PrimFunc "main"(inputs..., outputs...)
+    mod = schedule(mod, target, "t14x32p")                # schedule.py: a micro-kernel tile, or "default" rules
+    k = build(mod, target)                                # build.py: BuiltKernel: k(*arrays), k.time(...), k.export(p)
+
+A plan of kernels becomes one Relax VM executable in `relax.py`; MetaSchedule lives in
+`metaschedule.py`, TVM's own compiler as a benchmark peer in `peer.py`, targets and the thread pool
+in `target.py`.
+"""
+from .build import BuiltKernel, build, check_bounds, load, register_packed, relax_func
+from .lower import T, lower
+from .schedule import schedule
+from .target import make_target, set_threads, vector_bits, versions
+
+__all__ = ["BuiltKernel", "T", "build", "check_bounds", "load", "lower", "make_target", "register_packed",
+           "relax_func", "schedule", "set_threads", "vector_bits", "versions"]

@@ -1,0 +1,207 @@
+"""Build, run, time and export one scheduled kernel; the bounds check; packed functions."""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Callable, Sequence
+
+import numpy as np
+import tvm
+import tvm_ffi
+from tvm import s_tir, tirx
+
+from ...ir import KernorchError
+from .lower import NUM_INPUTS_ATTR
+from .schedule import _subexprs
+from .target import versions
+
+log = logging.getLogger(__name__)
+
+
+class BuiltKernel:
+    """A compiled PrimFunc `main(*inputs, *outputs)` callable on numpy arrays."""
+
+    def __init__(self, rt_mod, params: list[tuple[tuple[int, ...], str]], num_inputs: int, executable=None):
+        self.rt_mod = rt_mod
+        self.params = params
+        self.num_inputs = num_inputs
+        self._executable = executable
+        self._fn = rt_mod["main"]
+        self.dev = tvm.cpu()
+
+    @property
+    def input_types(self):
+        return self.params[: self.num_inputs]
+
+    @property
+    def output_types(self):
+        return self.params[self.num_inputs:]
+
+    def _args(self, inputs: Sequence[np.ndarray]):
+        if len(inputs) != self.num_inputs:
+            raise KernorchError(f"kernel takes {self.num_inputs} inputs, got {len(inputs)}")
+        args = []
+        for x, (shape, dtype) in zip(inputs, self.input_types):
+            x = np.asarray(x, dtype=dtype, order="C")  # (ascontiguousarray makes 0-d arrays 1-d)
+            if x.shape != shape:
+                raise KernorchError(f"input of shape {x.shape}, kernel expects {shape}")
+            args.append(tvm.runtime.tensor(x, self.dev))
+        outs = [tvm.runtime.empty(shape, dtype, self.dev) for shape, dtype in self.output_types]
+        return args, outs
+
+    def __call__(self, *inputs: np.ndarray) -> list[np.ndarray]:
+        args, outs = self._args(inputs)
+        self._fn(*args, *outs)
+        return [o.numpy() for o in outs]
+
+    def time(self, *inputs: np.ndarray, number: int = 10, repeat: int = 5, warmup: int = 1,
+             min_repeat_ms: int = 0) -> list[float]:
+        """Seconds per call, one value per repeat (each the mean of `number` calls), on
+        preallocated tensors. Take the median yourself; never assert on it in tests."""
+        args, outs = self._args(inputs)
+        for _ in range(max(warmup, 0)):
+            self._fn(*args, *outs)
+        fe = self.rt_mod.time_evaluator("main", self.dev, number=number, repeat=repeat, min_repeat_ms=min_repeat_ms)
+        return [float(x) for x in fe(*args, *outs).results]
+
+    def assembly(self) -> str:
+        """The kernel's generated assembly (to check which vector registers the code uses)."""
+        if self._executable is None:
+            raise KernorchError("this kernel was loaded from a file; its assembly is not at hand")
+        return self._executable.mod.inspect_source("asm")
+
+    def export(self, path: str) -> None:
+        """Write a shared library (g++ needed) and `path + '.json'` with the signature."""
+        if self._executable is None:
+            raise KernorchError("this kernel was loaded from a file; export the original")
+        self._executable.export_library(path)
+        with open(path + ".json", "w") as f:
+            json.dump({"num_inputs": self.num_inputs, "params": [[list(s), d] for s, d in self.params],
+                       "versions": versions()}, f)
+
+
+def load(path: str) -> BuiltKernel:
+    """Load a kernel written by `BuiltKernel.export`."""
+    with open(path + ".json") as f:
+        meta = json.load(f)
+    if meta.get("versions") != versions():
+        log.warning("kernel %s was built with %s, running %s", path, meta.get("versions"), versions())
+    params = [(tuple(s), d) for s, d in meta["params"]]
+    return BuiltKernel(tvm.runtime.load_module(path), params, int(meta["num_inputs"]))
+
+
+def build(mod: tvm.IRModule, target: tvm.target.Target) -> BuiltKernel:
+    """tvm.compile the PrimFunc module (about 0.05-0.5 s per kernel)."""
+    func = mod["main"]
+    params = []
+    for buf in func.params:  # 0.27: params are Buffers (no buffer_map)
+        params.append((tuple(int(s) for s in buf.shape), str(buf.dtype)))
+    n_in = func.attrs[NUM_INPUTS_ATTR] if func.attrs is not None and NUM_INPUTS_ATTR in func.attrs else len(params) - 1
+    check_bounds(mod)
+    ex = tvm.compile(mod, target=target)
+    return BuiltKernel(ex.jit(), params, int(n_in), ex)
+
+
+def check_bounds(mod: tvm.IRModule) -> None:
+    """Refuse a kernel with a load under a `Select` that may fall outside its buffer.
+
+    `Select` evaluates both sides, and the simplifier uses its condition to drop index clamps, so
+    such a load reads far outside the buffer (the concat segfaults of the first session). Guarded
+    loads belong under `if_then_else`, which is lazy. TVM's OOBChecker is not used: it flags
+    guarded loads as well (pool, pad, conv padding).
+    """
+    from tvm.sym.analyzer import Analyzer
+
+    low = tvm.ir.transform.Sequential([s_tir.transform.LowerInitBlock(), s_tir.transform.ConvertBlocksToOpaque(),
+                                       s_tir.transform.LowerOpaqueBlock()])(mod)
+    ana = Analyzer()
+    bad: list[str] = []
+
+    def opaque(e) -> bool:
+        """An index built from selects, loads or calls (reflect padding, gathered positions): its
+        range is by construction, which interval analysis cannot follow; such loads are not judged."""
+        if isinstance(e, (tirx.Select, tvm.ir.expr.TensorLoad)) or getattr(e, "args", None):
+            return True
+        return any(opaque(sub) for sub in _subexprs(e))
+
+    def load_ok(e) -> bool:
+        for idx, n in zip(e.indices, e.source.shape):
+            if opaque(idx):
+                continue
+            b = ana.const_int_bound(idx)
+            if b.min_value < 0 or b.max_value >= int(n):
+                return False
+        return True
+
+    def expr(e, in_select: bool) -> None:
+        if isinstance(e, tvm.ir.expr.TensorLoad) and in_select and not load_ok(e):
+            bad.append(f"{e.source.name}[{', '.join(str(i) for i in e.indices)}]")
+        if isinstance(e, tirx.Select):
+            expr(e.condition, in_select)
+            expr(e.true_value, True)
+            expr(e.false_value, True)
+            return
+        for sub in _subexprs(e):
+            expr(sub, in_select)
+
+    def stmt(st) -> None:
+        if isinstance(st, tirx.For):
+            ana.bind(st.loop_var, tvm.ir.Range.from_min_extent(st.min, st.extent))
+            stmt(st.body)
+        elif isinstance(st, tirx.SeqStmt):
+            for x in st.seq:
+                stmt(x)
+        elif isinstance(st, tirx.BufferStore):
+            expr(st.value, False)
+        elif isinstance(st, tirx.IfThenElse):  # e.g. the tail guard of a non-dividing split
+            with ana.constraint_scope(st.condition):
+                stmt(st.then_case)
+            if st.else_case is not None:
+                with ana.constraint_scope(tirx.Not(st.condition)):
+                    stmt(st.else_case)
+        elif isinstance(st, (tirx.LetStmt, tirx.Bind)):
+            ana.bind(st.var, st.value)
+            expr(st.value, False)
+            if hasattr(st, "body"):
+                stmt(st.body)
+        elif isinstance(st, tirx.Evaluate):
+            expr(st.value, False)
+        elif hasattr(st, "body"):
+            stmt(st.body)
+
+    for _, func in low.functions.items():
+        if isinstance(func, tirx.PrimFunc):
+            stmt(func.body)
+    if bad:
+        raise KernorchError(f"kernel may read out of bounds under a Select: {', '.join(bad[:3])}")
+
+
+def relax_func(mod: tvm.IRModule, name: str) -> tirx.PrimFunc:
+    """The kernel's PrimFunc renamed for `bb.add_func(relax_func(mod, name), name)`.
+
+    Every kernel is called "main" with global_symbol "main"; two of them (or one beside Relax's
+    own main) in one Relax module fail with "IRModule contains duplicate global symbol: main".
+    """
+    return mod["main"].with_attr("global_symbol", name)
+
+
+# ------------------------------------------------------------------------------------------------
+# packed functions (library kernels callable from Relax)
+# ------------------------------------------------------------------------------------------------
+
+
+def register_packed(fn_dps: Callable[..., None], name: str) -> None:
+    """Register `fn_dps(*inputs, *outputs)` (numpy arrays, outputs written in place) as the global
+    packed function `name`, for `relax.call_dps_packed(name, args, out_ty=...)`.
+
+    The arguments arrive as tvm tensors and are viewed zero-copy with np.from_dlpack. That is safe
+    from Relax call_dps_packed; do NOT call it through TIR `call_packed` (borrowed DLTensor views
+    segfault in from_dlpack, guide §5). A process that loads an exported Relax library must register
+    the same names again before running it.
+    """
+
+    def _call(*args):
+        fn_dps(*[np.from_dlpack(a) for a in args])
+
+    tvm_ffi.register_global_func(name, _call, override=True)
+

@@ -1,0 +1,74 @@
+"""Lowering: a candidate kernel (a convex set of prims) to one TIR PrimFunc "main".
+
+The primitives' TE computes (kernorch.primitives) are composed in topological order; packed
+constant operands (kernorch.kernels.pack) enter as placeholders of their packed shape with an
+"unpack" view that the schedule inlines.
+"""
+from __future__ import annotations
+
+import types
+from typing import Mapping, Sequence
+
+import tvm
+from tvm import te, tirx, topi
+
+from ... import primitives
+from ...ir import Graph, KernorchError, Prim
+from ...kernels import Pack
+
+#: The TVM namespace handed to the primitive table's TE computes (they never import tvm).
+T = types.SimpleNamespace(te=te, tir=tirx, topi=topi)
+
+NUM_INPUTS_ATTR = "kernorch.num_inputs"
+UNPACK = "unpack"  # TE stages that read a packed constant as its logical tensor (always inlined)
+
+
+def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs: Sequence[str],
+          packs: Mapping[int, Pack] | None = None) -> tvm.IRModule:
+    """Compose the members' TE computes into one PrimFunc `main(*inputs, *outputs)`.
+
+    `members` must be in topological order; every input of a member is another member or a name in
+    `inputs` (graph inputs, constants/weights and other kernels' results are all plain params here).
+    `packs` (see kernorch.kernels.variant_packs): inputs passed in a compile-time layout; the
+    parameter has the packed shape and an "unpack" view gives the members the logical tensor.
+    """
+    env: dict[str, te.Tensor] = {}
+    params: list[te.Tensor] = []
+    packs = packs or {}
+    for i, name in enumerate(inputs):
+        t = graph.type_of(name)
+        if not t.static:
+            raise KernorchError(f"kernel input {name!r} has a symbolic shape {t}; bind the shape first")
+        if i in packs:
+            ph = te.placeholder(packs[i].packed_shape, t.dtype, name=f"in{i}_packed_{_ident(name)}")
+            env[name] = packs[i].te_view(T, ph, f"{UNPACK}{i}")
+        else:
+            ph = te.placeholder(tuple(t.shape), t.dtype, name=f"in{i}_{_ident(name)}")
+            env[name] = ph
+        params.append(ph)
+    member_names = {p.name for p in members}
+    for p in members:
+        d = primitives.get(p.op)
+        if d.te is None:
+            raise KernorchError(f"prim {p.name} ({p.op}, from {p.origin or '?'}) has no TE compute; "
+                                "it must run as an opaque kernel, not inside a TIR kernel")
+        missing = [t for t in p.inputs if t not in env]
+        if missing:
+            kind = "a later member" if any(m in member_names for m in missing) else "neither a member nor an input"
+            raise KernorchError(f"prim {p.name} ({p.op}) reads {missing} which is {kind} of the kernel")
+        out = d.te(T, [env[t] for t in p.inputs], p.a, p.type)
+        if tuple(int(s) for s in out.shape) != tuple(p.type.shape) or out.dtype != p.type.dtype:
+            raise KernorchError(f"TE compute of {p.op} ({p.name}) gave {out.dtype}{list(out.shape)}, "
+                                f"expected {p.type}")
+        env[p.name] = out
+    for o in outputs:
+        if o not in member_names:
+            raise KernorchError(f"kernel output {o!r} is not computed by a member")
+    func = te.create_prim_func(params + [env[o] for o in outputs])
+    func = func.with_attr(NUM_INPUTS_ATTR, len(inputs))
+    return tvm.IRModule({"main": func})
+
+
+def _ident(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)[:40]
+

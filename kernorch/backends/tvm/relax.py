@@ -1,0 +1,247 @@
+"""A plan → one Relax VM executable; the executable's run, time, profile and export.
+
+The program is a Relax `main(*inputs, *weights)` that calls each chosen kernel in plan order:
+generated kernels as `call_tir` of their scheduled PrimFuncs (packed weights enter in their packed
+layout), Python kernels (only when allowed, see backends.registry) as `call_dps_packed` of a
+registered function. Relax's static memory planner reuses intermediate buffers by lifetime.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Mapping, Sequence
+
+import numpy as np
+import tvm
+import tvm_ffi
+from tvm import relax
+
+from ...ir import Graph, KernorchError
+from ...kernels import variant_packs
+from .. import registry
+from .build import check_bounds, register_packed, relax_func
+from .lower import lower
+from .schedule import schedule
+from .target import make_target, set_threads
+
+log = logging.getLogger(__name__)
+
+ALIGN = 64  # bytes: TVM's buffers are allocated (and its kernels compiled) for this alignment
+
+
+def call_name(i: int, k) -> str:
+    """The symbol the Relax VM calls for plan kernel `i`: a PrimFunc, or a registered Python kernel."""
+    return f"k{i}" if registry.native(k.impl) else f"kernorch.py.k{i}_{k.impl}_{k.key}"
+
+
+def _kernel_graph(graph: Graph, k) -> Graph:
+    from ...measure import kernel_graph
+    return kernel_graph(graph, k.members, k.inputs, k.outputs)
+
+
+def kernel_module(graph: Graph, k, target, tune_dir: str | None = None) -> tvm.IRModule:
+    """The scheduled PrimFunc module of one generated plan kernel, exactly as it was measured."""
+    kg = _kernel_graph(graph, k)
+    if k.impl == "tvm-tuned":  # the best MetaSchedule record
+        from .metaschedule import best_module, open_db
+        mod = lower(kg, kg.prims, k.inputs, k.outputs)
+        best = best_module(open_db(tune_dir), mod, target) if tune_dir else None
+        if best is None:
+            raise KernorchError(f"kernel {k.id} ({'+'.join(p.op for p in kg.prims)}) was chosen tuned, but its "
+                                f"tuning record is gone from {tune_dir}; optimize again")
+        return best
+    packs = variant_packs(kg, k.inputs, k.schedule)
+    return schedule(lower(kg, kg.prims, k.inputs, k.outputs, packs), target, k.schedule)
+
+
+def weights(graph: Graph, plan) -> list[tuple[str, str, np.ndarray]]:
+    """The executable's weight parameters: (tensor, layout, array) in parameter order. A weight a
+    kernel variant packs is passed packed ("KN>N32"); the same tensor in two layouts is two weights."""
+    seen: dict[tuple[str, str], np.ndarray] = {}
+    for k in plan.kernels:
+        consts = [t for t in k.inputs if t in graph.constants]
+        if not consts:
+            continue
+        packs = variant_packs(_kernel_graph(graph, k), k.inputs, k.schedule) if registry.native(k.impl) else {}
+        for i, t in enumerate(k.inputs):
+            if t not in graph.constants:
+                continue
+            p = packs.get(i)
+            layout = p.layout if p else "plain"
+            if (t, layout) not in seen:
+                arr = np.asarray(graph.constants[t])
+                seen[(t, layout)] = p.pack(arr) if p else np.asarray(arr, order="C")  # (ascontiguousarray makes 0-d 1-d)
+    return [(t, layout, a) for (t, layout), a in seen.items()]
+
+
+def register_python_kernels(graph: Graph, plan) -> None:
+    """Register every Python kernel of the plan (again in a process that loads the saved model)."""
+    for i, k in enumerate(plan.kernels):
+        if not registry.native(k.impl):
+            kg = _kernel_graph(graph, k)
+            register_packed(registry.python_kernel(k.impl, kg, kg.prims, k.inputs, k.outputs).run_dps,
+                            call_name(i, k))
+
+
+def _tensor_type(t) -> relax.TensorType:
+    return relax.TensorType([int(d) for d in t.shape], t.dtype)
+
+
+def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, str, np.ndarray]]) -> tvm.IRModule:
+    """The Relax IRModule of the plan."""
+    bb = relax.BlockBuilder()
+    inputs = [relax.Var(n, _tensor_type(t)) for n, t in graph.inputs]
+    wvars = [relax.Var(f"w_{i}", relax.TensorType(list(a.shape), str(a.dtype))) for i, (_, _, a) in enumerate(weight_params)]
+    wvar = {(t, layout): v for (t, layout, _), v in zip(weight_params, wvars)}
+    env = {n: v for (n, _), v in zip(graph.inputs, inputs)}
+    tune_dir = plan.meta.get("tune_dir")
+    with bb.function("main", inputs + wvars):
+        with bb.dataflow():
+            for i, k in enumerate(plan.kernels):
+                native = registry.native(k.impl)
+                packs = variant_packs(_kernel_graph(graph, k), k.inputs, k.schedule) if native else {}
+                args = []
+                for j, t in enumerate(k.inputs):
+                    if t in graph.constants:
+                        args.append(wvar[(t, packs[j].layout if j in packs else "plain")])
+                    else:
+                        args.append(env[t])
+                out_ty = [_tensor_type(graph.type_of(t)) for t in k.outputs]
+                ty = out_ty if len(out_ty) > 1 else out_ty[0]
+                name = call_name(i, k)
+                if native:
+                    mod = kernel_module(graph, k, target, tune_dir)
+                    check_bounds(mod)
+                    call = relax.call_tir(bb.add_func(relax_func(mod, name), name), relax.Tuple(args), ty)
+                else:
+                    call = relax.call_dps_packed(name, relax.Tuple(args), ty)
+                res = bb.emit(call)
+                if len(k.outputs) == 1:
+                    env[k.outputs[0]] = res
+                else:
+                    for j, t in enumerate(k.outputs):
+                        env[t] = bb.emit(relax.TupleGetItem(res, j))
+            missing = [o for o in graph.outputs if o not in env]
+            if missing:
+                raise KernorchError(f"the plan does not produce graph outputs {missing}")
+            out = bb.emit_output(relax.Tuple([env[o] for o in graph.outputs]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def build_executable(graph: Graph, plan, threads: int, machine=None) -> "Executable":
+    """Compile the plan for this CPU: the executable with its (packed) weights."""
+    target = make_target(threads, machine)
+    params = weights(graph, plan)
+    mod = build_module(graph, plan, target, params)
+    ex = tvm.compile(mod, target=target)
+    return Executable(ex, [(t, layout) for t, layout, _ in params], [a for _, _, a in params],
+                      [(n, t) for n, t in graph.inputs], list(graph.outputs), threads, graph, plan)
+
+
+def _aligned(x: np.ndarray) -> bool:
+    return x.ctypes.data % ALIGN == 0
+
+
+class Executable:
+    """The compiled plan: `run(feeds)` on numpy arrays, `time`, `profile`, `export`.
+
+    Inputs that are already C-contiguous, of the right dtype and 64-byte aligned are handed to the
+    VM without a copy (DLPack); others are copied once into a TVM tensor.
+    """
+
+    def __init__(self, ex, weight_names: Sequence[tuple[str, str]], weight_arrays: Sequence[np.ndarray],
+                 inputs: Sequence[tuple[str, object]], outputs: Sequence[str], threads: int, graph: Graph, plan):
+        set_threads(threads)
+        register_python_kernels(graph, plan)
+        self.ex, self.threads = ex, threads
+        self.weight_names = list(weight_names)
+        self.inputs, self.outputs = list(inputs), list(outputs)
+        self.plan = plan
+        self.dev = tvm.cpu()
+        self.vm = relax.VirtualMachine(ex, self.dev)
+        self._main = self.vm["main"]
+        self._weights = [tvm.runtime.tensor(np.asarray(a, order="C"), self.dev) for a in weight_arrays]
+
+    @property
+    def weight_arrays(self) -> list[np.ndarray]:
+        """The weights as the kernels take them (packed layouts included), as numpy arrays."""
+        return [w.numpy() for w in self._weights]
+
+    def args(self, feeds: Mapping[str, np.ndarray]) -> list:
+        """VM arguments for already-validated feeds (see runtime.CompiledModel.run)."""
+        out = []
+        for n, t in self.inputs:
+            x = feeds[n]
+            if x.dtype == np.dtype(t.dtype) and x.flags.c_contiguous and _aligned(x) and x.size:
+                out.append(tvm_ffi.from_dlpack(x))
+            else:
+                out.append(tvm.runtime.tensor(np.asarray(x, dtype=t.dtype, order="C"), self.dev))
+        return out + self._weights
+
+    def bind(self, feeds: Mapping[str, np.ndarray]):
+        """A call without arguments that runs the model on `feeds` (converted once): for timing."""
+        args, f = self.args(feeds), self._main
+        return lambda: f(*args)
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        res = self._main(*self.args(feeds))
+        return {n: res[i].numpy() for i, n in enumerate(self.outputs)}
+
+    def time(self, feeds: Mapping[str, np.ndarray], runs: int = 10, warmup: int = 2) -> list[float]:
+        """Seconds per end-to-end call (inputs already on the device), one value per run."""
+        call = self.bind(feeds)
+        for _ in range(warmup):
+            call()
+        out = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            call()
+            out.append(time.perf_counter() - t0)
+        return out
+
+    def profile(self, feeds: Mapping[str, np.ndarray], runs: int = 3) -> list[dict]:
+        """Per-call latency inside the real executable (VM instrumentation), median over `runs`.
+
+        Each entry: the called symbol, the plan kernel's index (None for VM builtins), the median ms.
+        """
+        times: dict[str, list[float]] = {}
+        order: list[str] = []
+        state = {"t": 0.0, "i": 0}
+
+        def instrument(func, symbol, before, ret, *args):
+            if before:
+                state["t"] = time.perf_counter()
+            else:
+                key = f"{state['i']}:{symbol}"
+                state["i"] += 1
+                if key not in times:
+                    times[key] = []
+                    order.append(key)
+                times[key].append(time.perf_counter() - state["t"])
+            return 0
+
+        vm = relax.VirtualMachine(self.ex, self.dev)
+        vm.set_instrument(tvm_ffi.convert(instrument))
+        args = self.args(feeds)
+        for _ in range(runs):
+            state["i"] = 0
+            vm["main"](*args)
+        index = {call_name(i, k): i for i, k in enumerate(self.plan.kernels)}
+        out = []
+        for key in order:
+            sym = key.split(":", 1)[1]
+            out.append({"call": sym, "kernel": index.get(sym), "ms": float(np.median(times[key])) * 1e3})
+        return out
+
+    def export(self, path: str | Path) -> None:
+        """The compiled library (g++ links it)."""
+        self.ex.export_library(str(path))
+
+
+def load_executable(path: str | Path, weight_names, weight_arrays, graph: Graph, plan, threads: int) -> Executable:
+    """An executable exported by `Executable.export`, with the weights saved beside it."""
+    ex = tvm.runtime.load_module(str(path))
+    return Executable(ex, weight_names, weight_arrays, [(n, t) for n, t in graph.inputs], list(graph.outputs),
+                      threads, graph, plan)

@@ -1,0 +1,73 @@
+"""Targets and threads: the LLVM target for a machine, TVM's thread pool, the versions that key
+measurements."""
+from __future__ import annotations
+
+import logging
+import os
+
+import tvm
+import tvm_ffi
+
+from ...options import Machine
+
+log = logging.getLogger(__name__)
+
+
+
+#: LLVM CPUs for a machine that is not this host, by its widest vector ISA (cross-compiling, tests)
+_MCPU_BY_ISA = (("avx512f", "skylake-avx512"), ("avx2", "haswell"), ("avx", "sandybridge"))
+
+
+def make_target(threads: int, machine=None) -> tvm.target.Target:
+    """An llvm target for `machine` (default: this host, mcpu detected by LLVM, so AVX-512 is used
+    where present). Another machine gets the LLVM CPU of its widest vector ISA.
+
+    "num-cores" is required by MetaSchedule and documents the thread count the kernels are built for;
+    it does NOT set the runtime thread count (see `set_threads`).
+    """
+    host = dict(tvm.target.Target.from_device(tvm.cpu()).export())
+    config = {"kind": "llvm", "num-cores": int(threads)}
+    for key in ("mtriple", "mcpu", "mattr"):
+        if host.get(key):
+            config[key] = host[key]
+    if machine is not None and machine != Machine.host():
+        config.pop("mattr", None)
+        config["mcpu"] = next((cpu for flag, cpu in _MCPU_BY_ISA if flag in machine.isa), "x86-64")
+    return tvm.target.Target(config)
+
+
+
+def set_threads(n: int) -> None:
+    """Run TVM kernels on `n` threads: the one place kernorch sets a thread count.
+
+    TVM reads TVM_NUM_THREADS when its pool starts (at the first parallel call; it defaults to ONE
+    thread on a 2-core x86 VM) and ignores later changes, so the variable is set first; a pool that
+    already runs with another count is reconfigured with `runtime.config_threadpool(-3, n, cpus)`.
+    The pool's workers spin between kernels as TVM intends (a sleeping pool cost 22 us per kernel
+    boundary where a spinning one cost 1.4 us). Spawned processes inherit the variable.
+    """
+    n = int(n)
+    os.environ["TVM_NUM_THREADS"] = str(n)
+    current = tvm.runtime.num_threads()  # starts the pool if needed (with the variable set above)
+    if current != n:
+        log.info("TVM thread pool already started with %d threads; reconfiguring to %d", current, n)
+        tvm.get_global_func("runtime.config_threadpool")(-3, n, [str(i) for i in range(n)])
+
+
+def versions() -> dict:
+    """Versions that change generated code: part of the profile database key."""
+    return {"tvm": tvm.__version__, "tvm-ffi": tvm_ffi.__version__}
+
+
+_LANES_BITS = 512  # fallback when LLVM does not say
+
+
+def vector_bits(target: tvm.target.Target) -> int:
+    """The widest vector LLVM uses for `target` (512 on AVX-512, 256 on AVX2)."""
+    try:
+        from tvm.target.codegen import llvm_get_vector_width
+
+        bits = int(llvm_get_vector_width(target))
+        return bits if bits > 0 else _LANES_BITS
+    except Exception:  # noqa: BLE001
+        return _LANES_BITS

@@ -1,0 +1,203 @@
+"""Kernel benchmark: every distinct contraction of a model, kernorch's kernel against ONNX Runtime's.
+
+    r = bench_kernels("model.onnx", options, threads=(1, 2))
+    print_kernels(r)
+
+For each distinct matmul/conv primitive of the model (shapes, attributes, which operand is a
+constant), kernorch's kernel is the primitive alone in every micro-kernel tile the machine allows
+(the fastest kept, as the optimizer does; measured through `kernorch.measure`, so cached in the
+profile database), and ONNX Runtime's is the same operator as a one-node model with the constant
+operand as an initializer (so MLAS prepacks it). The two are timed one after the other, each in a
+process of its own with the same thread count, medians of repeats. Reported per kernel: both
+latencies and GFLOP/s, their ratio (ORT time / kernorch time: > 1 means kernorch is faster), and
+kernorch's fraction of the machine's measured GEMM peak at that thread count.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from .ir import Graph, Prim
+
+log = logging.getLogger(__name__)
+
+OPSET = 17
+
+
+@dataclass(frozen=True)
+class Contraction:
+    """One distinct linear primitive of a model and how often it occurs."""
+
+    prim: Prim
+    graph: Graph          # the primitive alone (its constant operand as a constant)
+    count: int
+    flops: float
+
+    @property
+    def label(self) -> str:
+        g, p = self.graph, self.prim
+        a, b = (g.type_of(t) for t in p.inputs)
+        const = "W" if p.inputs[1] in g.constants else "X"
+        extra = ""
+        if p.op == "conv":
+            extra = f" s{p.attr('strides')[0]} g{p.attr('group')}"
+        return f"{p.op} {'x'.join(map(str, a.shape))} · {const}{'x'.join(map(str, b.shape))}{extra}"
+
+
+def contractions(graph: Graph) -> list[Contraction]:
+    """The distinct matmul/conv prims of `graph` (structural key of the prim alone), most frequent first."""
+    from . import primitives
+    from .ir import structural_key
+    from .measure import kernel_graph
+    seen: dict[str, list] = {}
+    for p in graph.prims:
+        if p.op not in ("matmul", "conv"):
+            continue
+        key = structural_key([p], graph, [p.name])
+        if key in seen:
+            seen[key][2] += 1
+            continue
+        inputs = tuple(dict.fromkeys(p.inputs))
+        kg = kernel_graph(graph, [p.name], inputs, [p.name])
+        flops = float(primitives.get(p.op).flops([graph.type_of(t) for t in p.inputs], p.type, p.a))
+        seen[key] = [p, kg, 1, flops, key]
+    return sorted((Contraction(p, kg, n, f) for p, kg, n, f, _ in seen.values()), key=lambda c: -c.count * c.flops)
+
+
+def kernel_jobs(c: Contraction, machine) -> list:
+    """kernorch's kernel for the contraction: the prim alone in every micro-kernel tile (the default
+    schedule when it has none), as `pipeline.measure_candidates` times it."""
+    from .ir import structural_key
+    from .kernels import prim_tiles
+    from .measure import KernelJob
+    g, p = c.graph, c.prim
+    key = structural_key([p], g, [p.name])
+    inputs = tuple(dict.fromkeys(p.inputs))
+    schedules = [t.name for t in prim_tiles(machine, g, p)] or ["default"]
+    return [KernelJob(key, "tvm", s, g, inputs, (p.name,)) for s in schedules]
+
+
+def onnx_node_model(c: Contraction):
+    """The contraction as a one-node ONNX model: activations as inputs, constants as initializers."""
+    import onnx
+    from onnx import helper, numpy_helper
+    g, p = c.graph, c.prim
+    inputs, inits = [], []
+    names = []
+    for i, t in enumerate(p.inputs):
+        name = f"in{i}"
+        names.append(name)
+        ty = g.type_of(t)
+        if t in g.constants:
+            inits.append(numpy_helper.from_array(np.asarray(g.constants[t], np.float32), name))
+        else:
+            inputs.append(helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, list(ty.shape)))
+    if p.op == "matmul":
+        node = helper.make_node("MatMul", names, ["y"])
+    else:
+        a = p.a
+        sp = len(a["strides"])
+        node = helper.make_node("Conv", names, ["y"], strides=list(a["strides"]), pads=list(a["pads"]),
+                                dilations=list(a["dilations"]), group=int(a["group"]),
+                                kernel_shape=list(g.type_of(p.inputs[1]).shape[2:2 + sp]))
+    graph = helper.make_graph([node], "k", inputs, [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT,
+                                                                                   list(p.type.shape))], inits)
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    m.ir_version = 8
+    return m.SerializeToString()
+
+
+def _ort_time_task(models: list[bytes], threads: int, repeats: int, min_repeat_s: float) -> list[float]:
+    """Median seconds per call of each one-node model (runs in its own process)."""
+    from .executor import ort_session
+    out = []
+    for blob in models:
+        sess = ort_session(blob, threads, spinning=True)
+        rng = np.random.default_rng(0)
+        feeds = {i.name: rng.uniform(0.1, 1.0, size=i.shape).astype(np.float32) for i in sess.get_inputs()}
+        for _ in range(3):
+            sess.run(None, feeds)
+        t0 = time.perf_counter()
+        sess.run(None, feeds)
+        once = max(time.perf_counter() - t0, 1e-7)
+        number = max(1, int(min_repeat_s / once))
+        reps = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(number):
+                sess.run(None, feeds)
+            reps.append((time.perf_counter() - t0) / number)
+        out.append(float(np.median(reps)))
+        del sess
+    return out
+
+
+def bench_kernels(model, options, threads: Sequence[int] = (1, 2), repeats: int = 7) -> dict:
+    """Every distinct contraction of `model`: kernorch vs ONNX Runtime at each thread count."""
+    from . import calibrate as cal
+    from . import measure as meas
+    from . import pipeline
+    from .database import ProfileDB
+    from .options import Machine
+    from .workers import WorkerPool
+    loaded = pipeline.load(model, options)
+    cs = contractions(loaded.graph)
+    machine = Machine.host()
+    out = {"model": loaded.source, "machine": machine.to_json(), "threads": list(threads), "kernels": [],
+           "repeats": repeats, "method": "each kernel alone, kernorch's in measure's worker process, ONNX Runtime's "
+                                         "one-node model in a process of its own, one after the other"}
+    results: dict[int, dict] = {}
+    for t in threads:
+        opts = options.with_(threads=t, repeats=repeats)
+        peak = cal.calibrate(t)
+        jobs = {id(c): kernel_jobs(c, machine) for c in cs}
+        with ProfileDB(opts.resolved_db()) as db:
+            measured, _ = meas.measure([j for js in jobs.values() for j in js], db, opts, machine, label=f"{t} thread(s)")
+        with WorkerPool(1) as pool:
+            r = pool.call(_ort_time_task, ([onnx_node_model(c) for c in cs], t, repeats, 0.05), 3600)
+        if not r.ok:
+            raise RuntimeError(f"ONNX Runtime timing failed: {r.error}")
+        for c, o in zip(cs, r.value):
+            ok = [measured[j.ident] for j in jobs[id(c)] if measured[j.ident].ok]
+            row = results.setdefault(id(c), {"kernel": c.label, "count": c.count, "gflop": c.flops / 1e9, "by_threads": {}})
+            entry = {"ort_us": o * 1e6, "ort_gflops": c.flops / o / 1e9, "peak_gflops": peak["peak_gflops"]}
+            if ok:
+                m = min(ok, key=lambda m: m.median_ns)
+                k_s = m.median_ns / 1e9
+                entry.update(kernorch_us=k_s * 1e6, kernorch_gflops=c.flops / k_s / 1e9, schedule=m.schedule,
+                             ratio=o / k_s, of_peak=c.flops / k_s / 1e9 / peak["peak_gflops"],
+                             tiles_us={m.schedule: m.median_ns / 1e3 for m in ok})
+            row["by_threads"][str(t)] = entry
+    out["kernels"] = [results[id(c)] for c in cs]
+    out["summary"] = {}
+    for t in threads:
+        ratios = [k["by_threads"][str(t)]["ratio"] for k in out["kernels"] if "ratio" in k["by_threads"][str(t)]]
+        if ratios:
+            out["summary"][str(t)] = {"geomean_ratio": float(math.exp(np.mean(np.log(ratios)))),
+                                      "min_ratio": float(min(ratios)), "kernels": len(ratios)}
+    out["created"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    return out
+
+
+def print_kernels(r: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    for t in r["threads"]:
+        tab = Table(title=f"{r['model']}: contractions, {t} thread(s) (ratio > 1: kernorch faster)")
+        for c in ("kernel", "n", "kernorch µs", "tile", "GFLOP/s", "ORT µs", "ORT GFLOP/s", "ratio", "of peak"):
+            tab.add_column(c, justify="left" if c in ("kernel", "tile") else "right")
+        for k in r["kernels"]:
+            e = k["by_threads"][str(t)]
+            tab.add_row(k["kernel"], str(k["count"]), f"{e.get('kernorch_us', float('nan')):.1f}", e.get("schedule", "-"),
+                        f"{e.get('kernorch_gflops', float('nan')):.0f}", f"{e['ort_us']:.1f}", f"{e['ort_gflops']:.0f}",
+                        f"{e.get('ratio', float('nan')):.2f}", f"{e.get('of_peak', float('nan')):.0%}")
+        Console().print(tab)
+        s = r["summary"].get(str(t))
+        if s:
+            print(f"{t} thread(s): geomean kernorch/ORT {s['geomean_ratio']:.2f}x over {s['kernels']} kernels, "
+                  f"lowest {s['min_ratio']:.2f}x")

@@ -1,0 +1,87 @@
+"""Register tiles of the contraction micro-kernel, derived from the machine.
+
+The micro-kernel computes an `mr x nb` block of the output in vector registers: `mr` rows
+(unrolled; one broadcast of the left operand per row and k), `nb` columns (`nb / lanes` vectors of
+the right operand per k), accumulated over the whole reduction and written back once with the
+fused epilogue. It must fit the register file:
+
+    mr * v  accumulators  +  v  right-operand vectors  +  1  broadcast  <=  vector registers,
+    v = nb / lanes
+
+and it must keep the FMA units busier than the load ports: per k it issues `mr * v` FMAs for
+`mr + v` loads, so v = 1 (one vector of columns) is load-bound and only used when the output has
+fewer columns than two vectors. v is a power of two: LLVM splits a 3-register-wide vector badly
+(measured on AVX-512: 9x48 ran at 13 GFLOP/s where 14x32 ran at 167). From that rule, per v in
+(2, 4), the largest `mr` and about half of it are offered (AVX-512, 32 registers of 16 lanes: 14x32,
+8x32, 6x64, 4x64; AVX2, 16 registers of 8 lanes: 6x16, 4x16; BLIS uses 12x32 and 6x16 on those
+ISAs). Which one wins depends on the shape (M tails, cache reuse), so each is measured and the
+fastest kept; a tile whose `nb` does not divide the output's columns is not offered (no guarded
+vector tail).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+MAX_ROWS = 16       # longer unrolled row tiles only grow the code: the register budget binds first
+MIN_ROWS = 3        # below this, the broadcast loads dominate
+_NAME = re.compile(r"t(\d+)x(\d+)(p?)(r?)")
+
+
+@dataclass(frozen=True, order=True)
+class Tile:
+    """One register tile: `mr` rows x `nb` columns. `pack`: the constant operand is packed for it.
+    `rows_outer`: the parallel loop walks row tiles outside column tiles (the whole right operand
+    stays in L2 while each row panel is reused from L1); otherwise column panels are outside (each
+    packed K x nb panel stays in cache while every row tile passes over it)."""
+
+    mr: int
+    nb: int
+    pack: bool = False
+    rows_outer: bool = False
+
+    @property
+    def name(self) -> str:
+        """The schedule name stored in the profile database and the plan, e.g. "t14x32p"."""
+        return f"t{self.mr}x{self.nb}{'p' if self.pack else ''}{'r' if self.rows_outer else ''}"
+
+    @staticmethod
+    def parse(name: str) -> "Tile | None":
+        m = _NAME.fullmatch(name)
+        return Tile(int(m.group(1)), int(m.group(2)), bool(m.group(3)), bool(m.group(4))) if m else None
+
+    def registers(self, lanes: int) -> int:
+        """Vector registers the tile occupies (accumulators, operand vectors, one broadcast)."""
+        v = -(-self.nb // lanes)
+        return self.mr * v + v + 1
+
+
+def row_options(lanes: int, registers: int) -> list[tuple[int, int]]:
+    """(mr, nb) pairs the register rule allows, before the shape is known."""
+    out: list[tuple[int, int]] = []
+    for v in (2, 4):
+        full = min(MAX_ROWS, (registers - v - 1) // v)
+        if full < MIN_ROWS:
+            continue
+        for mr in dict.fromkeys((full, max(MIN_ROWS, full // 2 + 1))):
+            out.append((mr, v * lanes))
+    return out
+
+
+def contraction_tiles(machine, rows: int, cols: int, depth: int, pack: bool = False) -> tuple[Tile, ...]:
+    """The tiles worth measuring for a contraction with `rows` x `cols` outputs and reduction `depth`.
+
+    `rows` is the extent of the unrolled row axis (M of a GEMM), `cols` the vectorized one (N),
+    `depth` the reduction (K). Returns () when no tile fits the columns (the default schedule then
+    applies). The loop order comes from the L2 size: rows outside when the whole right operand
+    (depth x cols floats) fits in half of it.
+    """
+    lanes, regs = machine.lanes, machine.vector_registers
+    rows_outer = depth * cols * 4 <= machine.l2_kib * 1024 // 2
+    tiles: list[Tile] = []
+    for mr, nb in row_options(lanes, regs):
+        if cols % nb == 0:
+            tiles.append(Tile(min(mr, rows), nb, pack, rows_outer))
+    if not tiles and cols % lanes == 0:  # fewer columns than the wider tiles: one vector wide
+        tiles.append(Tile(min(regs - 3, MAX_ROWS, rows), lanes, pack, rows_outer))
+    return tuple(dict.fromkeys(tiles))

@@ -1,0 +1,203 @@
+"""CompiledModel: run, time, profile, save and load an optimized model.
+
+The saved directory executes nothing but the compiled library:
+
+    model.so        the Relax VM executable (every kernel compiled; Python kernels only if allowed)
+    weights.npz     the weights as the executable takes them (packed layouts included), numpy
+                    arrays loaded with allow_pickle=False
+    graph.json      the primitive graph without weights (inputs, outputs, prims) and
+    plan.json       the plan (kernels, schedules, costs)
+    manifest.json   format version, kernorch version, tool versions, the target (CPU, ISA, threads),
+                    the weights' names and layouts, and a SHA-256 of every file above
+    report.json     what `optimize` measured (the report reads it; loading does not need it)
+
+Loading checks the format version, the files' hashes (a changed weight or library is refused),
+unknown files, and that this CPU has every ISA extension the library was compiled for.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+
+from . import __version__
+from .ir import Graph, KernorchError
+from .options import Machine
+from .plan import Plan
+
+log = logging.getLogger(__name__)
+
+FORMAT = 3
+MANIFEST = "manifest.json"
+HASHED = ("model.so", "weights.npz", "graph.json", "plan.json")
+KNOWN = set(HASHED) | {MANIFEST, "report.json", "report.html", "bench.json"}
+
+
+class CompiledModel:
+    """An optimized model: `run(inputs) -> outputs` like an ONNX Runtime session."""
+
+    def __init__(self, graph: Graph, plan: Plan, executable, threads: int, machine: Machine,
+                 report: dict | None = None):
+        self.graph, self.plan, self.executable, self.threads = graph, plan, executable, threads
+        self.machine = machine
+        self.report = dict(report or {})
+        self.input_names = [n for n, _ in graph.inputs]
+        self.output_names = list(graph.outputs)
+
+    # -- inputs --------------------------------------------------------------------------------
+    def check_feeds(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Validate names, shapes and dtypes; a clear error naming the input otherwise."""
+        if not isinstance(inputs, Mapping):
+            raise KernorchError(f"inputs must be a mapping of input name to array; the model takes {self.input_names}")
+        unknown = sorted(set(inputs) - set(self.input_names))
+        if unknown:
+            raise KernorchError(f"unknown inputs {unknown}; the model takes {self.input_names}")
+        feeds = {}
+        for n, t in self.graph.inputs:
+            if n not in inputs:
+                raise KernorchError(f"missing input {n!r} ({t})")
+            x = inputs[n]
+            if not isinstance(x, np.ndarray):
+                x = np.asarray(x)
+            want = tuple(int(d) for d in t.shape)
+            if x.shape != want:
+                raise KernorchError(f"input {n!r} has shape {x.shape}, the model was optimized for {want}")
+            if x.dtype != np.dtype(t.dtype):
+                if not np.can_cast(x.dtype, t.dtype, casting="same_kind"):
+                    raise KernorchError(f"input {n!r} has dtype {x.dtype}, the model takes {t.dtype}")
+                x = x.astype(t.dtype)
+            feeds[n] = x
+        return feeds
+
+    # -- running -------------------------------------------------------------------------------
+    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.executable.run(self.check_feeds(inputs))
+
+    def bind(self, inputs: Mapping[str, np.ndarray]):
+        """A call without arguments that runs the model on `inputs` (validated and converted once)."""
+        return self.executable.bind(self.check_feeds(inputs))
+
+    def time(self, inputs: Mapping[str, np.ndarray], runs: int = 10, warmup: int = 2) -> list[float]:
+        """Seconds per end-to-end call (inputs already on the device), one value per run."""
+        return self.executable.time(self.check_feeds(inputs), runs, warmup)
+
+    def profile(self, inputs: Mapping[str, np.ndarray], runs: int = 3) -> list[dict]:
+        """Per-call latency inside the executable: [{"call", "kernel" (plan index or None), "ms"}]."""
+        return self.executable.profile(self.check_feeds(inputs), runs)
+
+    # -- persistence ---------------------------------------------------------------------------
+    def save(self, outdir: str | Path, force: bool = False) -> Path:
+        out = Path(outdir)
+        if out.exists() and any(out.iterdir()):
+            if not force:
+                raise KernorchError(f"{out} exists and is not empty; pass --force (force=True) to overwrite it")
+            if not (out / MANIFEST).exists():
+                raise KernorchError(f"{out} is not a kernorch output (no {MANIFEST}); refusing to overwrite it")
+            extra = sorted(p.name for p in out.iterdir() if p.name not in KNOWN)
+            if extra:
+                raise KernorchError(f"{out} holds files kernorch did not write ({', '.join(extra[:5])}); "
+                                    "refusing to overwrite it")
+            shutil.rmtree(out)
+        out.mkdir(parents=True, exist_ok=True)
+        ex = self.executable
+        ex.export(out / "model.so")
+        np.savez(out / "weights.npz", **{f"w{i}": a for i, a in enumerate(ex.weight_arrays)})
+        self.plan.save(out / "plan.json")
+        (out / "graph.json").write_text(json.dumps(replace(self.graph, constants={}).to_json()))
+        manifest = {
+            "format": FORMAT, "kernorch": __version__, "versions": _tool_versions(),
+            "target": self.machine.fingerprint(self.threads), "machine": self.machine.to_json(),
+            "threads": self.threads, "weights": [list(w) for w in ex.weight_names],
+            "inputs": {n: t.to_json() for n, t in self.graph.inputs}, "outputs": self.output_names,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "sha256": {f: _sha256(out / f) for f in HASHED},
+        }
+        (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        (out / "report.json").write_text(json.dumps(self.report, indent=2, default=str))
+        return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _tool_versions() -> dict[str, str]:
+    import importlib.metadata as md
+    return {p: md.version(p) for p in ("apache-tvm", "apache-tvm-ffi", "numpy")}
+
+
+def read_manifest(d: Path) -> dict:
+    mf = d / MANIFEST
+    if not mf.exists():
+        raise KernorchError(f"{d}: not a saved kernorch model (no {MANIFEST})")
+    try:
+        manifest = json.loads(mf.read_text())
+    except ValueError as e:
+        raise KernorchError(f"{d}: {MANIFEST} is not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise KernorchError(f"{d}: saved in format {manifest.get('format') if isinstance(manifest, dict) else '?'} "
+                            f"(kernorch {manifest.get('kernorch') if isinstance(manifest, dict) else '?'}); this "
+                            f"kernorch ({__version__}) reads format {FORMAT}: optimize the model again")
+    return manifest
+
+
+def check_integrity(d: Path, manifest: dict) -> None:
+    """Every hashed file present and unchanged, and no file kernorch does not know."""
+    sums = manifest.get("sha256") or {}
+    for f in HASHED:
+        p = d / f
+        if not p.exists():
+            raise KernorchError(f"{d}: {f} is missing")
+        if sums.get(f) != _sha256(p):
+            raise KernorchError(f"{d}: {f} does not match the hash in {MANIFEST} (changed after saving); "
+                                "optimize the model again")
+    extra = sorted(p.name for p in d.iterdir() if p.name not in KNOWN)
+    if extra:
+        raise KernorchError(f"{d}: unknown files {', '.join(extra[:5])} beside the saved model; remove them")
+
+
+def check_machine(d: Path, manifest: dict, machine: Machine) -> None:
+    """The library runs only where every ISA extension it was compiled for exists."""
+    saved = Machine.from_json(manifest["machine"])
+    missing = sorted(set(saved.isa) - set(machine.isa))
+    if missing:
+        raise KernorchError(f"{d}: compiled for {saved.name} with {', '.join(missing[:6])}, which this CPU "
+                            f"({machine.name}) lacks; optimize the model on this machine")
+    if saved.name != machine.name or saved.cores != machine.cores:
+        log.warning("%s was optimized on %s (%d cores); this is %s (%d cores): it runs, but its kernels were "
+                    "measured elsewhere", d, saved.name, saved.cores, machine.name, machine.cores)
+
+
+def load(outdir: str | Path, threads: int | None = None) -> CompiledModel:
+    """Load a model saved by `CompiledModel.save` (in a fresh process, without re-optimizing)."""
+    from .backends.tvm import relax as rx
+    d = Path(outdir)
+    manifest = read_manifest(d)
+    if manifest.get("versions") != _tool_versions():
+        raise KernorchError(f"{d}: built with {manifest.get('versions')}, this environment has {_tool_versions()}")
+    check_integrity(d, manifest)
+    machine = Machine.host()
+    check_machine(d, manifest, machine)
+    try:
+        graph = Graph.from_json(json.loads((d / "graph.json").read_text()))
+        plan = Plan.load(d / "plan.json")
+        with np.load(d / "weights.npz", allow_pickle=False) as w:
+            arrays = [w[f"w{i}"] for i in range(len(manifest["weights"]))]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise KernorchError(f"{d}: cannot read the saved model: {type(e).__name__}: {e}") from None
+    names = [tuple(x) for x in manifest["weights"]]
+    n = int(threads or manifest["threads"])
+    ex = rx.load_executable(d / "model.so", names, arrays, graph, plan, n)
+    report = json.loads((d / "report.json").read_text()) if (d / "report.json").exists() else {}
+    return CompiledModel(graph, plan, ex, n, Machine.from_json(manifest["machine"]), report)
