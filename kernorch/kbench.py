@@ -7,8 +7,9 @@ For each distinct matmul/conv primitive of the model (shapes, attributes, which 
 constant), kernorch's kernel is the primitive alone in every micro-kernel tile the machine allows
 (the fastest kept, as the optimizer does; measured through `kernorch.measure`, so cached in the
 profile database), and ONNX Runtime's is the same operator as a one-node model with the constant
-operand as an initializer (so MLAS prepacks it). The two are timed one after the other, each in a
-process of its own with the same thread count, medians of repeats. Reported per kernel: both
+operand as an initializer (so MLAS prepacks it). The two are then timed in alternating blocks,
+each in a process of its own with the same thread count (calls of two runtimes interleaved one by
+one would make their thread pools disturb each other), and the medians of the blocks compared. Reported per kernel: both
 latencies and GFLOP/s, their ratio (ORT time / kernorch time: > 1 means kernorch is faster), and
 kernorch's fraction of the machine's measured GEMM peak at that thread count.
 """
@@ -71,14 +72,19 @@ def contractions(graph: Graph) -> list[Contraction]:
 
 def kernel_jobs(c: Contraction, machine) -> list:
     """kernorch's kernel for the contraction: the prim alone in every micro-kernel tile (the default
-    schedule when it has none), as `pipeline.measure_candidates` times it."""
+    schedule when it has none), as `pipeline.measure_candidates` times it; convolutions in their
+    blocked layout (nChw{lanes}c in and out: the layout the orchestration program would keep them in)."""
     from .ir import structural_key
-    from .kernels import prim_tiles
+    from .kernels import blocked, prim_tiles
     from .measure import KernelJob
     g, p = c.graph, c.prim
     key = structural_key([p], g, [p.name])
     inputs = tuple(dict.fromkeys(p.inputs))
-    schedules = [t.name for t in prim_tiles(machine, g, p)] or ["default"]
+    if p.op == "conv":
+        schedules = [blocked(machine.lanes, t.name) for t in prim_tiles(machine, g, p, blocked_layout=True)]
+        schedules = schedules or [blocked(machine.lanes, "default")]
+    else:
+        schedules = [t.name for t in prim_tiles(machine, g, p)] or ["default"]
     return [KernelJob(key, "tvm", s, g, inputs, (p.name,)) for s in schedules]
 
 
@@ -112,33 +118,60 @@ def onnx_node_model(c: Contraction):
     return m.SerializeToString()
 
 
-def _ort_time_task(models: list[bytes], threads: int, repeats: int, min_repeat_s: float) -> list[float]:
-    """Median seconds per call of each one-node model (runs in its own process)."""
+# -- inside the timing processes: prepared kernels kept between calls -------------------------------
+
+_READY: list = []
+
+
+def _prepare_ort(models: list[bytes], threads: int) -> int:
+    """ONNX Runtime sessions of the one-node models, with random inputs (in ORT's own process)."""
     from .executor import ort_session
-    out = []
+    rng = np.random.default_rng(0)
     for blob in models:
         sess = ort_session(blob, threads, spinning=True)
-        rng = np.random.default_rng(0)
         feeds = {i.name: rng.uniform(0.1, 1.0, size=i.shape).astype(np.float32) for i in sess.get_inputs()}
-        for _ in range(3):
-            sess.run(None, feeds)
-        t0 = time.perf_counter()
         sess.run(None, feeds)
-        once = max(time.perf_counter() - t0, 1e-7)
-        number = max(1, int(min_repeat_s / once))
-        reps = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for _ in range(number):
-                sess.run(None, feeds)
-            reps.append((time.perf_counter() - t0) / number)
-        out.append(float(np.median(reps)))
-        del sess
-    return out
+        _READY.append(lambda sess=sess, feeds=feeds: sess.run(None, feeds))
+    return len(_READY)
 
 
-def bench_kernels(model, options, threads: Sequence[int] = (1, 2), repeats: int = 7) -> dict:
-    """Every distinct contraction of `model`: kernorch vs ONNX Runtime at each thread count."""
+def _prepare_kernorch(jobs: list, threads: int) -> int:
+    """kernorch's kernels, built as measured (in kernorch's own process)."""
+    from .backends import tvm as tb
+    from .kernels import pack_args
+    from .measure import make_inputs
+    target = tb.make_target(threads)
+    for job in jobs:
+        mod = tb.lower(job.graph, job.graph.prims, job.inputs, job.outputs, job.schedule)
+        k = tb.build(tb.schedule(mod, target, job.schedule), target)
+        args, outs = k._args(pack_args(job.graph, job.inputs, job.schedule, make_inputs(job)))
+        k._fn(*args, *outs)
+        _READY.append(lambda k=k, a=args + outs: k._fn(*a))
+    return len(_READY)
+
+
+def _time_block(i: int, repeats: int, min_repeat_s: float) -> float:
+    """Median seconds per call of prepared kernel `i` over `repeats` repeats of >= min_repeat_s each."""
+    call = _READY[i]
+    call()
+    t0 = time.perf_counter()
+    call()
+    number = max(1, int(min_repeat_s / max(time.perf_counter() - t0, 1e-7)))
+    reps = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            call()
+        reps.append((time.perf_counter() - t0) / number)
+    return float(np.median(reps))
+
+
+def bench_kernels(model, options, threads: Sequence[int] = (1, 2), repeats: int = 5, rounds: int = 3) -> dict:
+    """Every distinct contraction of `model`: kernorch vs ONNX Runtime at each thread count.
+
+    kernorch's tile is chosen by `measure` (cached in the profile database); then both kernels of
+    each contraction are timed in alternating blocks, `rounds` times, kernorch's and ORT's each in a
+    process of its own with the same thread count; the medians of the blocks are compared."""
     from . import calibrate as cal
     from . import measure as meas
     from . import pipeline
@@ -149,8 +182,9 @@ def bench_kernels(model, options, threads: Sequence[int] = (1, 2), repeats: int 
     cs = contractions(loaded.graph)
     machine = Machine.host()
     out = {"model": loaded.source, "machine": machine.to_json(), "threads": list(threads), "kernels": [],
-           "repeats": repeats, "method": "each kernel alone, kernorch's in measure's worker process, ONNX Runtime's "
-                                         "one-node model in a process of its own, one after the other"}
+           "repeats": repeats, "rounds": rounds,
+           "method": "the fastest tile chosen by measure; then kernorch's kernel and ONNX Runtime's one-node model "
+                     "timed in alternating blocks, each in a process of its own, medians of the blocks"}
     results: dict[int, dict] = {}
     for t in threads:
         opts = options.with_(threads=t, repeats=repeats)
@@ -158,20 +192,38 @@ def bench_kernels(model, options, threads: Sequence[int] = (1, 2), repeats: int 
         jobs = {id(c): kernel_jobs(c, machine) for c in cs}
         with ProfileDB(opts.resolved_db()) as db:
             measured, _ = meas.measure([j for js in jobs.values() for j in js], db, opts, machine, label=f"{t} thread(s)")
-        with WorkerPool(1) as pool:
-            r = pool.call(_ort_time_task, ([onnx_node_model(c) for c in cs], t, repeats, 0.05), 3600)
-        if not r.ok:
-            raise RuntimeError(f"ONNX Runtime timing failed: {r.error}")
-        for c, o in zip(cs, r.value):
-            ok = [measured[j.ident] for j in jobs[id(c)] if measured[j.ident].ok]
-            row = results.setdefault(id(c), {"kernel": c.label, "count": c.count, "gflop": c.flops / 1e9, "by_threads": {}})
-            entry = {"ort_us": o * 1e6, "ort_gflops": c.flops / o / 1e9, "peak_gflops": peak["peak_gflops"]}
+        best = {}
+        for c in cs:
+            ok = [j for j in jobs[id(c)] if measured[j.ident].ok]
             if ok:
-                m = min(ok, key=lambda m: m.median_ns)
-                k_s = m.median_ns / 1e9
-                entry.update(kernorch_us=k_s * 1e6, kernorch_gflops=c.flops / k_s / 1e9, schedule=m.schedule,
-                             ratio=o / k_s, of_peak=c.flops / k_s / 1e9 / peak["peak_gflops"],
-                             tiles_us={m.schedule: m.median_ns / 1e3 for m in ok})
+                best[id(c)] = min(ok, key=lambda j: measured[j.ident].median_ns)
+        env = {"TVM_NUM_THREADS": str(t)}
+        with WorkerPool(1, env) as kp, WorkerPool(1, env) as op:
+            timed = [c for c in cs if id(c) in best]
+            for pool, fn, arg in ((kp, _prepare_kernorch, [best[id(c)] for c in timed]),
+                                  (op, _prepare_ort, [onnx_node_model(c) for c in timed])):
+                r = pool.call(fn, (arg, t), 3600)
+                if not r.ok:
+                    raise RuntimeError(f"preparing the kernels failed: {r.error}")
+            blocks: dict[int, tuple[list, list]] = {id(c): ([], []) for c in timed}
+            for _ in range(rounds):
+                for i, c in enumerate(timed):
+                    for pool, side in ((kp, 0), (op, 1)):
+                        r = pool.call(_time_block, (i, repeats, 0.02), 600)
+                        if not r.ok:
+                            raise RuntimeError(f"timing {c.label} failed: {r.error}")
+                        blocks[id(c)][side].append(r.value)
+        for c in cs:
+            row = results.setdefault(id(c), {"kernel": c.label, "count": c.count, "gflop": c.flops / 1e9, "by_threads": {}})
+            entry: dict = {"peak_gflops": peak["peak_gflops"]}
+            if id(c) in best:
+                k_s, o_s = (float(np.median(b)) for b in blocks[id(c)])
+                j = best[id(c)]
+                entry.update(kernorch_us=k_s * 1e6, kernorch_gflops=c.flops / k_s / 1e9, schedule=j.schedule,
+                             ort_us=o_s * 1e6, ort_gflops=c.flops / o_s / 1e9, ratio=o_s / k_s,
+                             of_peak=c.flops / k_s / 1e9 / peak["peak_gflops"],
+                             tiles_us={x.schedule: measured[x.ident].median_ns / 1e3 for x in jobs[id(c)]
+                                       if measured[x.ident].ok})
             row["by_threads"][str(t)] = entry
     out["kernels"] = [results[id(c)] for c in cs]
     out["summary"] = {}
@@ -193,9 +245,10 @@ def print_kernels(r: dict) -> None:
             tab.add_column(c, justify="left" if c in ("kernel", "tile") else "right")
         for k in r["kernels"]:
             e = k["by_threads"][str(t)]
-            tab.add_row(k["kernel"], str(k["count"]), f"{e.get('kernorch_us', float('nan')):.1f}", e.get("schedule", "-"),
-                        f"{e.get('kernorch_gflops', float('nan')):.0f}", f"{e['ort_us']:.1f}", f"{e['ort_gflops']:.0f}",
-                        f"{e.get('ratio', float('nan')):.2f}", f"{e.get('of_peak', float('nan')):.0%}")
+            nan = float("nan")
+            tab.add_row(k["kernel"], str(k["count"]), f"{e.get('kernorch_us', nan):.1f}", e.get("schedule", "-"),
+                        f"{e.get('kernorch_gflops', nan):.0f}", f"{e.get('ort_us', nan):.1f}",
+                        f"{e.get('ort_gflops', nan):.0f}", f"{e.get('ratio', nan):.2f}", f"{e.get('of_peak', nan):.0%}")
         Console().print(tab)
         s = r["summary"].get(str(t))
         if s:

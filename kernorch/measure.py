@@ -28,7 +28,7 @@ from .ir import Graph, KernorchError
 from .options import Machine, Options
 from .workers import WorkerPool
 from .backends import registry
-from .kernels import pack_args, variant_packs
+from .kernels import pack_args, unpack_outputs
 
 log = logging.getLogger(__name__)
 
@@ -154,16 +154,16 @@ def _build_task(job: KernelJob, threads: int, out_dir: str, verify: bool) -> dic
     from .backends import tvm as tb
     t0 = time.perf_counter()
     target = tb.make_target(threads)
-    packs = variant_packs(job.graph, job.inputs, job.schedule)
-    mod = tb.lower(job.graph, job.graph.prims, job.inputs, job.outputs, packs)
+    mod = tb.lower(job.graph, job.graph.prims, job.inputs, job.outputs, job.schedule)
     mod = tb.schedule(mod, target, job.schedule)
     kernel = tb.build(mod, target)
     build_s = time.perf_counter() - t0
     err = None
     if verify:
         inputs = make_inputs(job)
-        err = check(job, kernel(*kernel_args(job, inputs)), reference(job, inputs))
-    path = str(Path(out_dir) / f"{job.key}-{job.schedule}.so")
+        got = unpack_outputs(job.graph, job.outputs, job.schedule, kernel(*kernel_args(job, inputs)))
+        err = check(job, got, reference(job, inputs))
+    path = str(Path(out_dir) / f"{job.key}-{job.schedule.replace('/', '_')}.so")
     kernel.export(path)
     return {"path": path, "build_s": build_s, "error": err}
 

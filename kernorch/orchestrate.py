@@ -5,6 +5,13 @@ This module is a pure data interface. The pipeline turns a primitive graph into 
 returns the provably cheapest executable selection. Nothing here knows about ONNX or TVM, so the
 solver can be tested on synthetic instances against an exact search (`brute_force`).
 
+Layouts. A tensor a kernel reads or writes is named by its prim ("t"), or by its prim and a layout
+("t@nChw16c") when the kernel reads or writes it in that layout. A kernel variant in a blocked
+layout is one more choice with those names; a *conversion* is a choice with no members that reads
+one tensor in one layout and writes it in another (or, for a graph input, writes it blocked from
+nothing the solver tracks). So the program picks kernels and layouts together: every edge's
+producer and consumer agree, or a conversion is paid. Graph outputs are always the plain names.
+
 The model: a binary x_k per candidate, a continuous availability a_t per consumed tensor (a_t <=
 sum of the x_k that write t, and x_k <= a_t for every t that k reads), and one coverage row per
 live primitive (the chosen kernels together compute it at least once). The coverage rows make the
@@ -64,6 +71,23 @@ class Problem:
     outputs: tuple[str, ...]
     choices: tuple[Choice, ...]
     kinds: Mapping[str, str] = field(default_factory=dict)
+    sources: frozenset[str] = frozenset()   # graph inputs a conversion may block
+
+
+def base(tensor: str) -> str:
+    """The prim (or graph input) a tensor name refers to: "t@nChw16c" -> "t"."""
+    return tensor.split("@", 1)[0]
+
+
+def is_conversion(c: Choice) -> bool:
+    return not c.members
+
+
+def _rank_of(c: Choice, rank: Mapping[str, int]) -> int:
+    """Where a choice sits in topological order: its earliest member, or its tensor for a conversion."""
+    if c.members:
+        return min(rank[m] for m in c.members)
+    return rank.get(base(next(iter(c.outputs))), -1)
 
 
 @dataclass(frozen=True)
@@ -103,12 +127,19 @@ def _check(problem: Problem) -> dict[str, Choice]:
     for c in problem.choices:
         if c.id in by_id:
             raise KernorchError(f"choice id {c.id!r} is used twice")
-        if not c.members or not c.members <= prims:
-            raise KernorchError(f"choice {c.id!r} has unknown or no members: {sorted(c.members)}")
-        if not c.outputs <= c.members:
-            raise KernorchError(f"choice {c.id!r} writes tensors that are not its members: {sorted(c.outputs - c.members)}")
-        if not c.inputs <= prims or c.inputs & c.members:
-            raise KernorchError(f"choice {c.id!r} has invalid inputs {sorted(c.inputs)}")
+        outs, ins = {base(t) for t in c.outputs}, {base(t) for t in c.inputs}
+        if is_conversion(c):
+            if len(c.outputs) != 1 or len(c.inputs) > 1 or (c.inputs and ins != outs) or c.inputs == c.outputs \
+                    or not outs <= prims | problem.sources:
+                raise KernorchError(f"conversion {c.id!r} must rewrite one tensor into another layout: "
+                                    f"{sorted(c.inputs)} -> {sorted(c.outputs)}")
+        else:
+            if not c.members <= prims:
+                raise KernorchError(f"choice {c.id!r} has unknown members: {sorted(c.members - prims)}")
+            if not outs <= c.members:
+                raise KernorchError(f"choice {c.id!r} writes tensors that are not its members: {sorted(outs - c.members)}")
+            if not ins <= prims or ins & c.members:
+                raise KernorchError(f"choice {c.id!r} has invalid inputs {sorted(c.inputs)}")
         if c.cost_ns < 0:
             raise KernorchError(f"choice {c.id!r} has a negative cost")
         by_id[c.id] = c
@@ -141,7 +172,7 @@ def _fire(choices: Sequence[Choice], rank: Mapping[str, int]) -> tuple[list[Choi
         for t in c.inputs:
             waiting.setdefault(t, []).append(i)
         if not c.inputs:
-            heap.append((min(rank[m] for m in c.members), i))
+            heap.append((_rank_of(c, rank), i))
     heapq.heapify(heap)
     available: set[str] = set()
     fired: list[Choice] = []
@@ -157,7 +188,7 @@ def _fire(choices: Sequence[Choice], rank: Mapping[str, int]) -> tuple[list[Choi
             for j in waiting.get(t, ()):
                 missing[j] -= 1
                 if missing[j] == 0:
-                    heapq.heappush(heap, (min(rank[m] for m in choices[j].members), j))
+                    heapq.heappush(heap, (_rank_of(choices[j], rank), j))
     return fired, [c for i, c in enumerate(choices) if not done[i]]
 
 
@@ -284,9 +315,12 @@ def _heuristic(problem: Problem, chosen: list[Choice], what: str, t0: float) -> 
 
 
 def _cheapest(choices: Iterable[Choice]) -> dict[frozenset[str], Choice]:
-    """Cheapest implementation for each member set (ties broken by id, for determinism)."""
+    """Cheapest plain-layout implementation for each member set (ties broken by id, for
+    determinism): what the rule-based baselines choose from."""
     best: dict[frozenset[str], Choice] = {}
     for c in choices:
+        if is_conversion(c) or any("@" in t for t in c.inputs | c.outputs):
+            continue
         b = best.get(c.members)
         if b is None or (c.cost_ns, c.id) < (b.cost_ns, b.id):
             best[c.members] = c
@@ -614,7 +648,8 @@ def brute_force(problem: Problem, max_prims: int = 16) -> Solution:
     _check(problem)
     if len(problem.prims) > max_prims:
         raise KernorchError(f"brute_force is for small graphs (<= {max_prims} prims), got {len(problem.prims)}")
-    bit = {p: 1 << i for i, p in enumerate(problem.prims)}
+    tensors = sorted(set(problem.prims) | {t for c in problem.choices for t in c.inputs | c.outputs})
+    bit = {t: 1 << i for i, t in enumerate(tensors)}
 
     def mask(ts: Iterable[str]) -> int:
         m = 0
@@ -622,7 +657,11 @@ def brute_force(problem: Problem, max_prims: int = 16) -> Solution:
             m |= bit[t]
         return m
 
-    best = _cheapest(problem.choices)  # same members => same inputs/outputs, so the rest are dominated
+    best: dict[tuple, Choice] = {}  # same signature: only the cheapest can be on a shortest path
+    for c in problem.choices:
+        key = (c.members, c.inputs, c.outputs)
+        if key not in best or (c.cost_ns, c.id) < (best[key].cost_ns, best[key].id):
+            best[key] = c
     moves = [(mask(c.inputs), mask(c.outputs), c) for c in best.values()]
     goal = mask(problem.outputs)
     dist = {0: 0}

@@ -17,7 +17,7 @@ import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from . import candidates as cands
 from . import fission as fis
@@ -26,7 +26,9 @@ from .backends import registry
 from .database import Measurement, ProfileDB
 from .frontend import onnx as frontend
 from .ir import Graph, KernorchError
-from .kernels import prim_tiles
+from .kernels import blocked, has_blocked_variant, prim_tiles, split
+from .kernels.variants import CONVERSIONS
+from .layouts import candidate_io, conversion, conversion_key, conversions
 from .options import Machine, Options
 
 log = logging.getLogger(__name__)
@@ -97,20 +99,35 @@ def _job(graph: Graph, c, impl: str, schedule: str) -> meas.KernelJob:
     return meas.KernelJob(c.key, impl, schedule, kg, c.inputs, c.outputs)
 
 
-def tile_jobs(graph: Graph, candidates, machine: Machine) -> dict[str, list[meas.KernelJob]]:
-    """Per contraction prim with micro-kernel tiles: its kernel alone in every tile (the tile that
-    wins alone is the one its fused candidates use: epilogues do not change the register tile)."""
-    out: dict[str, list[meas.KernelJob]] = {}
+def _variant_classes(graph: Graph, c, options: Options, machine: Machine) -> list[int | None]:
+    """The layout classes a candidate is measured in: plain (None), and blocked by the machine's
+    lanes when it has a blocked variant (see kernels.variants.has_blocked_variant)."""
+    if options.layouts and has_blocked_variant(graph, c.members, c.inputs, c.outputs, machine.lanes):
+        return [None, machine.lanes]
+    return [None]
+
+
+def _in_class(cls: int | None, inner: str) -> str:
+    return inner if cls is None else blocked(cls, inner)
+
+
+def tile_jobs(graph: Graph, candidates, options: Options, machine: Machine) -> dict[tuple, list[meas.KernelJob]]:
+    """Per contraction prim and layout class: its kernel alone in every micro-kernel tile (the tile
+    that wins alone is the one its fused candidates use: epilogues do not change the register tile)."""
+    out: dict[tuple, list[meas.KernelJob]] = {}
     for c in candidates:
-        if len(c.members) == 1 and c.linear and c.linear not in out:
-            tiles = prim_tiles(machine, graph, graph.by_name[c.linear])
-            if tiles:
-                out[c.linear] = [_job(graph, c, "tvm", t.name) for t in tiles]
+        if len(c.members) == 1 and c.linear:
+            for cls in _variant_classes(graph, c, options, machine):
+                if (c.linear, cls) in out:
+                    continue
+                tiles = prim_tiles(machine, graph, graph.by_name[c.linear], blocked_layout=cls is not None)
+                if tiles:
+                    out[(c.linear, cls)] = [_job(graph, c, "tvm", _in_class(cls, t.name)) for t in tiles]
     return out
 
 
-def fastest_schedules(measurements, jobs_by_prim: Mapping[str, list[meas.KernelJob]]) -> dict[str, str]:
-    """Per contraction prim: the schedule of its fastest successfully measured tile."""
+def fastest_schedules(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob]]) -> dict[tuple, str]:
+    """Per (contraction prim, layout class): the schedule of its fastest successfully measured tile."""
     out = {}
     for prim, jobs in jobs_by_prim.items():
         ok = [(measurements[j.ident].median_ns, j.schedule) for j in jobs
@@ -120,37 +137,63 @@ def fastest_schedules(measurements, jobs_by_prim: Mapping[str, list[meas.KernelJ
     return out
 
 
-def candidate_jobs(graph: Graph, candidates, options: Options, tiles: Mapping[str, str]) -> list[meas.KernelJob]:
-    """Every distinct (key, implementation, schedule) the solver may choose; untuned TVM for a few,
-    for comparison. A candidate around a contraction uses its contraction's fastest tile."""
+def conversion_jobs(graph: Graph, jobs: Sequence[meas.KernelJob], machine: Machine) -> list[meas.KernelJob]:
+    """The layout conversions of every tensor some blocked kernel reads or writes blocked."""
+    tensors: dict[str, None] = {}
+    for j in jobs:
+        if split(j.schedule)[0] is None:
+            continue
+        io = candidate_io(graph, [p.name for p in j.graph.prims], j.inputs, j.outputs, j.schedule)
+        for t, q in zip(io.inputs + io.outputs, io.reads + io.writes):
+            if "@" in q:
+                tensors.setdefault(t)
+    out: dict[tuple, meas.KernelJob] = {}
+    for t in tensors:
+        key = conversion_key(graph, t)
+        for sched in conversions(graph, t, machine.lanes):
+            io = conversion(graph, t, sched)
+            out.setdefault((key, sched), meas.KernelJob(key, "tvm", sched, io.graph, io.inputs, io.outputs))
+    return list(out.values())
+
+
+def candidate_jobs(graph: Graph, candidates, options: Options, machine: Machine,
+                   tiles: Mapping[tuple, str]) -> list[meas.KernelJob]:
+    """Every distinct (key, implementation, schedule) the solver may choose, in each layout class;
+    untuned TVM for a few, for comparison. A candidate around a contraction uses its contraction's
+    fastest tile in that class."""
     jobs: dict[tuple, meas.KernelJob] = {}
     untuned = 0
     impls = registry.measured(options)
     for c in candidates:
         kg = meas.kernel_graph(graph, c.members, c.inputs, c.outputs)
         for impl in impls:
-            if impl.supports(kg, kg.prims, c.inputs, c.outputs) is None:
-                schedule = tiles.get(c.linear, "default") if impl.native else "-"
+            if impl.supports(kg, kg.prims, c.inputs, c.outputs) is not None:
+                continue
+            classes = _variant_classes(graph, c, options, machine) if impl.native else [None]
+            for cls in classes:
+                schedule = tiles.get((c.linear, cls), _in_class(cls, "default")) if impl.native else "-"
                 jobs.setdefault((c.key, impl.name, schedule),
                                 meas.KernelJob(c.key, impl.name, schedule, kg, c.inputs, c.outputs))
         if (untuned < options.compare_untuned and len(c.members) > 1 and (c.key, "tvm", "none") not in jobs
                 and registry.get("tvm").supports(kg, kg.prims, c.inputs, c.outputs) is None):
             jobs[(c.key, "tvm", "none")] = meas.KernelJob(c.key, "tvm", "none", kg, c.inputs, c.outputs)
             untuned += 1
-    return list(jobs.values())
+    out = list(jobs.values())
+    return out + conversion_jobs(graph, out, machine)
 
 
 def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Options, machine: Machine) -> Measured:
-    """Time the micro-kernel tiles of every contraction, then every candidate (its contraction's
-    fastest tile, or the default schedule); a fused candidate whose tile does not apply is timed
-    with the default schedule instead."""
-    by_prim = tile_jobs(graph, enumeration.candidates, machine)
+    """Time the micro-kernel tiles of every contraction, then every candidate in each layout class
+    (its contraction's fastest tile, or the default schedule) and the layout conversions; a fused
+    candidate whose tile does not apply is timed with the default schedule instead."""
+    by_prim = tile_jobs(graph, enumeration.candidates, options, machine)
     results, stats = meas.measure([j for js in by_prim.values() for j in js], db, options, machine, label="tiles")
     tiles = fastest_schedules(results, by_prim)
-    jobs = candidate_jobs(graph, enumeration.candidates, options, tiles)
+    jobs = candidate_jobs(graph, enumeration.candidates, options, machine, tiles)
     more, s2 = meas.measure(jobs, db, options, machine)
     results.update(more)
-    refused = [replace(j, schedule="default") for j in jobs if j.schedule != "default" and registry.native(j.impl)
+    refused = [replace(j, schedule=_in_class(split(j.schedule)[0], "default")) for j in jobs
+               if split(j.schedule)[1] not in ("default", *CONVERSIONS) and registry.native(j.impl)
                and not results[j.ident].ok]
     if refused:
         log.info("%d fused kernels refused their contraction's tile; timing them with the default schedule",
@@ -158,42 +201,81 @@ def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Option
         fallback, s3 = meas.measure(refused, db, options, machine, label="fallback")
         results.update(fallback)
         s2 = s2.merged(s3)
-    return Measured(results, stats.merged(s2), tiles)
+    return Measured(results, stats.merged(s2), {f"{p}@{cls}" if cls else p: s for (p, cls), s in tiles.items()})
 
 
 # ------------------------------------------------------------------------------------------------
 # orchestration
 # ------------------------------------------------------------------------------------------------
 
-def best_costs(measurements) -> dict[tuple[str, str], Measurement]:
-    """Per (key, impl): the fastest schedule's measurement (untuned TVM is only for comparison)."""
-    out: dict[tuple[str, str], Measurement] = {}
+def best_costs(measurements) -> dict[tuple, Measurement]:
+    """Per (key, impl, layout class): the fastest schedule's measurement (untuned TVM is only for
+    comparison; conversions are looked up by their own schedule)."""
+    out: dict[tuple, Measurement] = {}
     for (key, impl, schedule), m in measurements.items():
-        if m.ok and schedule != "none":
-            cur = out.get((key, impl))
+        if m.ok and schedule != "none" and split(schedule)[1] not in CONVERSIONS:
+            k = (key, impl, split(schedule)[0])
+            cur = out.get(k)
             if cur is None or m.median_ns < cur.median_ns:
-                out[(key, impl)] = m
+                out[k] = m
     return out
 
 
-def problem_for(graph: Graph, candidates, costs: Mapping[tuple[str, str], Measurement], options: Options):
-    """The orchestration problem: one choice per (candidate, allowed implementation) with a measured
-    cost. Returns the problem and a map from choice id to its candidate (for the plan's kernel params)."""
+@dataclass(frozen=True)
+class Spec:
+    """What a choice's plan kernel computes: members (none for a conversion) and its parameters."""
+
+    members: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+def problem_for(graph: Graph, candidates, measurements, options: Options, machine: Machine | None = None):
+    """The orchestration problem: one choice per (candidate, allowed implementation, layout class)
+    with a measured cost, and a conversion choice per direction for every tensor some choice reads
+    or writes blocked. Returns the problem and a map from choice id to its Spec."""
     from . import orchestrate as orch
     from . import primitives
+    costs = best_costs(measurements)
     choices, by_id = [], {}
+    qualified_tensors: dict[str, None] = {}
+    lanes = (machine or Machine.host()).lanes
     for i, c in enumerate(candidates):
         for impl in registry.allowed(options):
-            m = costs.get((c.key, impl.name))
-            if m is None:
+            for cls in (None, lanes):
+                m = costs.get((c.key, impl.name, cls))
+                if m is None:
+                    continue
+                io = candidate_io(graph, c.members, c.inputs, c.outputs, m.schedule)
+                reads = frozenset(q for t, q in zip(io.inputs, io.reads) if t in c.deps)
+                cid = f"c{i}.{impl.name}" + (f".b{cls}" if cls else "")
+                choices.append(orch.Choice(cid, c.key, impl.name, frozenset(c.members), reads, frozenset(io.writes),
+                                           int(m.median_ns), tuple(c.members), m.schedule))
+                by_id[cid] = Spec(tuple(c.members), tuple(c.inputs), tuple(c.outputs))
+                for q in (*reads, *io.writes):
+                    if "@" in q:
+                        qualified_tensors.setdefault(q)
+    sources = frozenset(n for n, _ in graph.inputs)
+    for q in qualified_tensors:
+        t = orch.base(q)
+        key = conversion_key(graph, t)
+        for sched in conversions(graph, t, lanes):
+            m = measurements.get((key, "tvm", sched))
+            if m is None or not m.ok:
                 continue
-            cid = f"c{i}.{impl.name}"
-            choices.append(orch.Choice(cid, c.key, impl.name, frozenset(c.members), frozenset(c.deps),
-                                       frozenset(c.outputs), int(m.median_ns), tuple(c.members), m.schedule))
-            by_id[cid] = c
+            io = conversion(graph, t, sched)
+            if q not in (*io.reads, *io.writes):
+                continue  # another block size than this conversion writes
+            if t in sources and split(sched)[1] == "unblock":
+                continue  # a graph input is plain already
+            reads = frozenset(r for r in io.reads if r != t or t not in sources)  # sources are not tracked
+            cid = f"{split(sched)[1]}:{t}"
+            choices.append(orch.Choice(cid, key, "tvm", frozenset(), reads, frozenset(io.writes), int(m.median_ns),
+                                       (), sched))
+            by_id[cid] = Spec((), (t,), (t,))
     deps = {p.name: tuple(t for t in dict.fromkeys(p.inputs) if t in graph.by_name) for p in graph.prims}
     problem = orch.Problem(tuple(p.name for p in graph.prims), deps, tuple(graph.outputs), tuple(choices),
-                           {p.name: primitives.kind(p.op) for p in graph.prims})
+                           {p.name: primitives.kind(p.op) for p in graph.prims}, sources)
     return problem, by_id
 
 
@@ -218,7 +300,7 @@ def orchestrate(graph: Graph, enumeration, measured: Measured, options: Options,
                 meta: Mapping[str, str] | None = None):
     """Solve the binary linear program over every measured candidate and make the plan."""
     from .plan import make_plan
-    problem, by_id = problem_for(graph, enumeration.candidates, best_costs(measured.measurements), options)
+    problem, by_id = problem_for(graph, enumeration.candidates, measured.measurements, options)
     why = uncovered(graph, enumeration, problem, measured.measurements, options)
     if why:
         raise KernorchError(why)

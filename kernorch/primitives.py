@@ -745,7 +745,9 @@ def _conv_te(T, ins, a, out):
         xp = x
 
     def body(nn, oc, *o):
-        ic = T.tir.floordiv(oc, og) * cg + rc
+        # the input channel: plain rc without groups, the output channel itself for depthwise (so
+        # a schedule that vectorizes output channels reads contiguous input, never a gather)
+        ic = rc if g == 1 else oc + rc if cg == 1 and og == 1 else T.tir.floordiv(oc, og) * cg + rc
         return T.te.sum(xp(nn, ic, *[o[t] * s[t] + rk[t] * d[t] for t in range(sp)]) * w(oc, rc, *rk),
                         axis=[rc] + rk)
 

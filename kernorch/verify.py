@@ -43,21 +43,22 @@ def bisect(compiled, feeds, tol: float) -> str | None:
     from .backends import registry
     from .backends import tvm as tb
     from .backends.tvm.relax import kernel_module
-    from .kernels import pack_args
-    from .measure import kernel_graph
+    from .kernels import pack_args, unpack_outputs
+    from .layouts import kernel_io
     graph, plan = compiled.graph, compiled.plan
     values = executor.run(graph, feeds, keep_all=True)
     target = tb.make_target(compiled.threads, compiled.machine)
     for k in plan.kernels:
-        kg = kernel_graph(graph, k.members, k.inputs, k.outputs)
-        args = [values[t] for t in k.inputs]
+        io = kernel_io(graph, k)
+        args = [values[t] if t in values else graph.constants[t] for t in io.inputs]
         if not registry.native(k.impl):
-            outs = registry.python_kernel(k.impl, kg, kg.prims, k.inputs, k.outputs)(*args)
+            outs = registry.python_kernel(k.impl, io.graph, io.graph.prims, io.inputs, io.outputs)(*args)
         else:
-            args = pack_args(kg, k.inputs, k.schedule, args)
+            args = pack_args(io.graph, io.inputs, k.schedule, args)
             outs = tb.build(kernel_module(graph, k, target, plan.meta.get("tune_dir")), target)(*args)
+            outs = unpack_outputs(io.graph, io.outputs, k.schedule, outs)
         for t, o in zip(k.outputs, outs):
             if executor.max_error(values[t], np.asarray(o))["rel"] > tol:
-                return (f"{k.id} ({k.impl} {k.schedule}: {'+'.join(graph.by_name[m].op for m in k.members)}) "
-                        f"output {t}")
+                what = "+".join(graph.by_name[m].op for m in k.members) or f"layout {k.schedule}"
+                return f"{k.id} ({k.impl} {k.schedule}: {what}) output {t}"
     return None

@@ -317,8 +317,7 @@ def test_every_tile_of_the_host_computes_the_reference(shape, target):
     arrays = _arrays(graph, inputs, rng)
     want = reference(graph, {n: a for n, a in zip(inputs, arrays) if n not in graph.constants}, list(graph.outputs))
     for tile in tiles:
-        packs = variant_packs(graph, inputs, tile.name)
-        mod = kt.schedule(kt.lower(graph, list(graph.prims), inputs, list(graph.outputs), packs), target, tile.name)
+        mod = kt.schedule(kt.lower(graph, list(graph.prims), inputs, list(graph.outputs), tile.name), target, tile.name)
         assert mod["main"].attrs["kernorch.rule"] == f"contraction {tile.name}"
         got = kt.build(mod, target)(*pack_args(graph, inputs, tile.name, arrays))
         np.testing.assert_allclose(got[0], want[0], rtol=RTOL, atol=ATOL, err_msg=tile.name)
@@ -330,7 +329,7 @@ def test_packed_weight_is_a_parameter_of_the_packed_shape(target):
     assert list(packs) == [1] and packs[1].packed_shape == (2, 32, 32) and packs[1].layout == "KN>N32"
     w = graph.constants["w"]
     np.testing.assert_array_equal(packs[1].unpack(packs[1].pack(w)), w)
-    k = kt.build(kt.schedule(kt.lower(graph, list(graph.prims), inputs, ["y"], packs), target, "t8x32p"), target)
+    k = kt.build(kt.schedule(kt.lower(graph, list(graph.prims), inputs, ["y"], "t8x32p"), target, "t8x32p"), target)
     assert k.input_types[1] == ((2, 32, 32), "float32")
 
 
@@ -364,8 +363,7 @@ def test_an_avx2_target_builds_correct_8_lane_code():
     arrays = _arrays(graph, inputs, rng)
     want = reference(graph, {"x": arrays[0]}, ["y"])
     for tile in tiles:
-        packs = variant_packs(graph, inputs, tile.name)
-        k = kt.build(kt.schedule(kt.lower(graph, list(graph.prims), inputs, ["y"], packs), target, tile.name), target)
+        k = kt.build(kt.schedule(kt.lower(graph, list(graph.prims), inputs, ["y"], tile.name), target, tile.name), target)
         asm = k.assembly()
         assert "ymm" in asm and "zmm" not in asm
         if "avx2" in Machine.host().isa:  # the host can run AVX2 code
@@ -405,3 +403,72 @@ def test_relax_module_with_python_and_tir_kernels(target, tmp_path):
     got = vm["main"](tvm.runtime.tensor(x)).numpy()
     np.testing.assert_allclose(got, np.maximum(k1(x)[0], 0), rtol=RTOL, atol=ATOL)
     ex.export_library(str(tmp_path / "plan.so"))
+
+
+# -------------------------------------------------------------------------------------------------
+# blocked layouts (nChw16c / nChw8c) and the convolution micro-kernel
+# -------------------------------------------------------------------------------------------------
+
+def conv_epilogue_graph(cin=32, cout=32, hw=12, k=3, pad=1, stride=1, group=1, residual=False):
+    rng = np.random.default_rng(7)
+    xs, ws = f32(1, cin, hw, hw), f32(cout, cin // group, k, k)
+    attrs = dict(strides=(stride, stride), pads=(pad,) * 4, dilations=(1, 1), group=group)
+    ct = P.infer("conv", [xs, ws], attrs)
+    ps = [make_prim("c", "conv", ["x", "w"], ct, **attrs), make_prim("cb", "add", ["c", "b"], ct),
+          make_prim("s", "sigmoid", ["cb"], ct), make_prim("y", "mul", ["cb", "s"], ct)]  # SiLU
+    ins = [("x", xs)]
+    if residual:
+        ps.append(make_prim("z", "add", ["y", "r"], ct))
+        ins.append(("r", ct))
+    consts = {"w": (rng.standard_normal(ws.shape) * 0.2).astype(np.float32),
+              "b": rng.standard_normal((cout, 1, 1)).astype(np.float32)}
+    g = Graph(tuple(ins), (ps[-1].name,), tuple(ps), constants=consts)
+    return g, ["x", "w", "b"] + (["r"] if residual else [])
+
+
+def _run_variant(graph, inputs, schedule, target):
+    from kernorch.kernels import pack_args, unpack_outputs
+    rng = np.random.default_rng(2)
+    arrays = _arrays(graph, inputs, rng)
+    want = reference(graph, {n: a for n, a in zip(inputs, arrays) if n not in graph.constants}, list(graph.outputs))
+    mod = kt.schedule(kt.lower(graph, list(graph.prims), inputs, list(graph.outputs), schedule), target, schedule)
+    got = unpack_outputs(graph, list(graph.outputs), schedule,
+                         kt.build(mod, target)(*pack_args(graph, inputs, schedule, arrays)))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=10 * ATOL, err_msg=schedule)
+    return mod
+
+
+@pytest.mark.parametrize("shape", [dict(), dict(k=1, pad=0, cin=48), dict(stride=2, hw=13), dict(group=32),
+                                   dict(cin=3), dict(cout=24), dict(residual=True, hw=10)])
+def test_blocked_conv_tiles_compute_the_reference(shape, target):
+    """Every conv tile of the host in the blocked layout: padding, stride, depthwise, a plain
+    (3-channel) input, an nChw8c output, a residual input, SiLU epilogue; and the default rules in
+    the blocked layout."""
+    from kernorch.kernels import prim_tiles
+    lanes = Machine.host().lanes
+    graph, inputs = conv_epilogue_graph(**shape)
+    tiles = prim_tiles(Machine.host(), graph, graph.prims[0], blocked_layout=True)
+    for tile in tiles:
+        mod = _run_variant(graph, inputs, f"b{lanes}/{tile.name}", target)
+        assert mod["main"].attrs["kernorch.rule"] == f"contraction b{lanes}/{tile.name}"
+    _run_variant(graph, inputs, f"b{lanes}/default", target)
+    if shape.get("cout", 32) % lanes == 0:
+        assert tiles
+
+
+def test_blocked_layout_signature_and_conversions(target):
+    from kernorch.kernels import layout_of, variant_out_packs, variant_packs
+    lanes = Machine.host().lanes
+    graph, inputs = conv_epilogue_graph(cin=3, cout=2 * lanes)
+    sched = f"b{lanes}/default"
+    assert layout_of(graph, "x", sched, "in") == "plain"          # 3 channels stay NCHW
+    assert layout_of(graph, "y", sched, "out") == f"nChw{lanes}c"
+    assert set(variant_packs(graph, inputs, sched)) == set()       # the constant bias stays logical
+    assert variant_out_packs(graph, ["y"], sched)[0].packed_shape == (1, 2, 12, 12, lanes)
+    t = f32(1, 2 * lanes, 5, 7)
+    copy = Graph((("x", t),), ("y",), (make_prim("y", "reshape", ["x"], t, shape=t.shape),))
+    for conv in ("block", "unblock"):
+        _run_variant(copy, ["x"], f"b{lanes}/{conv}", target)
+    assert layout_of(copy, "x", f"b{lanes}/block", "in") == "plain"
+    assert layout_of(copy, "y", f"b{lanes}/unblock", "out") == "plain"

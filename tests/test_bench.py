@@ -103,7 +103,7 @@ def test_unknown_system(model):
 
 def test_calibration_is_cached(cal_cache):
     a = calibrate.calibrate(2)
-    assert a["peak_gflops"] > 0 and a["bandwidth_gbs"] > 0 and a["peak_kernel"].startswith("1024x1024x1024 t")
+    assert a["peak_gflops"] > 0 and a["bandwidth_gbs"] > 0 and a["peak_kernel"] in a["gemm_gflops_by_tile"]
     assert cal_cache.exists()
     b = calibrate.calibrate(2)
     assert b["created"] == a["created"] or a.get("loaded")  # a loaded calibration may be re-measured

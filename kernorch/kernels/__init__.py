@@ -1,13 +1,17 @@
-"""Kernel templates as data: register tiles derived from the machine, and compile-time weight layouts.
+"""Kernel templates as data: register tiles derived from the machine, compile-time weight layouts,
+and blocked activation layouts.
 
 Nothing here imports TVM. `tiles` says which micro-kernel tiles a contraction may use on a given
-`Machine` (the register file and vector width decide); `pack` says how a constant operand is
-re-laid-out at compile time for a tile, with the numpy packing and the TE view that reads the
-packed array as the logical one. The TVM backend applies both; measurement, the database and the
-emitted executable agree because all of them go through `variants.variant_packs`.
+`Machine` (the register file and vector width decide); `pack` says how an operand is re-laid-out
+(a weight packed for a tile, an activation blocked nChw16c), with the numpy packing and the TE
+views; `variants` names a kernel's variant (its tile and boundary layouts) and derives its packs.
+Measurement, the database and the emitted executable agree because all of them go through
+`variants`.
 """
 from .pack import Pack
 from .tiles import Tile, contraction_tiles
-from .variants import pack_args, prim_tiles, variant_packs
+from .variants import (blocked, has_blocked_variant, layout_of, pack_args, prim_tiles, split, unpack_outputs,
+                       variant_out_packs, variant_packs)
 
-__all__ = ["Pack", "Tile", "contraction_tiles", "pack_args", "prim_tiles", "variant_packs"]
+__all__ = ["Pack", "Tile", "blocked", "contraction_tiles", "has_blocked_variant", "layout_of", "pack_args",
+           "prim_tiles", "split", "unpack_outputs", "variant_out_packs", "variant_packs"]

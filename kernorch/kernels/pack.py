@@ -20,8 +20,14 @@ import numpy as np
 
 @dataclass(frozen=True)
 class Pack:
-    """How one constant operand of logical shape `shape` is stored: `kind` "kn" packs a
-    `[..., K, N]` matrix (leading dims of extent 1) into `[N / block, K, block]`."""
+    """How one operand of logical shape `shape` is stored, blocked by `block`:
+
+    "kn"     a matmul weight `[..., K, N]` (leading dims of extent 1) as `[N / b, K, b]`
+    "oihw"   a conv weight `[O, C, kh, kw]` as `[O / b, C, kh, kw, b]`
+    "nchwc"  an activation `[N, C, H, W]` as `[N, C / b, H, W, b]` (the blocked layout nChw{b}c)
+
+    The blocked dimension is innermost, so the `b` values one vector step needs are contiguous.
+    """
 
     kind: str
     block: int
@@ -29,34 +35,65 @@ class Pack:
 
     @property
     def layout(self) -> str:
-        """A short name for reports and the saved model's manifest, e.g. "KN>N32"."""
-        return f"KN>N{self.block}"
+        """A short name for reports, the plan and the saved model's manifest."""
+        return {"kn": f"KN>N{self.block}", "oihw": f"OIHW>O{self.block}", "nchwc": f"nChw{self.block}c"}[self.kind]
 
     @property
     def packed_shape(self) -> tuple[int, ...]:
-        k, n = self.shape[-2:]
-        return (n // self.block, k, self.block)
+        b = self.block
+        if self.kind == "kn":
+            k, n = self.shape[-2:]
+            return (n // b, k, b)
+        if self.kind == "oihw":
+            o, c, kh, kw = self.shape
+            return (o // b, c, kh, kw, b)
+        n, c, h, w = self.shape
+        return (n, c // b, h, w, b)
 
     def pack(self, arr: np.ndarray) -> np.ndarray:
         arr = np.asarray(arr)
         if tuple(arr.shape) != self.shape:
             raise ValueError(f"pack {self.layout}: array of shape {arr.shape}, expected {self.shape}")
-        k, n = self.shape[-2:]
-        m = arr.reshape(k, n // self.block, self.block)
-        return np.ascontiguousarray(m.transpose(1, 0, 2))
+        b = self.block
+        if self.kind == "kn":
+            k, n = self.shape[-2:]
+            return np.ascontiguousarray(arr.reshape(k, n // b, b).transpose(1, 0, 2))
+        if self.kind == "oihw":
+            o, c, kh, kw = self.shape
+            return np.ascontiguousarray(arr.reshape(o // b, b, c, kh, kw).transpose(0, 2, 3, 4, 1))
+        n, c, h, w = self.shape
+        return np.ascontiguousarray(arr.reshape(n, c // b, b, h, w).transpose(0, 1, 3, 4, 2))
 
     def unpack(self, packed: np.ndarray) -> np.ndarray:
-        """The inverse of `pack` (for checks and reports)."""
-        k, n = self.shape[-2:]
-        return np.ascontiguousarray(np.asarray(packed).transpose(1, 0, 2)).reshape(self.shape)
+        """The inverse of `pack` (for checks, and for outputs read back in the logical layout)."""
+        p = np.asarray(packed)
+        if self.kind == "kn":
+            return np.ascontiguousarray(p.transpose(1, 0, 2)).reshape(self.shape)
+        if self.kind == "oihw":
+            return np.ascontiguousarray(p.transpose(0, 4, 1, 2, 3)).reshape(self.shape)
+        return np.ascontiguousarray(p.transpose(0, 1, 4, 2, 3)).reshape(self.shape)
 
     def te_view(self, T, packed, name: str):
         """A TE compute of the logical shape reading `packed` (a placeholder of `packed_shape`)."""
-        lead = len(self.shape) - 2
-        nb = self.block
+        b = self.block
+        div, mod = T.tir.floordiv, T.tir.floormod
+        if self.kind == "kn":
+            lead = len(self.shape) - 2
 
-        def body(*i):
-            k, n = i[lead], i[lead + 1]
-            return packed[T.tir.floordiv(n, nb), k, T.tir.floormod(n, nb)]
-
+            def body(*i):
+                k, n = i[lead], i[lead + 1]
+                return packed[div(n, b), k, mod(n, b)]
+        elif self.kind == "oihw":
+            def body(o, c, kh, kw):
+                return packed[div(o, b), c, kh, kw, mod(o, b)]
+        else:
+            def body(n, c, h, w):
+                return packed[n, div(c, b), h, w, mod(c, b)]
         return T.te.compute(self.shape, body, name=name)
+
+    def te_block(self, T, logical, name: str):
+        """The packed tensor computed from the logical one (a kernel's output in a blocked layout)."""
+        if self.kind != "nchwc":
+            raise ValueError(f"only activations are written blocked, not {self.layout}")
+        b = self.block
+        return T.te.compute(self.packed_shape, lambda n, cb, h, w, ci: logical[n, cb * b + ci, h, w], name=name)

@@ -2,7 +2,7 @@
 
 One candidate kernel (a convex set of prims of a `Graph`):
 
-    mod = lower(graph, members, inputs, outputs, packs)   # lower.py: one PrimFunc "main"(inputs..., outputs...)
+    mod = lower(graph, members, inputs, outputs, "t14x32p")   # lower.py: one PrimFunc "main"(inputs..., outputs...)
     mod = schedule(mod, target, "t14x32p")                # schedule.py: a micro-kernel tile, or "default" rules
     k = build(mod, target)                                # build.py: BuiltKernel: k(*arrays), k.time(...), k.export(p)
 

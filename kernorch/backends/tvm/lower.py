@@ -7,34 +7,38 @@ constant operands (kernorch.kernels.pack) enter as placeholders of their packed 
 from __future__ import annotations
 
 import types
-from typing import Mapping, Sequence
+from typing import Sequence
 
 import tvm
 from tvm import te, tirx, topi
 
 from ... import primitives
 from ...ir import Graph, KernorchError, Prim
-from ...kernels import Pack
+from ...kernels import variant_out_packs, variant_packs
 
 #: The TVM namespace handed to the primitive table's TE computes (they never import tvm).
 T = types.SimpleNamespace(te=te, tir=tirx, topi=topi)
 
 NUM_INPUTS_ATTR = "kernorch.num_inputs"
-UNPACK = "unpack"  # TE stages that read a packed constant as its logical tensor (always inlined)
+UNPACK = "unpack"  # TE stages that read a packed operand as its logical tensor (always inlined)
+BLOCK = "block"    # TE stages that write a kernel output in a blocked layout
 
 
 def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs: Sequence[str],
-          packs: Mapping[int, Pack] | None = None) -> tvm.IRModule:
+          schedule: str = "default") -> tvm.IRModule:
     """Compose the members' TE computes into one PrimFunc `main(*inputs, *outputs)`.
 
     `members` must be in topological order; every input of a member is another member or a name in
     `inputs` (graph inputs, constants/weights and other kernels' results are all plain params here).
-    `packs` (see kernorch.kernels.variant_packs): inputs passed in a compile-time layout; the
-    parameter has the packed shape and an "unpack" view gives the members the logical tensor.
+    `schedule` names the kernel variant (kernorch.kernels.variants): inputs it takes in another
+    layout (a packed weight, a blocked activation) are parameters of the packed shape read through
+    an "unpack" view, and outputs it writes blocked are computed through a "block" view, so the
+    members' computes stay in logical coordinates.
     """
     env: dict[str, te.Tensor] = {}
     params: list[te.Tensor] = []
-    packs = packs or {}
+    packs = variant_packs(graph, inputs, schedule)
+    out_packs = variant_out_packs(graph, outputs, schedule)
     for i, name in enumerate(inputs):
         t = graph.type_of(name)
         if not t.static:
@@ -64,7 +68,9 @@ def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs:
     for o in outputs:
         if o not in member_names:
             raise KernorchError(f"kernel output {o!r} is not computed by a member")
-    func = te.create_prim_func(params + [env[o] for o in outputs])
+    results = [out_packs[j].te_block(T, env[o], f"{BLOCK}{j}") if j in out_packs else env[o]
+               for j, o in enumerate(outputs)]
+    func = te.create_prim_func(params + results)
     func = func.with_attr(NUM_INPUTS_ATTR, len(inputs))
     return tvm.IRModule({"main": func})
 

@@ -18,7 +18,8 @@ import tvm_ffi
 from tvm import relax
 
 from ...ir import Graph, KernorchError
-from ...kernels import variant_packs
+from ...kernels import variant_out_packs, variant_packs
+from ...layouts import kernel_io
 from .. import registry
 from .build import check_bounds, register_packed, relax_func
 from .lower import lower
@@ -35,24 +36,19 @@ def call_name(i: int, k) -> str:
     return f"k{i}" if registry.native(k.impl) else f"kernorch.py.k{i}_{k.impl}_{k.key}"
 
 
-def _kernel_graph(graph: Graph, k) -> Graph:
-    from ...measure import kernel_graph
-    return kernel_graph(graph, k.members, k.inputs, k.outputs)
-
-
 def kernel_module(graph: Graph, k, target, tune_dir: str | None = None) -> tvm.IRModule:
     """The scheduled PrimFunc module of one generated plan kernel, exactly as it was measured."""
-    kg = _kernel_graph(graph, k)
+    io = kernel_io(graph, k)
+    kg = io.graph
     if k.impl == "tvm-tuned":  # the best MetaSchedule record
         from .metaschedule import best_module, open_db
-        mod = lower(kg, kg.prims, k.inputs, k.outputs)
+        mod = lower(kg, kg.prims, io.inputs, io.outputs)
         best = best_module(open_db(tune_dir), mod, target) if tune_dir else None
         if best is None:
             raise KernorchError(f"kernel {k.id} ({'+'.join(p.op for p in kg.prims)}) was chosen tuned, but its "
                                 f"tuning record is gone from {tune_dir}; optimize again")
         return best
-    packs = variant_packs(kg, k.inputs, k.schedule)
-    return schedule(lower(kg, kg.prims, k.inputs, k.outputs, packs), target, k.schedule)
+    return schedule(lower(kg, kg.prims, io.inputs, io.outputs, k.schedule), target, k.schedule)
 
 
 def weights(graph: Graph, plan) -> list[tuple[str, str, np.ndarray]]:
@@ -60,11 +56,11 @@ def weights(graph: Graph, plan) -> list[tuple[str, str, np.ndarray]]:
     kernel variant packs is passed packed ("KN>N32"); the same tensor in two layouts is two weights."""
     seen: dict[tuple[str, str], np.ndarray] = {}
     for k in plan.kernels:
-        consts = [t for t in k.inputs if t in graph.constants]
-        if not consts:
+        if not any(t in graph.constants for t in k.inputs):
             continue
-        packs = variant_packs(_kernel_graph(graph, k), k.inputs, k.schedule) if registry.native(k.impl) else {}
-        for i, t in enumerate(k.inputs):
+        io = kernel_io(graph, k)
+        packs = variant_packs(io.graph, io.inputs, k.schedule) if registry.native(k.impl) else {}
+        for i, t in enumerate(io.inputs):
             if t not in graph.constants:
                 continue
             p = packs.get(i)
@@ -79,8 +75,8 @@ def register_python_kernels(graph: Graph, plan) -> None:
     """Register every Python kernel of the plan (again in a process that loads the saved model)."""
     for i, k in enumerate(plan.kernels):
         if not registry.native(k.impl):
-            kg = _kernel_graph(graph, k)
-            register_packed(registry.python_kernel(k.impl, kg, kg.prims, k.inputs, k.outputs).run_dps,
+            io = kernel_io(graph, k)
+            register_packed(registry.python_kernel(k.impl, io.graph, io.graph.prims, io.inputs, io.outputs).run_dps,
                             call_name(i, k))
 
 
@@ -100,14 +96,19 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
         with bb.dataflow():
             for i, k in enumerate(plan.kernels):
                 native = registry.native(k.impl)
-                packs = variant_packs(_kernel_graph(graph, k), k.inputs, k.schedule) if native else {}
+                io = kernel_io(graph, k)
+                packs = variant_packs(io.graph, io.inputs, k.schedule) if native else {}
+                out_packs = variant_out_packs(io.graph, io.outputs, k.schedule) if native else {}
                 args = []
-                for j, t in enumerate(k.inputs):
+                for j, (t, q) in enumerate(zip(io.inputs, io.reads)):
                     if t in graph.constants:
                         args.append(wvar[(t, packs[j].layout if j in packs else "plain")])
+                    elif q not in env:
+                        raise KernorchError(f"kernel {k.id} reads {q} before any kernel writes it")
                     else:
-                        args.append(env[t])
-                out_ty = [_tensor_type(graph.type_of(t)) for t in k.outputs]
+                        args.append(env[q])
+                out_ty = [relax.TensorType(list(out_packs[j].packed_shape), "float32") if j in out_packs
+                          else _tensor_type(io.graph.type_of(t)) for j, t in enumerate(io.outputs)]
                 ty = out_ty if len(out_ty) > 1 else out_ty[0]
                 name = call_name(i, k)
                 if native:
@@ -117,11 +118,11 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
                 else:
                     call = relax.call_dps_packed(name, relax.Tuple(args), ty)
                 res = bb.emit(call)
-                if len(k.outputs) == 1:
-                    env[k.outputs[0]] = res
+                if len(io.writes) == 1:
+                    env[io.writes[0]] = res
                 else:
-                    for j, t in enumerate(k.outputs):
-                        env[t] = bb.emit(relax.TupleGetItem(res, j))
+                    for j, q in enumerate(io.writes):
+                        env[q] = bb.emit(relax.TupleGetItem(res, j))
             missing = [o for o in graph.outputs if o not in env]
             if missing:
                 raise KernorchError(f"the plan does not produce graph outputs {missing}")

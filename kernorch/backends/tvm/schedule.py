@@ -1,7 +1,7 @@
 """Schedules without tuning: micro-kernel tiles for contractions, rules for everything else.
 
     mod = schedule(lower(...), target, "default")    # the rule chain
-    mod = schedule(lower(..., packs), target, "t14x32p")   # one micro-kernel variant
+    mod = schedule(lower(..., "t14x32p"), target, "t14x32p")   # one micro-kernel variant
 
 `schedule()` marks its result with the attribute "tirx.is_scheduled", so dlight passes run later
 on a Relax module leave it alone.
@@ -17,7 +17,8 @@ from tvm import tirx
 from tvm import s_tir
 
 from ...ir import KernorchError
-from ...kernels import Tile
+from ...kernels import Tile, split
+from ...kernels.variants import CONVERSIONS
 from .lower import UNPACK
 from .target import vector_bits
 
@@ -52,15 +53,19 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
         return mod
     func = mod["main"]
     lanes = max(vector_bits(target) // 32, 4)
-    tile = Tile.parse(mode)
+    inner = split(mode)[1]
+    tile = Tile.parse(inner)
     if tile is not None:  # a micro-kernel variant: exactly this tile, or a refusal (never another rule)
         try:
-            sch = _rule_contraction(_inline_pass(func), lanes, tile)
+            base = _inline_pass(func)
+            rule = _rule_conv if _contraction_name(base).startswith("conv") else _rule_contraction
+            sch = rule(base, lanes, tile)
         except Exception as e:  # noqa: BLE001 - the variant does not apply to this kernel
             raise KernorchError(f"tile {mode} does not apply: {type(e).__name__}: {_first_line(e)}") from None
         return _scheduled(sch, f"contraction {mode}")
-    if mode != "default":
-        raise KernorchError(f"unknown schedule mode {mode!r} (expected 'none', 'default' or a tile like 't14x32p')")
+    if inner not in ("default", *CONVERSIONS):
+        raise KernorchError(f"unknown schedule mode {mode!r} (expected 'none', 'default', a tile like 't14x32p', "
+                            "optionally after a layout like 'b16/')")
     try:
         base = _inline_pass(func)
     except Exception as e:  # noqa: BLE001 - inlining is an optimisation only
@@ -342,6 +347,101 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None) -> s_tir.Sched
     # existed before this rule, apart from the contraction, and still sit at the root
     _schedule_rest(sch, set(names) - {cname}, lanes)
     return sch
+
+
+def _contraction_name(func) -> str:
+    sch = s_tir.Schedule(func)
+    names = [n for n in _root_blocks(sch) if _contraction_operands(sch.get(sch.get_sblock(n))) is not None]
+    if len(names) != 1:
+        raise _NotApplicable(f"{len(names)} contraction blocks")
+    return names[0]
+
+
+def _block_of_buffer(buf) -> int | None:
+    """The channel block of a blocked activation buffer [N, C/b, H, W, b] (None for others)."""
+    return int(buf.shape[-1]) if len(buf.shape) == 5 else None
+
+
+def _rule_conv(func, lanes: int, tile: Tile) -> s_tir.Schedule:
+    """A convolution as a register micro-kernel over (output columns x output channels).
+
+    Loops: (image, output-channel tile, output row, output-column tile) fused and parallel; the
+    reduction over input-channel blocks, kh, kw and the channels of one block; then `mr` output
+    columns (unrolled) x `nb` output channels (vectors of `lanes`, unrolled over the vectors)
+    accumulated in a local cache and written back once with the epilogue (bias, activation,
+    residual) and the output's blocked layout. The weight is packed OIHW>O{nb}, so each step loads
+    `nb` contiguous output channels; a blocked input (nChw{b}c) gives contiguous broadcasts over the
+    `b` channels of a block. A padded input is materialised once per kernel in the input's layout.
+    """
+    sch = s_tir.Schedule(func)
+    names = _root_blocks(sch)
+    cname = _contraction_name(func)
+    blk = sch.get_sblock(cname)
+    stmt = sch.get(blk)
+    ivs = list(stmt.iter_vars)
+    kinds = [int(iv.iter_type) for iv in ivs]
+    loops = list(sch.get_loops(blk))
+    if kinds != [_DATA_PAR] * 4 + [_COMM_REDUCE] * 3 or len(loops) != 7:
+        raise _NotApplicable("not a 2-D convolution block")
+    ext = [_extent(sch, lp) for lp in loops]
+    if ext[1] % tile.nb:
+        raise _NotApplicable(f"output-channel tile {tile.nb} does not divide {ext[1]} channels")
+    n, oc, oh, ow, rc, rkh, rkw = loops
+    # the input activation: through the padding stage if there is one
+    pad = next((nm for nm in names if nm.startswith("conv_pad")), None)
+    src = sch.get(sch.get_sblock(pad)) if pad else stmt
+    in_block = next((b for r in src.reads if (b := _block_of_buffer(r.source)) is not None), None)
+    oco, oci = sch.split(oc, factors=[None, tile.nb])
+    oci_o, oci_i = sch.split(oci, factors=[None, lanes]) if tile.nb > lanes else (None, oci)
+    owo, owi = sch.split(ow, factors=[None, _rows(tile.mr, ext[3])])
+    rco, rci = sch.split(rc, factors=[None, in_block]) if in_block and ext[4] % in_block == 0 else (None, rc)
+    red = [x for x in (rco, rkh, rkw, rci) if x is not None]
+    sch.reorder(n, oco, oh, owo, *red, owi, *[x for x in (oci_o,) if x is not None], oci_i)
+    par = _parallel(sch, [n, oco, oh, owo])
+    sch.vectorize(oci_i)
+    sch.unroll(owi)
+    if oci_o is not None:
+        sch.unroll(oci_o)
+    wb = sch.cache_write(blk, 0, "local")
+    # the accumulators with the output channels innermost, so a vector of them is contiguous
+    sch.transform_layout(blk, ("write", 0), lambda n_, c_, h_, w_: (n_, h_, w_, c_))
+    _reverse_inline_chain(sch, wb, func)
+    sch.reverse_compute_at(wb, par, preserve_unit_loops=True)
+    # write back column by column, a vector of output channels at a time (the blocked output's
+    # contiguous dimension), not along the columns of the logical layout
+    w_n, w_oc, w_oh, w_ow = sch.get_loops(wb)[-4:]
+    w_o, w_i = sch.split(w_oc, factors=[None, lanes])
+    sch.reorder(w_n, w_oh, w_ow, w_o, w_i)
+    sch.vectorize(w_i)
+    init = sch.decompose_reduction(blk, red[0])
+    sch.vectorize(sch.get_loops(init)[-1])
+    if pad is not None:
+        _schedule_pad(sch, pad, in_block, lanes)
+    _schedule_rest(sch, set(names) - {cname, pad}, lanes)
+    return sch
+
+
+def _rows(mr: int, extent: int) -> int:
+    """The row tile: `mr`, or the largest tile of at least half of it that divides `extent` (no
+    guarded tail), or the extent when it is shorter."""
+    if extent <= mr:
+        return extent
+    return next((r for r in range(mr, (mr + 1) // 2 - 1, -1) if extent % r == 0), mr)
+
+
+def _schedule_pad(sch, name: str, block: int | None, lanes: int) -> None:
+    """The padded input of a convolution, materialised in the input's layout (blocked when the input
+    is), parallel over channel blocks and rows, vectorized over the block's channels."""
+    blk = sch.get_sblock(name)
+    if block is not None:
+        sch.transform_layout(blk, ("write", 0), lambda n, c, h, w: (n, c // block, h, w, c % block))
+        n, c, h, w = sch.get_loops(blk)
+        co, ci = sch.split(c, factors=[None, block])
+        sch.reorder(n, co, h, w, ci)
+        _parallel(sch, [n, co, h])
+        sch.vectorize(ci)
+    else:
+        _schedule_block(sch, blk, lanes)
 
 
 def _pick_vec_tile(ev: int, lanes: int) -> int:
