@@ -1,8 +1,8 @@
-"""Benchmark kernorch against ONNX Runtime, TVM (and PyTorch when it can) on the example and shared models.
+"""Benchmark kernorch against ONNX Runtime, OpenVINO, TVM (and PyTorch when it can) on the example and shared models.
 
     .venv/bin/python benchmarks/run.py                                  # examples + ../shared/models
-    .venv/bin/python benchmarks/run.py --models candy_like,transformer_block --runs 5
-    .venv/bin/python benchmarks/run.py --models gpt2_mini --systems kernorch,ort,tvm --budget-trials 64
+    .venv/bin/python benchmarks/run.py --models candy_like,transformer_block --rounds 5
+    .venv/bin/python benchmarks/run.py --models gpt2_mini --systems kernorch,ort,openvino,tvm --budget-trials 64
 
 Writes benchmarks/results/results.json (merged by model name with what is there, so models can be
 run one at a time; --fresh to start over), results.md and results.png. See benchmarks/README.md.
@@ -24,8 +24,8 @@ log = logging.getLogger("benchmarks")
 
 def available_models() -> dict[str, object]:
     """Name -> ONNX ModelProto (examples) or path (shared models, when the directory exists)."""
-    from kernorch.examples import EXAMPLES
-    models: dict[str, object] = {name: build for name, build in EXAMPLES.items()}
+    from kernorch.examples import save_examples
+    models: dict[str, object] = {p.stem: p for p in save_examples(HERE / "results" / "examples")}
     if SHARED.is_dir():
         for p in sorted(SHARED.glob("*.onnx")):
             models[p.stem] = p
@@ -64,14 +64,15 @@ def markdown(all_results: list[dict]) -> str:
     if all_results:
         r0 = all_results[0]
         cal = r0.get("calibration", {})
-        lines += [f"# kernorch benchmark results", "",
-                  f"Machine: {r0['machine'].get('name')}, {r0['machine'].get('cores')} cores; {r0['threads']} thread(s); "
-                  f"calibrated peak {cal.get('peak_gflops', float('nan')):.0f} GFLOP/s (BLAS core "
-                  f"{(cal.get('blas') or {}).get('architecture')}), {cal.get('bandwidth_gbs', float('nan')):.1f} GB/s"
-                  f"{' (calibrated under load)' if cal.get('loaded') else ''}. Timings: median ms [p10–p90], all systems "
-                  "interleaved round-robin in one process on the same random inputs; speedup = ORT(all opts) median / "
-                  "median; roofline = floor / median.", ""]
-    head = ["model", "floor ms"] + [f"{s} ms" for s in systems] + [f"{s} speedup" for s in systems if s != "ort"] + \
+        lines += ["# kernorch benchmark results", "",
+                  f"Machine: {r0['machine'].get('name')}, {r0['machine'].get('cores')} cores, "
+                  f"{r0['machine'].get('simd_bits')}-bit vectors; {r0['threads']} thread(s) for every system; "
+                  f"GEMM peak {cal.get('peak_gflops', float('nan')):.0f} GFLOP/s (kernorch's packed micro-kernel, "
+                  f"{cal.get('peak_kernel')}), {cal.get('bandwidth_gbs', float('nan')):.1f} GB/s"
+                  f"{' (calibrated under load)' if cal.get('loaded') else ''}. Timings: median ms [p10–p90], each "
+                  "system alone in its own process, the processes in turns (blocks of 3 runs), same random inputs; "
+                  "vs best peer = best peer's median / kernorch's; roofline = floor / median.", ""]
+    head = ["model", "floor ms"] + [f"{s} ms" for s in systems] + ["best peer", "kernorch vs best peer"] + \
            [f"{s} roofline" for s in systems] + ["runs", "CPU pressure / load", "date"]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "|".join("---" for _ in head) + "|")
@@ -82,7 +83,8 @@ def markdown(all_results: list[dict]) -> str:
         lb = r.get("load_before", {})
         row = [r["model"], f"{rf['floor_ms']:.3g} ({rf['bound'][0]})" if "floor_ms" in rf else "–"]
         row += [_cell(sy.get(s, {"status": "–"})) for s in systems]
-        row += [f"{sy[s]['speedup_vs_ort']:.2f}x" if "speedup_vs_ort" in sy.get(s, {}) else "–" for s in systems if s != "ort"]
+        k = sy.get("kernorch", {})
+        row += [r.get("best_peer", "–"), f"{k['vs_best_peer']:.2f}x" if "vs_best_peer" in k else "–"]
         row += [f"{sy[s]['roofline_fraction']:.0%}" if "roofline_fraction" in sy.get(s, {}) else "–" for s in systems]
         row.append("/".join(str(sy[s].get("runs", 0)) for s in systems if s in sy))
         la = lb.get("loadavg") or [float("nan")]
@@ -101,10 +103,10 @@ def markdown(all_results: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", help="comma-separated names (examples, shared models) or .onnx paths; default: all")
-    ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=10, help="turns per system (3 timed runs each)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--budget-trials", type=int, default=0, help="MetaSchedule trials for TVM (0: untuned)")
-    ap.add_argument("--systems", default="kernorch,ort,ort-basic,tvm,torch")
+    ap.add_argument("--systems", default="kernorch,ort,openvino,tvm,torch")
     ap.add_argument("--out", default=str(HERE / "results"))
     ap.add_argument("--model-dirs", help="keep kernorch's optimized models (and report.html) under this directory")
     ap.add_argument("--db", help="kernorch profile database (default: the user's cache)")
@@ -129,10 +131,9 @@ def main(argv=None) -> int:
     for name, model in resolve(args.models).items():
         log.info("benchmarking %s (%s)", name, ", ".join(systems))
         t0 = time.perf_counter()
-        model = model() if callable(model) else model
         mdir = Path(args.model_dirs) / name if args.model_dirs else None
         try:
-            r = bench(model, systems, threads=args.threads, runs=args.runs, budget_trials=args.budget_trials,
+            r = bench(model, systems, threads=args.threads, rounds=args.rounds, budget_trials=args.budget_trials,
                       outdir=mdir, options=options)
         except Exception as e:  # one broken model must not lose the others' results
             log.error("%s: %s: %s", name, type(e).__name__, e)

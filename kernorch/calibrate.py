@@ -68,8 +68,9 @@ def _gemm_rates(threads: int, shapes) -> dict[str, float]:
 def measure_gemm(threads: int, shapes=GEMM_SHAPES) -> dict:
     """The best fp32 GEMM rate of kernorch's packed micro-kernel over a few shapes and every register
     tile the machine allows, measured in a fresh process with `threads` TVM threads."""
+    from .backends.tvm import thread_env
     from .workers import WorkerPool
-    with WorkerPool(1, {"TVM_NUM_THREADS": str(threads)}) as pool:
+    with WorkerPool(1, thread_env(threads)) as pool:
         r = pool.call(_gemm_rates, (threads, shapes), 600)
     if not r.ok:
         raise RuntimeError(f"measuring the GEMM peak failed: {r.error}")

@@ -204,13 +204,24 @@ def cmd_candidates(args, options: Options) -> int:
     return 0
 
 
+def describe_kernel(graph, k) -> str:
+    """The kernel's primitives, or for a layout conversion what it converts."""
+    if not k.members:
+        what = "plain -> blocked" if k.schedule.endswith("/block") else "blocked -> plain"
+        return f"layout of {k.outputs[0]}: {what}"
+    return "+".join(graph.by_name[m].op for m in k.members)
+
+
 def _print_plan(planned) -> None:
     plan, g = planned.plan, planned.loaded.graph
     rows = []
     for i, k in enumerate(plan.kernels):
-        ops = "+".join(g.by_name[m].op for m in k.members)
-        rows.append([i, ops[:60], k.impl, k.schedule, f"{k.cost_ns / 1e3:.1f}", len(k.outputs)])
+        rows.append([i, describe_kernel(g, k)[:60], k.impl, k.schedule, f"{k.cost_ns / 1e3:.1f}", len(k.outputs)])
     _table(f"Plan for {planned.loaded.source}", ["#", "primitives", "impl", "schedule", "cost µs", "outputs"], rows)
+    n_conv = sum(1 for k in plan.kernels if not k.members)
+    n_blocked = sum(1 for k in plan.kernels if k.members and k.schedule.startswith("b"))
+    if n_conv or n_blocked:
+        print(f"layouts: {n_blocked} kernels in a blocked layout, {n_conv} layout conversions")
     st = plan.stats
     print(f"solver: {st.status}, objective {st.objective_ns / 1e6:.3f} ms, bound {st.bound_ns / 1e6:.3f} ms, "
           f"gap {0 if st.gap is None else st.gap:.2%}, {st.solve_seconds:.2f} s, {st.n_cuts} cycle cuts")
@@ -248,8 +259,11 @@ def _print_optimize(rep: dict, outdir) -> None:
           f"{len(plan['kernels'])} kernels chosen from {rep['candidates']} candidates ({rep['distinct_keys']} distinct)")
     by_sched: dict[str, int] = {}
     for k in plan["kernels"]:
-        kind = "micro-kernel tile" if k["schedule"].startswith("t") else k["schedule"]
-        by_sched[f"{k['impl']} {kind}"] = by_sched.get(f"{k['impl']} {kind}", 0) + 1
+        layout, _, inner = k["schedule"].rpartition("/")
+        kind = ("micro-kernel tile" if inner.startswith("t") else "layout conversion" if not k["members"]
+                else "tuned" if k["impl"] == "tvm-tuned" else "rules")
+        name = f"{kind}{' (blocked)' if layout and k['members'] else ''}"
+        by_sched[name] = by_sched.get(name, 0) + 1
     print("kernels: " + ", ".join(f"{v} {k}" for k, v in sorted(by_sched.items())))
     print(f"max error vs ONNX Runtime: {rep['verify']['max_rel_error']:.2e} of the output scale")
     print("time per stage: " + ", ".join(f"{k} {v:.1f}s" for k, v in rep["seconds"].items()))

@@ -197,7 +197,7 @@ def bench_kernels(model, options, threads: Sequence[int] = (1, 2), repeats: int 
             ok = [j for j in jobs[id(c)] if measured[j.ident].ok]
             if ok:
                 best[id(c)] = min(ok, key=lambda j: measured[j.ident].median_ns)
-        env = {"TVM_NUM_THREADS": str(t)}
+        env = meas.worker_env(t)
         with WorkerPool(1, env) as kp, WorkerPool(1, env) as op:
             timed = [c for c in cs if id(c) in best]
             for pool, fn, arg in ((kp, _prepare_kernorch, [best[id(c)] for c in timed]),

@@ -225,7 +225,8 @@ class MeasureStats:
 
 def worker_env(threads: int) -> dict[str, str]:
     """Workers start with TVM's thread count set (TVM reads it when its pool starts)."""
-    return {"TVM_NUM_THREADS": str(threads)}
+    from .backends.tvm import thread_env
+    return thread_env(threads)
 
 
 def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine: Machine | None = None,

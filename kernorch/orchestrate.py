@@ -516,9 +516,9 @@ def solve(problem: Problem, time_limit: float = 60.0, initial: list[str] | None 
     baseline (or, failing that, the unfused one) is used, so a time-out still returns a plan at
     least as good as the heuristic. The loop solves, checks that the selection can be scheduled
     (multi-output kernels can feed each other in a cycle that the BLP cannot see), adds cuts if
-    not, and re-solves. The cut is a "first-writer" cut on the deadlocked tensors rather than the
-    notes' cut on the cycle's kernels: the latter is not violated when a cycle tensor has a second
-    deadlocked writer (the loop would spin) and only forbids one implementation of the cycle.
+    not, and re-solves. The cut is a "first-writer" cut on the deadlocked tensors rather than a
+    cut forbidding the cycle's set of kernels: that one is not violated when a cycle tensor has a
+    second deadlocked writer (the loop would spin) and only forbids one implementation of the cycle.
     Before the MIP the LP relaxation is solved; if it is integral it is already optimal.
     """
     t0 = time.perf_counter()

@@ -231,8 +231,8 @@ class Timer:
     def add(self, name: str, model, feeds: Mapping[str, np.ndarray], **extra) -> dict:
         """Prepare system `name` in a new process; returns its info (status ok/skipped/failed)."""
         from .workers import WorkerPool
-        env = {"TVM_NUM_THREADS": str(self.threads), "OMP_NUM_THREADS": str(self.threads)}
-        self.pools[name] = WorkerPool(1, env)
+        from .backends.tvm import thread_env
+        self.pools[name] = WorkerPool(1, thread_env(self.threads))
         try:
             info = self._call(name, _prepare_task, name, model, dict(feeds), self.threads, extra)
         except KernorchError as e:

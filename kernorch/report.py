@@ -373,6 +373,9 @@ def _kernel_section(graph, plan, report: Mapping) -> str:
     rows, attrs = [], []
     for i, k in enumerate(plan.kernels):
         ops = [graph.by_name[m].op if graph is not None and m in graph.by_name else m for m in k.members]
+        if not k.members:
+            ops = [f"layout of {k.outputs[0]}: " + ("plain → blocked" if k.schedule.endswith("/block")
+                                                       else "blocked → plain")]
         alts = ", ".join(f"{_e(a.impl)} {_e(a.schedule)} {a.cost_ns / 1e3:.1f}" for a in k.alternatives)
         in_ctx = [f"{ctx[i] * 1e3:.1f}", f"{ctx[i] * 1e6 / max(k.cost_ns, 1):.2f}x"] if ctx else []
         rows.append([f'<span class="sw" style="background:{kernel_color(i, k.impl)}"></span>{i}', _e(k.id), _e(k.impl),

@@ -56,30 +56,34 @@ class Tile:
         return self.mr * v + v + 1
 
 
-def row_options(lanes: int, registers: int) -> list[tuple[int, int]]:
-    """(mr, nb) pairs the register rule allows, before the shape is known."""
+def row_options(lanes: int, registers: int, widths=(2, 4)) -> list[tuple[int, int]]:
+    """(mr, nb) pairs the register rule allows, before the shape is known, for `widths` vectors."""
     out: list[tuple[int, int]] = []
-    for v in (2, 4):
+    for v in widths:
         full = min(MAX_ROWS, (registers - v - 1) // v)
         if full < MIN_ROWS:
             continue
-        for mr in dict.fromkeys((full, max(MIN_ROWS, full // 2 + 1))):
+        half = max(MIN_ROWS, full // 2 + 1)
+        for mr in dict.fromkeys((full, half) if v != 3 else (full,)):  # three wide: only where 2 and 4 do not fit
             out.append((mr, v * lanes))
     return out
 
 
-def contraction_tiles(machine, rows: int, cols: int, depth: int, pack: bool = False) -> tuple[Tile, ...]:
+def contraction_tiles(machine, rows: int, cols: int, depth: int, pack: bool = False,
+                      split_vectors: bool = False) -> tuple[Tile, ...]:
     """The tiles worth measuring for a contraction with `rows` x `cols` outputs and reduction `depth`.
 
     `rows` is the extent of the unrolled row axis (M of a GEMM), `cols` the vectorized one (N),
     `depth` the reduction (K). Returns () when no tile fits the columns (the default schedule then
     applies). The loop order comes from the L2 size: rows outside when the whole right operand
-    (depth x cols floats) fits in half of it.
+    (depth x cols floats) fits in half of it. `split_vectors`: the schedule unrolls the tile's
+    columns over single vector registers (the convolution micro-kernel does), so three vectors
+    wide is as good as two or four (48 channels on AVX-512).
     """
     lanes, regs = machine.lanes, machine.vector_registers
     rows_outer = depth * cols * 4 <= machine.l2_kib * 1024 // 2
     tiles: list[Tile] = []
-    for mr, nb in row_options(lanes, regs):
+    for mr, nb in row_options(lanes, regs, (2, 3, 4) if split_vectors else (2, 4)):
         if cols % nb == 0:
             tiles.append(Tile(min(mr, rows), nb, pack, rows_outer))
     if not tiles and cols % lanes == 0:  # fewer columns than the wider tiles: one vector wide

@@ -138,7 +138,8 @@ def prim_tiles(machine, graph, prim, blocked_layout: bool = False) -> tuple[Tile
     if prim.op == "conv" and blocked_layout and prim.type.rank == 4 and prim.inputs[1] in graph.constants:
         o, ow = int(prim.type.shape[1]), int(prim.type.shape[3])
         w = np.shape(graph.constants[prim.inputs[1]])
-        return tuple(Tile(t.mr, t.nb, True) for t in contraction_tiles(machine, ow, o, int(np.prod(w[1:])), True))
+        return tuple(Tile(t.mr, t.nb, True) for t in contraction_tiles(machine, ow, o, int(np.prod(w[1:])), True,
+                                                                        split_vectors=True))
     return ()
 
 

@@ -13,7 +13,7 @@ in `target.py`.
 from .build import BuiltKernel, build, check_bounds, load, register_packed, relax_func
 from .lower import T, lower
 from .schedule import schedule
-from .target import make_target, set_threads, vector_bits, versions
+from .target import make_target, set_threads, thread_env, vector_bits, versions
 
 __all__ = ["BuiltKernel", "T", "build", "check_bounds", "load", "lower", "make_target", "register_packed",
-           "relax_func", "schedule", "set_threads", "vector_bits", "versions"]
+           "relax_func", "schedule", "set_threads", "thread_env", "vector_bits", "versions"]

@@ -196,7 +196,7 @@ def register_packed(fn_dps: Callable[..., None], name: str) -> None:
 
     The arguments arrive as tvm tensors and are viewed zero-copy with np.from_dlpack. That is safe
     from Relax call_dps_packed; do NOT call it through TIR `call_packed` (borrowed DLTensor views
-    segfault in from_dlpack, guide §5). A process that loads an exported Relax library must register
+    segfault in from_dlpack). A process that loads an exported Relax library must register
     the same names again before running it.
     """
 

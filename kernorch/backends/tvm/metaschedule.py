@@ -1,7 +1,7 @@
 """MetaSchedule for one kernel: tune, query the best schedule, warm-start from similar kernels.
 
 Part of the TVM backend, so TVM stays behind the backend boundary. Facts this relies on
-(tvm-0.27-guide.md §3):
+(TVM 0.27, measured here):
 
 * The stock LocalBuilder imports `tvm.s_tir.tensor_intrin` in every fresh worker (18-50 s here),
   so every build times out; `fast_build` below calls `tvm.compile` directly. It is a module-level
@@ -28,6 +28,7 @@ from tvm.s_tir import meta_schedule as ms
 
 from ...ir import KernorchError
 from .build import build
+from .target import thread_env
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ def warm_start(db, mod: tvm.IRModule, target, traces: Sequence, inputs: Sequence
 
 def reap_workers() -> int:
     """End the `tvm.exec.popen_worker` processes this process started (they can outlive a tuning
-    run, guide §3.2). Only our own descendants: another run's workers are never touched."""
+    run). Only our own descendants: another run's workers are never touched."""
     import psutil
     killed = 0
     try:
@@ -200,7 +201,7 @@ def tune(mod: tvm.IRModule, target, work_dir: str | Path, trials: int, threads: 
     Returns {"trials": records added, "best_s": best MetaSchedule latency or None, "seconds"}.
     Raises KernorchError when nothing valid exists afterwards (every build or run failed).
     """
-    os.environ["TVM_NUM_THREADS"] = str(threads)  # the runner's workers inherit it
+    os.environ.update(thread_env(threads))  # the runner's workers inherit it
     # MetaSchedule sizes its stdout handler from this logger's level at every call (and resets the
     # level to DEBUG afterwards): set it each time. Its tables stay in work_dir/logs.
     logging.getLogger("tvm.s_tir.meta_schedule").setLevel(logging.INFO if log.isEnabledFor(logging.DEBUG)

@@ -47,11 +47,17 @@ def set_threads(n: int) -> None:
     boundary where a spinning one cost 1.4 us). Spawned processes inherit the variable.
     """
     n = int(n)
-    os.environ["TVM_NUM_THREADS"] = str(n)
+    os.environ.update(thread_env(n))
     current = tvm.runtime.num_threads()  # starts the pool if needed (with the variable set above)
     if current != n:
         log.info("TVM thread pool already started with %d threads; reconfiguring to %d", current, n)
         tvm.get_global_func("runtime.config_threadpool")(-3, n, [str(i) for i in range(n)])
+
+
+def thread_env(n: int) -> dict[str, str]:
+    """The environment a new process needs to run TVM kernels on `n` threads (TVM reads it when its
+    pool starts, before any of the process's own code could set it), and `n` for OpenMP users."""
+    return {"TVM_NUM_THREADS": str(int(n)), "OMP_NUM_THREADS": str(int(n))}
 
 
 def versions() -> dict:

@@ -1,0 +1,84 @@
+"""What a kernel boundary costs inside kernorch's executable.
+
+    .venv/bin/python benchmarks/boundary.py [--threads 2] [--n 51] [--size 4096]
+
+A chain of N elementwise primitives (x*1.0001+0.5, on `size` floats) is emitted by kernorch's own
+emitter twice: as N kernels (one per primitive) and as one fused kernel, and both executables are
+timed end to end (median of 7 repeats of 200 calls, from Python, as `CompiledModel` calls them).
+The cost of a boundary is (t_N - t_1) / (N - 1): the VM's call, TVM's thread pool handing the
+parallel loop to its workers, and the extra memory pass. Each configuration runs in a fresh process
+with the thread count set when it starts; kernorch sets no environment variable at import, so TVM's
+pool spins between kernels as TVM intends.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _time(n: int, size: int, fused: bool, threads: int) -> dict:
+    import numpy as np
+    from kernorch.backends.tvm import relax as rx
+    from kernorch.ir import Graph, TensorType, make_prim
+    from kernorch.plan import Kernel, Plan, SolverStats
+    t = TensorType((size,))
+    prims, prev = [], "x"
+    for i in range(n):
+        m, a = f"m{i}", f"a{i}"
+        prims += [make_prim(m, "mul", [prev, "c"], t), make_prim(a, "add", [m, "d"], t)]
+        prev = a
+    consts = {"c": np.full((1,), 1.0001, np.float32), "d": np.full((1,), 0.5, np.float32)}
+    g = Graph((("x", t),), (prev,), tuple(prims), consts)
+    if fused:
+        groups = [[p.name for p in prims]]
+    else:
+        groups = [[prims[2 * i].name, prims[2 * i + 1].name] for i in range(n)]
+    kernels = []
+    for i, members in enumerate(groups):
+        ins = tuple(dict.fromkeys(x for m in members for x in g.by_name[m].inputs if x not in members))
+        kernels.append(Kernel(f"k{i}", f"key{i}", "tvm", tuple(members), ins, (members[-1],), 0, (), "default"))
+    plan = Plan(tuple(kernels), (), (prev,), SolverStats("optimal", 0, 0, 0.0, 0.0, 0))
+    ex = rx.build_executable(g, plan, threads)
+    call = ex.bind({"x": np.random.default_rng(0).standard_normal(size).astype(np.float32)})
+    for _ in range(100):
+        call()
+    reps = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        for _ in range(200):
+            call()
+        reps.append((time.perf_counter() - t0) / 200)
+    return {"kernels": len(kernels), "us": float(np.median(reps)) * 1e6}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--n", type=int, default=51)
+    ap.add_argument("--size", type=int, default=4096)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    from kernorch.backends.tvm import thread_env
+    from kernorch.workers import WorkerPool
+    res = {}
+    for fused in (True, False):
+        with WorkerPool(1, thread_env(args.threads)) as pool:
+            r = pool.call(_time, (args.n, args.size, fused, args.threads), 600)
+        if not r.ok:
+            raise SystemExit(r.error)
+        res["one kernel" if fused else f"{args.n} kernels"] = r.value
+    one, many = res["one kernel"]["us"], res[f"{args.n} kernels"]["us"]
+    out = {"threads": args.threads, "chain": args.n, "floats": args.size, "results": res,
+           "per_boundary_us": (many - one) / (args.n - 1)}
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        print(f"{args.n} kernels: {many:.1f} us; one fused kernel: {one:.1f} us; "
+              f"per kernel boundary: {out['per_boundary_us']:.2f} us ({args.threads} threads, {args.size} floats)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
