@@ -271,9 +271,9 @@ def _print_optimize(rep: dict, outdir) -> None:
 
 
 def cmd_optimize(args, options: Options) -> int:
+    from .runtime import check_writable
     out = Path(args.output)
-    if out.exists() and any(out.iterdir()) and not args.force:
-        raise KernorchError(f"{out} exists and is not empty; pass --force to overwrite it")
+    check_writable(out, args.force)  # before minutes of work, not after
     compiled, _ = pipeline.optimize(args.model, options, runs=args.runs)
     compiled.save(out, force=args.force)
     from .report import write_report

@@ -23,7 +23,7 @@ CREATE TABLE IF NOT EXISTS measurements (
     impl TEXT NOT NULL,
     schedule TEXT NOT NULL,
     versions TEXT NOT NULL,
-    status TEXT NOT NULL,          -- ok | refused
+    status TEXT NOT NULL,          -- ok | refused | failed (a crashed or timed-out worker: measured again)
     median_ns INTEGER,             -- NULL when refused
     runs_ns TEXT,                  -- JSON list of per-repeat times
     reason TEXT,                   -- why refused
@@ -122,7 +122,7 @@ class ProfileDB:
         return [m.__dict__ | {"runs_ns": list(m.runs_ns)} for m in self.rows()]
 
     def clear(self, refused_only: bool = False) -> int:
-        where = " WHERE status='refused'" if refused_only else ""
+        where = " WHERE status IN ('refused', 'failed')" if refused_only else ""
         n = self.conn.execute("SELECT COUNT(*) FROM measurements" + where).fetchone()[0]
         self.conn.execute("DELETE FROM measurements" + where)
         self.conn.commit()
@@ -130,9 +130,13 @@ class ProfileDB:
 
 
 def best(measurements: list[Measurement]) -> Measurement:
-    """The fastest successful measurement; without one, the latest (a refusal)."""
+    """The fastest successful measurement; without one, the latest refusal; without one either,
+    the latest transient failure (status "failed": a crashed or timed-out worker, not a verdict)."""
     ok = [m for m in measurements if m.ok]
-    return min(ok, key=lambda m: m.median_ns) if ok else measurements[-1]
+    if ok:
+        return min(ok, key=lambda m: m.median_ns)
+    refused = [m for m in measurements if m.status == "refused"]
+    return (refused or measurements)[-1]
 
 
 def _row(row) -> Measurement:

@@ -32,7 +32,7 @@ from .kernels import pack_args, unpack_outputs
 
 log = logging.getLogger(__name__)
 
-DOMINATED = 8.0  # a generated kernel this many times slower than the key's best is timed once
+DOMINATED = 4.0  # a generated kernel this many times slower than the key's best is timed once
 # --remeasure: every kernel is timed again until it has REMEASURE_TRIES measurements, and the
 # fastest counts. Disturbed timings are not always visible in their repeats: on this shared 2-core
 # machine a 128x384x1536 GEMM was stored at 2021 us by a run under load, repeats within 10 %, and
@@ -80,11 +80,12 @@ def versions(impl: str) -> str:
     import importlib.metadata as md
     if not registry.native(impl):  # the reference evaluator
         return f"kernorch-{__version__};onnx-{md.version('onnx')};numpy-{np.__version__}"
+    from .backends.tvm.schedule import SCHEDULES_VERSION
     try:
         tvm_v = md.version("apache-tvm")
     except md.PackageNotFoundError:
         tvm_v = "?"
-    return f"kernorch-{__version__};tvm-{tvm_v}"
+    return f"kernorch-{__version__};tvm-{tvm_v};schedules-{SCHEDULES_VERSION}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,12 +151,19 @@ def check(job: KernelJob, got: Sequence[np.ndarray], want: Sequence[np.ndarray])
 # worker tasks
 # ---------------------------------------------------------------------------------------------
 
-def _build_task(job: KernelJob, threads: int, out_dir: str, verify: bool) -> dict:
+def _build_task(job: KernelJob, threads: int, out_dir: str, verify: bool, tune_dir: str | None = None) -> dict:
     from .backends import tvm as tb
     t0 = time.perf_counter()
     target = tb.make_target(threads)
-    mod = tb.lower(job.graph, job.graph.prims, job.inputs, job.outputs, job.schedule)
-    mod = tb.schedule(mod, target, job.schedule)
+    if job.impl == "tvm-tuned":  # MetaSchedule's best record of the kernel (kernorch.tune)
+        from .backends.tvm import metaschedule as tt
+        mod = tt.best_module(tt.open_db(tune_dir), tb.lower(job.graph, job.graph.prims, job.inputs, job.outputs),
+                             target) if tune_dir else None
+        if mod is None:
+            raise KernorchError(f"no valid tuning record in {tune_dir}")
+    else:
+        mod = tb.lower(job.graph, job.graph.prims, job.inputs, job.outputs, job.schedule)
+        mod = tb.schedule(mod, target, job.schedule)
     kernel = tb.build(mod, target)
     build_s = time.perf_counter() - t0
     err = None
@@ -229,9 +237,48 @@ def worker_env(threads: int) -> dict[str, str]:
     return thread_env(threads)
 
 
+def transient(error: str) -> bool:
+    """A failure of the process, not of the kernel: its worker crashed (segfault, killed, out of
+    memory) or hit the deadline (a loaded machine slows builds and runs down)."""
+    return error.startswith(("worker crashed", "timed out"))
+
+
+def _run_with_retry(pool: WorkerPool, fn, jobs: list[KernelJob], args, timeout: float):
+    """Run `fn(*args(job))` for every job; a job whose worker crashed or timed out gets one more try
+    in a fresh worker. Yields (job, TaskResult) once per job, in completion order."""
+    group = list(jobs)
+    for attempt in (0, 1):
+        retry = []
+        for r in pool.run(fn, [args(j) for j in group], timeout):
+            j = group[r.index]
+            if not r.ok and attempt == 0 and transient(r.error):
+                retry.append(j)
+                continue
+            yield j, r
+        if not retry:
+            return
+        log.warning("%d kernels crashed or timed out in their worker; trying them once more in a fresh one", len(retry))
+        group = retry
+
+
+def _likely_slower(job: KernelJob) -> bool:
+    """Timing order within a kernel's variants: the variant likely to be faster first, so the slower
+    one is cut after one call (DOMINATED). Convolutions are fast blocked, the rest plain."""
+    conv = any(p.op == "conv" for p in job.graph.prims)
+    return job.schedule.startswith("b") != conv
+
+
 def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine: Machine | None = None,
             label: str = "measure") -> tuple[dict[tuple[str, str, str], Measurement], MeasureStats]:
-    """Measure every job not already in the database; return the measurement of every job."""
+    """Measure every job not already in the database; return the measurement of every job.
+
+    Verdicts: a kernel whose build raises, or whose result differs from the reference, is refused
+    (a property of the kernel, stored and never retried unless `db clear --refused`). A kernel whose
+    worker crashes or times out is tried once more in a fresh worker; failing again, it is stored
+    as "failed", which no later run takes as a verdict (it is measured again), unless it had failed
+    that way in an earlier run too while other kernels of this run measured fine (a healthy
+    environment): then it is refused.
+    """
     t_start = time.perf_counter()
     machine = machine or Machine.host()
     target = machine.fingerprint(options.threads)
@@ -243,10 +290,14 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
     for j in jobs:
         by_version.setdefault(versions(j.impl), []).append(j)
     previous: dict[tuple[str, str, str], Measurement] = {}  # best stored measurement of each kernel timed again
+    failed_before: set[tuple[str, str, str]] = set()        # kernels an earlier run saw crash or time out
     for ver, js in by_version.items():
         hist = db.history(target, ver, [j.ident for j in js])
         for j in js:
-            ms = hist.get(j.ident)
+            ms = hist.get(j.ident) or []
+            if any(m.status == "failed" for m in ms):
+                failed_before.add(j.ident)
+            ms = [m for m in ms if m.status != "failed"]
             if not ms:
                 todo.append(j)
                 continue
@@ -262,12 +313,21 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
         stats.seconds = time.perf_counter() - t_start
         return results, stats
 
-    def refuse(j: KernelJob, reason: str, build_s: float = 0.0) -> None:
-        m = Measurement(target, j.key, j.impl, j.schedule, versions(j.impl), "refused", None, (), reason, build_s,
+    def record(j: KernelJob, status: str, reason: str, build_s: float = 0.0) -> None:
+        m = Measurement(target, j.key, j.impl, j.schedule, versions(j.impl), status, None, (), reason, build_s,
                         j.description)
         db.add(m)
         results[j.ident] = m
         stats.refused += 1
+
+    pending: list[tuple[KernelJob, str, float]] = []  # transient failures, judged once the run is over
+
+    def fail(j: KernelJob, what: str, r) -> None:
+        reason = f"{what}: {r.error}"
+        if transient(r.error):
+            pending.append((j, reason, r.seconds))
+        else:
+            record(j, "refused", reason, r.seconds)
 
     env = worker_env(options.threads)
     with tempfile.TemporaryDirectory(prefix="kernorch-build-") as tmp:
@@ -276,13 +336,14 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
         if tvm_jobs:
             with WorkerPool(min(options.workers, len(tvm_jobs)), env) as pool, \
                     progress.bar(f"{label}: build", len(tvm_jobs)) as bar:
-                for r in pool.run(_build_task, [(j, options.threads, tmp, options.verify) for j in tvm_jobs],
-                                  options.build_timeout):
-                    j = tvm_jobs[r.index]
+                tune_dir = options.tune_dir if any(j.impl == "tvm-tuned" for j in tvm_jobs) else None
+                for j, r in _run_with_retry(pool, _build_task, tvm_jobs,
+                                            lambda j: (j, options.threads, tmp, options.verify, tune_dir),
+                                            options.build_timeout):
                     if r.ok:
                         built[j.ident] = r.value
                     else:
-                        refuse(j, f"build/check failed: {r.error}", r.seconds)
+                        fail(j, "build/check failed", r)
                     bar.advance()
         # Python kernels first: their times let a generated kernel that is far slower for the
         # same key stop after one call (DOMINATED), instead of repeats of seconds each
@@ -297,36 +358,31 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
             return DOMINATED * b / 1e9 if (b is not None and registry.native(j.impl)) else None
 
         with WorkerPool(1, env) as pool, progress.bar(f"{label}: time", len(timed)) as bar:
-            groups = ([j for j in timed if not registry.native(j.impl)], [j for j in timed if registry.native(j.impl)])
+            groups = ([j for j in timed if not registry.native(j.impl)],
+                      sorted((j for j in timed if registry.native(j.impl)), key=_likely_slower))
             for group in groups:  # the cutoffs of the second group come from the first
-                # a crashed worker gets one more try in a fresh process: a kernel is refused for
-                # what it does, not for a fault that struck its process once
-                for attempt in (0, 1):
-                    tasks = [(j, built.get(j.ident, {}).get("path"), options.repeats, options.min_repeat_ms,
-                              options.verify, cutoff(j)) for j in group]
-                    retry = []
-                    for r in pool.run(_time_task, tasks, options.run_timeout):
-                        j = group[r.index]
-                        build_s = built.get(j.ident, {}).get("build_s", 0.0)
-                        if not r.ok and attempt == 0 and "crashed" in r.error:
-                            retry.append(j)
-                            continue
-                        if not r.ok:
-                            refuse(j, f"run failed: {r.error}", build_s)
-                        else:
-                            runs = [int(round(x * 1e9)) for x in r.value["runs"]]
-                            m = Measurement(target, j.key, j.impl, j.schedule, versions(j.impl), "ok",
-                                            max(1, int(np.median(runs))), tuple(runs), "", build_s, j.description)
-                            db.add(m)
-                            results[j.ident] = m
-                            stats.measured += 1
-                            if j.schedule != "none":
-                                best[j.key] = min(best.get(j.key, m.median_ns), m.median_ns)
-                        bar.advance()
-                    if not retry:
-                        break
-                    log.warning("%d kernels crashed their worker; trying them once more", len(retry))
-                    group = retry
+                args = lambda j: (j, built.get(j.ident, {}).get("path"), options.repeats,  # noqa: E731
+                                  options.min_repeat_ms, options.verify, cutoff(j))
+                for j, r in _run_with_retry(pool, _time_task, group, args, options.run_timeout):
+                    build_s = built.get(j.ident, {}).get("build_s", 0.0)
+                    if not r.ok:
+                        fail(j, "run failed", r)
+                    else:
+                        runs = [int(round(x * 1e9)) for x in r.value["runs"]]
+                        m = Measurement(target, j.key, j.impl, j.schedule, versions(j.impl), "ok",
+                                        max(1, int(np.median(runs))), tuple(runs), "", build_s, j.description)
+                        db.add(m)
+                        results[j.ident] = m
+                        stats.measured += 1
+                        if j.schedule != "none":
+                            best[j.key] = min(best.get(j.key, m.median_ns), m.median_ns)
+                    bar.advance()
+    healthy = stats.measured > 0
+    for j, reason, secs in pending:
+        if healthy and j.ident in failed_before:
+            record(j, "refused", f"{reason} (again: it failed this way in an earlier run too)", secs)
+        else:
+            record(j, "failed", reason, secs)
     for ident, old in previous.items():  # the fastest measurement counts (see database.best)
         results[ident] = best_of([old, results[ident]])
     stats.seconds = time.perf_counter() - t_start

@@ -77,8 +77,17 @@ class CompiledModel:
         return feeds
 
     # -- running -------------------------------------------------------------------------------
-    def run(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self.executable.run(self.check_feeds(inputs))
+    def run(self, inputs: Mapping[str, np.ndarray], check_finite: bool = True) -> dict[str, np.ndarray]:
+        """Outputs by name. `check_finite`: refuse inputs holding NaN or Inf (the kernels were
+        verified on finite values; some, like a maximum, do not propagate NaN as ONNX Runtime does)."""
+        feeds = self.check_feeds(inputs)
+        if check_finite:
+            for n, x in feeds.items():
+                if x.dtype.kind == "f" and not np.isfinite(x).all():
+                    bad = np.argwhere(~np.isfinite(x))
+                    raise KernorchError(f"input {n!r} holds {len(bad)} NaN/Inf value(s) (first at "
+                                        f"{tuple(int(i) for i in bad[0])}); pass check_finite=False to run it anyway")
+        return self.executable.run(feeds)
 
     def bind(self, inputs: Mapping[str, np.ndarray]):
         """A call without arguments that runs the model on `inputs` (validated and converted once)."""
@@ -95,15 +104,7 @@ class CompiledModel:
     # -- persistence ---------------------------------------------------------------------------
     def save(self, outdir: str | Path, force: bool = False) -> Path:
         out = Path(outdir)
-        if out.exists() and any(out.iterdir()):
-            if not force:
-                raise KernorchError(f"{out} exists and is not empty; pass --force (force=True) to overwrite it")
-            if not (out / MANIFEST).exists():
-                raise KernorchError(f"{out} is not a kernorch output (no {MANIFEST}); refusing to overwrite it")
-            extra = sorted(p.name for p in out.iterdir() if p.name not in KNOWN)
-            if extra:
-                raise KernorchError(f"{out} holds files kernorch did not write ({', '.join(extra[:5])}); "
-                                    "refusing to overwrite it")
+        if check_writable(out, force):
             shutil.rmtree(out)
         out.mkdir(parents=True, exist_ok=True)
         ex = self.executable
@@ -122,6 +123,24 @@ class CompiledModel:
         (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
         (out / "report.json").write_text(json.dumps(self.report, indent=2, default=str))
         return out
+
+
+def check_writable(out: Path, force: bool) -> bool:
+    """May a model be saved to `out`? True when an earlier kernorch output must be removed first.
+    A non-empty directory needs `force`, and even then only a kernorch output is overwritten."""
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return False
+    if not out.is_dir():
+        raise KernorchError(f"{out} is a file, not a directory")
+    if not force:
+        raise KernorchError(f"{out} exists and is not empty; pass --force (force=True) to overwrite it")
+    if not (out / MANIFEST).exists():
+        raise KernorchError(f"{out} is not a kernorch output (no {MANIFEST}); refusing to overwrite it")
+    extra = sorted(p.name for p in out.iterdir() if p.name not in KNOWN)
+    if extra:
+        raise KernorchError(f"{out} holds files kernorch did not write ({', '.join(extra[:5])}); "
+                            "refusing to overwrite it")
+    return True
 
 
 def _sha256(path: Path) -> str:

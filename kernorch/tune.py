@@ -32,11 +32,10 @@ import math
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
-import numpy as np
 
 from . import measure as meas
 from .backends import registry
@@ -230,49 +229,46 @@ def _lowered(job: meas.KernelJob):
     return tb.lower(job.graph, job.graph.prims, job.inputs, job.outputs)
 
 
-def measure_tuned(kernel: Kernel, directory: Path, options, target, fingerprint: str, trials: int) -> Measurement:
-    """Build the best tuned schedule, check it against the numpy reference and time it like
-    measure._time_task does (median of `options.repeats`). Refused (with the reason) on failure."""
-    from .backends.tvm import metaschedule as tt
+def measure_tuned(kernel: Kernel, directory: Path, options, machine, db: ProfileDB, trials: int) -> Measurement:
+    """Build the best tuned schedule, check it against the numpy reference and time it, in
+    `measure`'s worker processes (a kernel that faults cannot end the run; a crash is a transient
+    failure, not a verdict). Served from the profile database when it was measured before."""
+    job = replace(kernel.job, impl=IMPL, schedule=f"ms:{trials}")
+    results, _ = meas.measure([job], db, options.with_(tune_dir=str(directory)), machine, label="tuned")
+    return results[job.ident]
+
+
+def _warm_start_task(job: meas.KernelJob, directory: str, donors: list[str], threads: int) -> int:
+    """In a worker: replay the donors' best traces on the kernel, keep those that build and compute
+    the reference, and commit them as tuning records."""
     from .backends import tvm as tb
-    job = kernel.job
-    t0 = time.perf_counter()
-    try:
-        mod = tt.best_module(tt.open_db(directory), _lowered(job), target)
-        if mod is None:
-            raise KernorchError("no valid tuning record")
-        built = tb.build(mod, target)
-        build_s = time.perf_counter() - t0
-        inputs = meas.make_inputs(job)
-        if options.verify:
-            meas.check(job, built(*inputs), meas.reference(job, inputs))
-        runs = built.time(*inputs, number=1, repeat=options.repeats, min_repeat_ms=int(options.min_repeat_ms))
-    except Exception as e:  # noqa: BLE001 - recorded, never chosen
-        return Measurement(fingerprint, job.key, IMPL, f"ms:{trials}", meas.versions(IMPL), "refused", None, (),
-                           f"tuned kernel failed: {type(e).__name__}: {str(e)[:300]}", time.perf_counter() - t0,
-                           job.description)
-    ns = [int(round(s * 1e9)) for s in runs]
-    return Measurement(fingerprint, job.key, IMPL, f"ms:{trials}", meas.versions(IMPL), "ok",
-                       max(1, int(np.median(ns))), tuple(ns), "", build_s, job.description)
-
-
-def _warm_start(kernel: Kernel, state: State, directory: Path, target) -> int:
-    """Replay the best traces of tuned kernels of the same family (same ops, other shapes; from any
-    model tuned on this target) into the DB, so the search starts from them."""
     from .backends.tvm import metaschedule as tt
+    target = tb.make_target(threads)
+    db = tt.open_db(directory)
+    inputs = meas.make_inputs(job)
+    want = meas.reference(job, inputs)
+    return tt.warm_start(db, _lowered(job), target, tt.top_traces(db, donors), inputs,
+                         check=lambda outs: meas.check(job, outs, want))
+
+
+def _warm_start(kernel: Kernel, state: State, directory: Path, options) -> int:
+    """Replay the best traces of tuned kernels of the same family (same ops, other shapes; from any
+    model tuned on this target) into the DB, so the search starts from them. In a worker process:
+    a replayed schedule that faults ends only the worker (the warm start is then skipped)."""
+    from .workers import WorkerPool
     donors = {e["workload"] for k, e in state.data.items()
               if k != kernel.key and e.get("family") == kernel.family and e.get("workload") and not e.get("error")}
     if not donors:
         return 0
-    db = tt.open_db(directory)
-    job = kernel.job
-    inputs = meas.make_inputs(job)
-    want = meas.reference(job, inputs)
-    n = tt.warm_start(db, _lowered(job), target, tt.top_traces(db, sorted(donors)[:4]), inputs,
-                      check=lambda outs: meas.check(job, outs, want))
-    log.info("warm start of %s (%s): %d schedules replayed from %d similar kernels", job.description, kernel.key,
-             n, len(donors))
-    return n
+    with WorkerPool(1, meas.worker_env(options.threads)) as pool:
+        r = pool.call(_warm_start_task, (kernel.job, str(directory), sorted(donors)[:4], options.threads),
+                      options.build_timeout * 4)
+    if not r.ok:
+        log.warning("warm start of %s (%s) failed: %s", kernel.job.description, kernel.key, r.error)
+        return 0
+    log.info("warm start of %s (%s): %d schedules replayed from %d similar kernels", kernel.job.description,
+             kernel.key, r.value, len(donors))
+    return r.value
 
 
 # ------------------------------------------------------------------------------------------------
@@ -320,8 +316,7 @@ def _spent(entries: Sequence[dict], budget: Budget) -> float:
     return sum(e.get("trials", 0) if budget.unit == "t" else e.get("seconds", 0.0) for e in entries)
 
 
-def _reuse(graph, candidates, measured, db: ProfileDB, state: State, directory: Path, options, target,
-           fingerprint: str):
+def _reuse(graph, candidates, measured, db: ProfileDB, state: State, directory: Path, options, machine):
     """Bring in tuned costs of this model's kernels already tuned (this or another model/run):
     the profile DB row when it matches the recorded trials, else a re-measurement (no tuning).
     Returns (measured, how many)."""
@@ -331,14 +326,9 @@ def _reuse(graph, candidates, measured, db: ProfileDB, state: State, directory: 
     if not tuned:
         return measured, 0
     kernels = _kernels(graph, candidates, tuned)
-    found = db.lookup_many(fingerprint, meas.versions(IMPL), [(k, IMPL, f"ms:{e['trials']}") for k, e in tuned.items()])
     n = 0
     for key, k in kernels.items():
-        m = found.get((key, IMPL, f"ms:{tuned[key]['trials']}"))
-        if m is None:
-            m = measure_tuned(k, directory, options, target, fingerprint, tuned[key]["trials"])
-            db.add(m)
-        measured = measured.with_measurement(m)
+        measured = measured.with_measurement(measure_tuned(k, directory, options, machine, db, tuned[key]["trials"]))
         n += 1
     return measured, n
 
@@ -372,7 +362,7 @@ def tune_loop(graph, enumeration, measured, plan, db: ProfileDB, options, machin
 
     history: dict = {"budget": str(budget), "unit": budget.unit, "dir": str(directory), "rounds": 0,
                      "new_trials": 0, "curve": [], "kernels": [], "kernel_curves": {}}
-    measured, reused = _reuse(graph, candidates, measured, db, state, directory, options, target, fingerprint)
+    measured, reused = _reuse(graph, candidates, measured, db, state, directory, options, machine)
     if reused:
         plan = solve(measured)
     history["reused"] = reused
@@ -410,7 +400,7 @@ def tune_loop(graph, enumeration, measured, plan, db: ProfileDB, options, machin
                 mod = _lowered(k.job)
                 e["workload"] = tt.workload_hash(mod)
                 if e["trials"] == 0:
-                    e["trials"] += _warm_start(k, state, directory, target)
+                    e["trials"] += _warm_start(k, state, directory, options)
                 r = tt.tune(mod, target, directory, trials, options.threads, options.seed)
                 e["trials"] += r["trials"]
             except Exception as ex:  # noqa: BLE001 - recorded as refused, never tuned again
@@ -423,8 +413,8 @@ def tune_loop(graph, enumeration, measured, plan, db: ProfileDB, options, machin
                 failed_now.add(key)
                 log.warning("tuning %s (%s) failed: %s", k.job.description, key, e["error"])
                 continue
-            m = measure_tuned(k, directory, options, target, fingerprint, e["trials"])
-            add(m)
+            m = measure_tuned(k, directory, options, machine, db, e["trials"])
+            measured = measured.with_measurement(m)
             e["seconds"] = e.get("seconds", 0.0) + time.perf_counter() - ts
             if m.ok:
                 e["curve"] = list(e["curve"]) + [(e["trials"], min(m.median_ns, min(ns for _, ns in e["curve"])))]

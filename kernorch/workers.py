@@ -7,9 +7,11 @@ thread pool does not survive fork.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -63,16 +65,40 @@ def _worker_main(conn, parent: int | None = None) -> None:
             conn.send((index, False, None, f"{type(e).__name__}: {e}"[:2000], time.perf_counter() - t0))
 
 
+@contextlib.contextmanager
+def _main_not_rerun():
+    """Start children without re-running the user's `__main__`.
+
+    A spawned child normally re-imports the parent's main script (to find functions defined
+    there); a script that calls `kernorch.optimize` at top level, without an
+    `if __name__ == "__main__":` guard, would then run again in every worker and crash it. Workers
+    only run kernorch's own functions, so the main module's name and path are hidden from
+    multiprocessing while a child starts."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if main is not None and k in main.__dict__}
+    try:
+        if main is not None:
+            main.__dict__.pop("__file__", None)
+            main.__spec__ = None
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.update(saved)
+            if "__spec__" not in saved:
+                main.__dict__.pop("__spec__", None)
+
+
 class _Worker:
     def __init__(self, ctx, env):
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_worker_main, args=(child, os.getpid()), daemon=True)
         # the child must start with `env`: libraries read their variables when first imported
-        # (OpenBLAS its thread count), which happens before the worker's own code runs
+        # (TVM its thread count), which happens before the worker's own code runs
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            self.proc.start()
+            with _main_not_rerun():
+                self.proc.start()
         finally:
             for k, v in saved.items():
                 if v is None:

@@ -1,9 +1,20 @@
 """Shared fixtures: the benchmark models in ../shared/models (skipped cleanly when absent)."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+sys.path.insert(0, str(Path(__file__).parent))  # tests/fuzzgraphs.py, importable by name
+
+# Hypothesis profiles: "fast" (default: seeded, a few fuzz graphs, reproducible in CI) and "long"
+# (`pytest -m fuzz --hypothesis-profile=long`: thousands of graphs). Tests that set their own
+# max_examples keep them.
+settings.register_profile("fast", max_examples=6, derandomize=True, deadline=None)
+settings.register_profile("long", max_examples=3000, deadline=None)
+settings.load_profile("fast")
 
 SHARED_MODELS = Path(__file__).parents[2] / "shared" / "models"
 SHARED_NAMES = ("candy", "gpt2_mini", "segformer_b0", "yolox_tiny")

@@ -472,3 +472,20 @@ def test_blocked_layout_signature_and_conversions(target):
         _run_variant(copy, ["x"], f"b{lanes}/{conv}", target)
     assert layout_of(copy, "x", f"b{lanes}/block", "in") == "plain"
     assert layout_of(copy, "y", f"b{lanes}/unblock", "out") == "plain"
+
+
+def test_blocked_pooling_is_vectorized_across_channels(target):
+    """Spatial pyramid pooling (max pools 5/9/13 + concat, yolox's SPP) in nChw16c: the reductions
+    load one vector of a block's channels per window position, into blocked accumulators."""
+    lanes = Machine.host().lanes
+    xs = f32(1, 2 * lanes, 9, 9)
+    ps, outs = [], ["x"]
+    for k in (3, 5, 9):
+        a = dict(mode="max", kernel=(k, k), strides=(1, 1), pads=(k // 2,) * 4, dilations=(1, 1), ceil_mode=0)
+        ps.append(make_prim(f"p{k}", "pool", ["x"], P.infer("pool", [xs], a), **a))
+        outs.append(f"p{k}")
+    ps.append(make_prim("y", "concat", outs, P.infer("concat", [xs] * 4, {"axis": 1}), axis=1))
+    graph = Graph((("x", xs),), ("y",), tuple(ps))
+    mod = _run_variant(graph, ["x"], f"b{lanes}/default", target)
+    text = mod.script()
+    assert text.count(f"T.vectorized({lanes})") >= 3

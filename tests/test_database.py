@@ -126,7 +126,7 @@ def test_workers_die_with_a_killed_parent(tmp_path):
     assert not alive, f"workers {alive} outlived their parent"
 
 
-# -- measurement: a worker crash gets one retry; a second crash refuses the kernel ---------------
+# -- measurement: a crashed or hung worker is retried, and never a verdict on its own ----------------
 
 def crash_first_time(job, path, repeats, min_repeat_ms, verify, cutoff_s=None):
     """Crash the worker the first time this job is timed (a flag file remembers), then time it."""
@@ -153,6 +153,51 @@ def test_measure_retries_a_crashed_worker_once(tmp_path, monkeypatch):
         res, stats = measure.measure([job], db, opts)
     assert (tmp_path / "flag").exists()
     assert res[job.ident].ok and stats.measured == 1 and stats.refused == 0
+
+
+def crash_bad_kernels(job, path, repeats, min_repeat_ms, verify, cutoff_s=None):
+    """The worker dies whenever it times a kernel whose key starts with "k-bad"."""
+    from kernorch import measure
+    if job.key.startswith("k-bad"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return measure._time_task(job, path, repeats, min_repeat_ms, verify, cutoff_s)
+
+
+def test_a_crashing_kernel_is_refused_only_when_it_crashes_again_in_a_healthy_run(tmp_path, monkeypatch):
+    from kernorch import measure
+    from kernorch.ir import Graph, TensorType, make_prim
+    from kernorch.options import Machine, Options
+    t = TensorType((8, 8), "float32")
+    g = Graph((("x", t), ("w", t)), ("y",), (make_prim("y", "matmul", ["x", "w"], t),))
+    bad = measure.KernelJob("k-bad", "tvm", "default", g, ("x", "w"), ("y",))
+    good = measure.KernelJob("k-good", "tvm", "default", g, ("x", "w"), ("y",))
+    monkeypatch.setattr(measure, "_time_task", crash_bad_kernels)
+    opts = Options(threads=1, repeats=2, min_repeat_ms=0.1)
+    with ProfileDB(tmp_path / "db.sqlite") as db:
+        res, stats = measure.measure([bad], db, opts)          # nothing else measured: not healthy
+        assert res[bad.ident].status == "failed" and "crashed" in res[bad.ident].reason
+        res, _ = measure.measure([bad], db, opts)             # failed again, still no healthy kernel
+        assert res[bad.ident].status == "failed"
+        res, stats = measure.measure([bad, good], db, opts)   # again, while another kernel measures fine
+        assert res[good.ident].ok and res[bad.ident].status == "refused" and "again" in res[bad.ident].reason
+        res, stats = measure.measure([bad, good], db, opts)   # a verdict now: served, not retried
+        assert stats.cached == 2 and res[bad.ident].status == "refused"
+        target = Machine.host().fingerprint(1)
+        statuses = [m.status for m in db.history(target, measure.versions("tvm"), [bad.ident])[bad.ident]]
+        assert statuses == ["failed", "failed", "refused"]
+        assert db.clear(refused_only=True) == 3              # db clear --refused retries both kinds
+
+
+def test_a_kernel_that_fails_its_check_is_refused_at_once(tmp_path, monkeypatch):
+    from kernorch import measure
+    from kernorch.ir import Graph, TensorType, make_prim
+    from kernorch.options import Options
+    t = TensorType((8, 8), "float32")
+    g = Graph((("x", t), ("w", t)), ("y",), (make_prim("y", "matmul", ["x", "w"], t),))
+    job = measure.KernelJob("k-wrong", "tvm", "t7x13p", g, ("x", "w"), ("y",))  # not a tile of this kernel
+    with ProfileDB(tmp_path / "db.sqlite") as db:
+        res, stats = measure.measure([job], db, Options(threads=1, repeats=2, min_repeat_ms=0.1))
+    assert res[job.ident].status == "refused" and stats.refused == 1
 
 
 def test_a_dominated_generated_kernel_is_timed_once(tmp_path):

@@ -119,6 +119,29 @@ def run_onnx_node(op_type: str, attrs: Mapping[str, Any], inputs: Sequence[np.nd
     return [np.asarray(r) for r in ev.run(None, feeds)]
 
 
+def _load_external_data(proto, path: Path) -> None:
+    """Weights stored beside the model (ONNX external data): a clear error naming the missing file."""
+    onnx = _onnx()
+    from onnx.external_data_helper import load_external_data_for_model, uses_external_data
+    locations = set()
+    for t in proto.graph.initializer:
+        if uses_external_data(t):
+            loc = next((e.value for e in t.external_data if e.key == "location"), "?")
+            locations.add(loc)
+    if not locations:
+        return
+    missing = sorted(loc for loc in locations if not (path.parent / loc).exists())
+    if missing:
+        raise KernorchError(f"{path}: the weights are stored as external data in {', '.join(missing)}, which is "
+                            f"missing beside the model (in {path.parent})")
+    try:
+        load_external_data_for_model(proto, str(path.parent))
+    except Exception as e:  # a truncated or unreadable data file
+        raise KernorchError(f"{path}: cannot read its external data {', '.join(sorted(locations))} "
+                            f"({type(e).__name__}: {str(e)[:200]})") from None
+    del onnx
+
+
 def load(model: Any, shapes: Mapping[str, Sequence[int]] | None = None) -> OnnxGraph:
     """Load a path or ModelProto, bind input shapes, infer types and fold constants."""
     onnx = _onnx()
@@ -131,9 +154,10 @@ def load(model: Any, shapes: Mapping[str, Sequence[int]] | None = None) -> OnnxG
         if p.is_dir():
             raise KernorchError(f"{source}: is a directory, expected an .onnx file")
         try:
-            proto = onnx.load(source)
+            proto = onnx.load(source, load_external_data=False)
         except Exception as e:  # protobuf DecodeError and friends
             raise KernorchError(f"{source}: not a valid ONNX model ({type(e).__name__}: {str(e)[:200]})") from None
+        _load_external_data(proto, p)
     elif isinstance(model, onnx.ModelProto):
         proto = model
         source = proto.graph.name or "<model>"

@@ -24,6 +24,10 @@ from .target import vector_bits
 
 log = logging.getLogger(__name__)
 
+#: Bumped whenever a rule or template generates other code: measurements of older schedules are
+#: then not reused (the profile database keys every measurement by it, see measure.versions).
+SCHEDULES_VERSION = 2
+
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
 
@@ -115,6 +119,10 @@ def _is_reduction(stmt) -> bool:
 
 def _var_names(expr) -> set[str]:
     return {v.name for v in tirx.analysis.undefined_vars(expr)}
+
+
+def _output_buffers_of(sch) -> set[str]:
+    return {b.name for b in sch.mod["main"].params}
 
 
 def _output_buffers(func) -> set[str]:
@@ -488,6 +496,8 @@ def _schedule_block(sch, blk, lanes: int) -> None:
         red_work = 1
         for lp in loops[nsp:]:
             red_work *= _extent(sch, lp) or 1
+        if _vectorize_across_outputs(sch, blk, lanes, nsp, red_work):
+            return
         try:
             rf_blk = _rfactor_lanes(sch, blk, lanes)
         except Exception:  # noqa: BLE001 - keep the serial reduction
@@ -503,6 +513,44 @@ def _schedule_block(sch, blk, lanes: int) -> None:
         return
     outer = _vectorize_inner(sch, blk, lanes)
     _parallel(sch, outer, min_work=lanes)
+
+
+def _vectorize_across_outputs(sch, blk, lanes: int, nsp: int, red_work: int) -> bool:
+    """A reduction whose inputs are contiguous along one output axis (the channels of a blocked
+    layout: pooling and spatial means in nChw16c) is vectorized across outputs: the reduction loops
+    move outside that axis, so each step loads one vector of the block's channels. Returns False
+    (and changes nothing) when no blocked input is read along an output axis."""
+    stmt = sch.get(blk)
+    block = None
+    axis = None
+    spatial = [iv.var.name for iv in stmt.iter_vars if int(iv.iter_type) == _DATA_PAR]
+    for r in stmt.reads:
+        if len(r.source.shape) != 5:
+            continue
+        last = r.region[-1].min
+        if isinstance(last, tirx.FloorMod):
+            used = [v for v in spatial if v in _var_names(last)]
+            if len(used) == 1:
+                block, axis = int(r.source.shape[-1]), spatial.index(used[0])
+                break
+    if block is None or block % lanes and lanes % block:
+        return False
+    loops = list(sch.get_loops(blk))
+    ext = _extent(sch, loops[axis])
+    if ext is None or ext % block:
+        return False
+    out = stmt.writes[0].source
+    if len(out.shape) == nsp and out.name not in _output_buffers_of(sch):
+        # the accumulators (an intermediate) blocked like the input, so a vector of them is contiguous
+        def blocked(*idx):
+            return (*idx[:axis], idx[axis] // block, *idx[axis + 1:], idx[axis] % block)
+        sch.transform_layout(blk, ("write", 0), blocked)
+    co, ci = sch.split(loops[axis], factors=[None, block])
+    outer = [lp for i, lp in enumerate(loops[:nsp]) if i != axis] + [co]
+    sch.reorder(*outer, *loops[nsp:], ci)
+    sch.vectorize(ci)
+    _parallel(sch, [lp for lp in outer if (_extent(sch, lp) or 2) > 1][:3] or outer[:1], min_work=red_work * block)
+    return True
 
 
 # -- rule: dlight GEMV ---------------------------------------------------------------------------
