@@ -138,7 +138,8 @@ def _check(problem: Problem) -> dict[str, Choice]:
                 raise KernorchError(f"choice {c.id!r} has unknown members: {sorted(c.members - prims)}")
             if not outs <= c.members:
                 raise KernorchError(f"choice {c.id!r} writes tensors that are not its members: {sorted(outs - c.members)}")
-            if not ins <= prims or ins & c.members:
+            plain_sources = {t for t in c.inputs if t in problem.sources}  # sources are tracked only blocked
+            if not ins <= prims | problem.sources or ins & c.members or plain_sources:
                 raise KernorchError(f"choice {c.id!r} has invalid inputs {sorted(c.inputs)}")
         if c.cost_ns < 0:
             raise KernorchError(f"choice {c.id!r} has a negative cost")

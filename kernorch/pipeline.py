@@ -247,7 +247,8 @@ def problem_for(graph: Graph, candidates, measurements, options: Options, machin
                 if m is None:
                     continue
                 io = candidate_io(graph, c.members, c.inputs, c.outputs, m.schedule)
-                reads = frozenset(q for t, q in zip(io.inputs, io.reads) if t in c.deps)
+                # prim outputs always; a graph input only when read blocked (it needs a conversion)
+                reads = frozenset(q for t, q in zip(io.inputs, io.reads) if t in c.deps or "@" in q)
                 cid = f"c{i}.{impl.name}" + (f".b{cls}" if cls else "")
                 choices.append(orch.Choice(cid, c.key, impl.name, frozenset(c.members), reads, frozenset(io.writes),
                                            int(m.median_ns), tuple(c.members), m.schedule))

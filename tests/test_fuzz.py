@@ -43,7 +43,7 @@ def _log(entry: dict) -> None:
 
 
 @settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(st.integers(0, 2**32 - 1))
+@given(seed=st.integers(0, 2**32 - 1))
 def test_random_graph_matches_onnx_runtime(seed, fuzz_options):
     model, ops = random_model(seed)
     feeds = executor.random_feeds(pipeline.load(model, fuzz_options).graph, seed)

@@ -234,3 +234,17 @@ def test_two_models_of_one_architecture_keep_their_own_weights(optimized, tmp_pa
         ref = executor.ort_session(m, 1).run(None, feeds)[0]
         assert executor.max_error(ref, c.run(feeds)["y"])["rel"] < 1e-4
     assert not np.allclose(compiled.run(feeds)["y"], compiled2.run(feeds)["y"])
+
+
+def test_a_blocked_kernel_reading_a_graph_input_gets_its_conversion(tmp_path):
+    """Found by the fuzz suite (seed 154): a blocked kernel that reads the model's input must be
+    preceded by the input's conversion to the blocked layout."""
+    from fuzzgraphs import random_model
+    model, _ = random_model(154)
+    opts = Options(db_path=str(tmp_path / "db.sqlite"), threads=1, max_kernel_size=3, repeats=1, min_repeat_ms=0.2,
+                   compare_untuned=0)
+    compiled, planned = pipeline.optimize(model, opts, runs=0)
+    feeds = executor.random_feeds(compiled.graph, 154)
+    ref = executor.ort_session(model, 1).run(None, feeds)
+    for r, o in zip(ref, model.graph.output):
+        assert executor.max_error(r, compiled.run(feeds)[o.name])["rel"] < 1e-4
