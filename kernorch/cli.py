@@ -86,6 +86,9 @@ def _tuning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-kernel-size", type=int, default=None, help="primitives per candidate kernel")
     p.add_argument("--max-candidates", type=int, default=None, help="candidates per partition")
     p.add_argument("--max-partition", type=int, default=None, help="primitives per partition")
+    p.add_argument("--measure-all", action="store_true",
+                   help="time every fused candidate up front, instead of only those the solver wants on an "
+                        "optimistic estimate (slower; the plan is the same unless an estimate was too high)")
     p.add_argument("--allow-python-kernels", action="store_true",
                    help="let operators without a compiled kernel (TopK, NonZero, ...) run through onnx's "
                         "reference evaluator as Python callbacks inside the executable (slow; off by default)")
@@ -115,6 +118,8 @@ def options_from(args) -> Options:
             kw[name] = v
     if getattr(args, "allow_python_kernels", False):
         kw["python_kernels"] = True
+    if getattr(args, "measure_all", False):
+        kw["prune"] = False
     if getattr(args, "remeasure", False):
         kw["remeasure"] = True
     if getattr(args, "time_limit", None):

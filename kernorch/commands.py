@@ -130,6 +130,7 @@ def candidates_report(planned) -> dict:
     return {"model": planned.loaded.source, "primitives": len(planned.loaded.graph.prims), "partitions": parts,
             "candidates": len(en.candidates), "distinct_keys": len({c.key for c in en.candidates}),
             "jobs": s.jobs, "from_database": s.cached, "measured": s.measured, "refused": s.refused,
+            "estimated": len(planned.measured.pending),
             "remeasured": s.remeasured, "measure_seconds": round(s.seconds, 2),
             "seconds": {k: round(v, 2) for k, v in planned.seconds.items()},
             "tiles": tile_report(planned), "untuned_vs_default": untuned_speedups(ms)}
@@ -193,7 +194,8 @@ def cmd_candidates(args, options: Options) -> int:
                [[t["shape"], ", ".join(f"{k} {v:.1f}" for k, v in sorted(t["tiles_us"].items(), key=lambda kv: kv[1])),
                  t["kept"], f"{t['gflops']:.0f}" if t["gflops"] else "-"] for t in rep["tiles"]])
     print(f"{rep['candidates']} candidates, {rep['distinct_keys']} distinct keys; {rep['jobs']} measurements needed: "
-          f"{rep['from_database']} from the database, {rep['measured']} measured"
+          f"{rep['from_database']} from the database, {rep['measured']} measured, {rep['estimated']} fused kernels "
+          "left to the solver's estimates (measured when it wants them)"
           + (f" ({rep['remeasured']} of them again)" if rep.get("remeasured") else "")
           + f", {rep['refused']} refused, in {rep['measure_seconds']} s")
     sp = rep["untuned_vs_default"]
@@ -265,6 +267,11 @@ def _print_optimize(rep: dict, outdir) -> None:
         name = f"{kind}{' (blocked)' if layout and k['members'] else ''}"
         by_sched[name] = by_sched.get(name, 0) + 1
     print("kernels: " + ", ".join(f"{v} {k}" for k, v in sorted(by_sched.items())))
+    m = rep.get("measure") or {}
+    if m:
+        print(f"measurements: {m.get('measured', 0)} taken, {m.get('cached', 0)} from the database, "
+              f"{m.get('refused', 0)} refused; {m.get('estimated', 0)} fused candidates never measured (the solver "
+              f"did not want them on an optimistic estimate; {m.get('rounds', 0)} solve-and-measure rounds)")
     print(f"max error vs ONNX Runtime: {rep['verify']['max_rel_error']:.2e} of the output scale")
     print("time per stage: " + ", ".join(f"{k} {v:.1f}s" for k, v in rep["seconds"].items()))
     print(f"saved to {outdir}")

@@ -180,6 +180,16 @@ class Graph:
                 raise KernorchError(f"graph output {o!r} is never produced")
 
 
+def kernel_graph(graph: Graph, members: Iterable[str], inputs: Iterable[str], outputs: Iterable[str]) -> Graph:
+    """The sub-graph of one kernel, self-contained (picklable to a worker): its prims, its
+    non-constant inputs as graph inputs, the weights it reads as constants."""
+    inputs = tuple(inputs)
+    prims = tuple(graph.by_name[m] for m in members)
+    consts = {t: graph.constants[t] for t in inputs if t in graph.constants}
+    ins = tuple((t, graph.type_of(t)) for t in inputs if t not in graph.constants)
+    return Graph(ins, tuple(outputs), prims, consts, name="kernel")
+
+
 def structural_key(prims: Iterable[Prim], graph: Graph, outputs: Iterable[str] | None = None) -> str:
     """A name-independent hash of a set of prims: ops, attributes, types and wiring.
 

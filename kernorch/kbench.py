@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from .ir import Graph, Prim
+from .timing import time_repeats
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def contractions(graph: Graph) -> list[Contraction]:
     """The distinct matmul/conv prims of `graph` (structural key of the prim alone), most frequent first."""
     from . import primitives
     from .ir import structural_key
-    from .measure import kernel_graph
+    from .ir import kernel_graph
     seen: dict[str, list] = {}
     for p in graph.prims:
         if p.op not in ("matmul", "conv"):
@@ -152,18 +153,7 @@ def _prepare_kernorch(jobs: list, threads: int) -> int:
 
 def _time_block(i: int, repeats: int, min_repeat_s: float) -> float:
     """Median seconds per call of prepared kernel `i` over `repeats` repeats of >= min_repeat_s each."""
-    call = _READY[i]
-    call()
-    t0 = time.perf_counter()
-    call()
-    number = max(1, int(min_repeat_s / max(time.perf_counter() - t0, 1e-7)))
-    reps = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(number):
-            call()
-        reps.append((time.perf_counter() - t0) / number)
-    return float(np.median(reps))
+    return float(np.median(time_repeats(_READY[i], repeats, min_repeat_s)))
 
 
 def bench_kernels(model, options, threads: Sequence[int] = (1, 2), repeats: int = 5, rounds: int = 3) -> dict:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .ir import Graph, make_prim, structural_key
+from .ir import Graph, kernel_graph, make_prim, structural_key
 from .kernels import blocked, layout_of
 from .kernels.variants import block_of
 
@@ -45,7 +45,6 @@ def _io(kg: Graph, inputs, outputs, schedule: str, names_in, names_out) -> Kerne
 
 def candidate_io(graph: Graph, members, inputs, outputs, schedule: str) -> KernelIO:
     """A candidate kernel (members of `graph`) in variant `schedule`."""
-    from .measure import kernel_graph
     kg = kernel_graph(graph, members, inputs, outputs)
     return _io(kg, inputs, outputs, schedule, inputs, outputs)
 

@@ -10,6 +10,7 @@ or hangs is recorded as refused, with the reason, and never chosen.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import tempfile
@@ -24,6 +25,7 @@ import numpy as np
 from . import __version__, primitives, progress
 from .database import Measurement, ProfileDB
 from .database import best as best_of
+from .timing import time_repeats
 from .ir import Graph, KernorchError
 from .options import Machine, Options
 from .workers import WorkerPool
@@ -64,14 +66,6 @@ class KernelJob:
 
 def describe(prims) -> str:
     return "+".join(p.op for p in prims)
-
-
-def kernel_graph(graph: Graph, members: Sequence[str], inputs: Sequence[str], outputs: Sequence[str]) -> Graph:
-    """The sub-graph of one kernel, self-contained (picklable to a worker)."""
-    prims = tuple(graph.by_name[m] for m in members)
-    consts = {t: graph.constants[t] for t in inputs if t in graph.constants}
-    ins = tuple((t, graph.type_of(t)) for t in inputs if t not in graph.constants)
-    return Graph(ins, tuple(outputs), prims, consts, name="kernel")
 
 
 @functools.lru_cache(maxsize=None)
@@ -186,7 +180,7 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
         err = check(job, kernel(*inputs), reference(job, inputs)) if verify else None
         outs = [np.empty(tuple(int(d) for d in job.graph.type_of(o).shape), job.graph.type_of(o).dtype)
                 for o in job.outputs]  # preallocated, as the VM passes them
-        runs = _time_python(lambda *xs: kernel.run_dps(*xs, *outs), inputs, repeats, min_repeat_ms)
+        runs = time_repeats(lambda: kernel.run_dps(*inputs, *outs), repeats, min_repeat_ms / 1e3)
         return {"runs": runs, "error": err}
     from .backends import tvm as tb
     kernel = tb.load(path)
@@ -197,21 +191,6 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
             return {"runs": [float(first[0])], "error": None, "cut": True}
     runs = kernel.time(*inputs, number=1, repeat=repeats, min_repeat_ms=int(min_repeat_ms))
     return {"runs": [float(r) for r in runs], "error": None}
-
-
-def _time_python(fn, inputs, repeats: int, min_repeat_ms: float) -> list[float]:
-    fn(*inputs)  # warm-up
-    t0 = time.perf_counter()
-    fn(*inputs)
-    once = max(time.perf_counter() - t0, 1e-7)
-    number = max(1, int(min_repeat_ms / 1e3 / once))
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(number):
-            fn(*inputs)
-        runs.append((time.perf_counter() - t0) / number)
-    return runs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,6 +205,8 @@ class MeasureStats:
     refused: int = 0
     remeasured: int = 0     # of `measured`: taken again (--remeasure)
     seconds: float = 0.0
+    estimated: int = 0      # fused kernels never measured: the solver never wanted them (pipeline.refine)
+    rounds: int = 0         # solve-and-measure rounds until the plan held only measured kernels
 
     def merged(self, other: "MeasureStats") -> "MeasureStats":
         return MeasureStats(*(a + b for a, b in zip(astuple(self), astuple(other))))
@@ -235,6 +216,38 @@ def worker_env(threads: int) -> dict[str, str]:
     """Workers start with TVM's thread count set (TVM reads it when its pool starts)."""
     from .backends.tvm import thread_env
     return thread_env(threads)
+
+
+class Workers:
+    """The build and timing worker processes of a series of `measure` calls, started once (each
+    worker imports TVM: about a second) and closed with the context."""
+
+    def __init__(self, options: Options):
+        self.options = options
+        self._builders: WorkerPool | None = None
+        self._timer: WorkerPool | None = None
+
+    def builders(self) -> WorkerPool:
+        if self._builders is None:
+            self._builders = WorkerPool(self.options.workers, worker_env(self.options.threads))
+        return self._builders
+
+    def timer(self) -> WorkerPool:
+        if self._timer is None:
+            self._timer = WorkerPool(1, worker_env(self.options.threads))
+        return self._timer
+
+    def close(self) -> None:
+        for p in (self._builders, self._timer):
+            if p is not None:
+                p.close()
+        self._builders = self._timer = None
+
+    def __enter__(self) -> "Workers":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def transient(error: str) -> bool:
@@ -261,6 +274,23 @@ def _run_with_retry(pool: WorkerPool, fn, jobs: list[KernelJob], args, timeout: 
         group = retry
 
 
+def stored(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine: Machine) -> dict:
+    """The measurements the database already holds for `jobs` (ok or refused; transient failures
+    are not verdicts): what `measure` would serve without running anything."""
+    target = machine.fingerprint(options.threads)
+    by_version: dict[str, list[KernelJob]] = {}
+    for j in jobs:
+        by_version.setdefault(versions(j.impl), []).append(j)
+    out = {}
+    for ver, js in by_version.items():
+        hist = db.history(target, ver, [j.ident for j in js])
+        for j in js:
+            ms = [m for m in hist.get(j.ident) or [] if m.status != "failed"]
+            if ms:
+                out[j.ident] = best_of(ms)
+    return out
+
+
 def _likely_slower(job: KernelJob) -> bool:
     """Timing order within a kernel's variants: the variant likely to be faster first, so the slower
     one is cut after one call (DOMINATED). Convolutions are fast blocked, the rest plain."""
@@ -269,7 +299,8 @@ def _likely_slower(job: KernelJob) -> bool:
 
 
 def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine: Machine | None = None,
-            label: str = "measure") -> tuple[dict[tuple[str, str, str], Measurement], MeasureStats]:
+            label: str = "measure", workers: Workers | None = None
+            ) -> tuple[dict[tuple[str, str, str], Measurement], MeasureStats]:
     """Measure every job not already in the database; return the measurement of every job.
 
     Verdicts: a kernel whose build raises, or whose result differs from the reference, is refused
@@ -329,13 +360,16 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
         else:
             record(j, "refused", reason, r.seconds)
 
-    env = worker_env(options.threads)
-    with tempfile.TemporaryDirectory(prefix="kernorch-build-") as tmp:
+    own = workers is None
+    workers = workers or Workers(options)
+    with tempfile.TemporaryDirectory(prefix="kernorch-build-") as tmp, contextlib.ExitStack() as stack:
+        if own:
+            stack.callback(workers.close)
         built: dict[tuple[str, str, str], dict] = {}
         tvm_jobs = [j for j in todo if registry.native(j.impl)]
         if tvm_jobs:
-            with WorkerPool(min(options.workers, len(tvm_jobs)), env) as pool, \
-                    progress.bar(f"{label}: build", len(tvm_jobs)) as bar:
+            pool = workers.builders()
+            with progress.bar(f"{label}: build", len(tvm_jobs)) as bar:
                 tune_dir = options.tune_dir if any(j.impl == "tvm-tuned" for j in tvm_jobs) else None
                 for j, r in _run_with_retry(pool, _build_task, tvm_jobs,
                                             lambda j: (j, options.threads, tmp, options.verify, tune_dir),
@@ -357,7 +391,8 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
             b = best.get(j.key)
             return DOMINATED * b / 1e9 if (b is not None and registry.native(j.impl)) else None
 
-        with WorkerPool(1, env) as pool, progress.bar(f"{label}: time", len(timed)) as bar:
+        pool = workers.timer()
+        with progress.bar(f"{label}: time", len(timed)) as bar:
             groups = ([j for j in timed if not registry.native(j.impl)],
                       sorted((j for j in timed if registry.native(j.impl)), key=_likely_slower))
             for group in groups:  # the cutoffs of the second group come from the first

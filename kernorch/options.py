@@ -140,6 +140,7 @@ class Options:
     solver_time_limit: float = 60.0
     python_kernels: bool = False        # allow operators kept whole to run as Python callbacks (backends.registry)
     layouts: bool = True                # offer blocked-layout (nChw16c) variants and conversions to the solver
+    prune: bool = True                  # measure a fused kernel only when the solver wants it (estimate first)
     remeasure: bool = False             # time every kernel again (measure.REMEASURE_TRIES); the fastest counts
     compare_untuned: int = 8            # also time this many kernels untuned, for the report
     verify: bool = True

@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from .ir import KernorchError
+from .timing import time_calls
 
 log = logging.getLogger(__name__)
 
@@ -165,15 +166,7 @@ def _outputs_task(name: str) -> list[np.ndarray]:
 
 
 def _time_task(name: str, runs: int, warmup: int) -> list[float]:
-    call = _PREPARED[name][0]
-    for _ in range(warmup):
-        call()
-    out = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        call()
-        out.append(time.perf_counter() - t0)
-    return out
+    return time_calls(_PREPARED[name][0], runs, warmup)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -255,7 +248,7 @@ class Timer:
 
     def _block(self, name: str, runs: int, warmup: int) -> list[float]:
         if name in self.local:
-            return _time_calls(self.local[name], runs, warmup)
+            return time_calls(self.local[name], runs, warmup)
         return self._call(name, _time_task, name, runs, warmup)
 
     def rounds(self, rounds: int, block: int = 3, warmup: int = 1, max_seconds: float = 120.0) -> dict[str, list[float]]:
@@ -279,17 +272,6 @@ class Timer:
                     self.info[name]["stopped_early"] = True
                     active.remove(name)
         return times
-
-
-def _time_calls(call: Callable[[], Any], runs: int, warmup: int) -> list[float]:
-    for _ in range(warmup):
-        call()
-    out = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        call()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def stats(times_s) -> dict:

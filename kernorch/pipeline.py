@@ -25,7 +25,7 @@ from . import measure as meas
 from .backends import registry
 from .database import Measurement, ProfileDB
 from .frontend import onnx as frontend
-from .ir import Graph, KernorchError
+from .ir import Graph, KernorchError, kernel_graph, structural_key
 from .kernels import blocked, has_blocked_variant, prim_tiles, split
 from .kernels.variants import CONVERSIONS
 from .layouts import candidate_io, conversion, conversion_key, conversions
@@ -58,11 +58,15 @@ class Loaded:
 
 @dataclass(frozen=True)
 class Measured:
-    """Every measurement of every (key, impl, schedule) the solver may use or the report shows."""
+    """Every measurement of every (key, impl, schedule) the solver may use or the report shows, and
+    the jobs not measured yet with their optimistic estimates (see kernorch.estimate)."""
 
     measurements: Mapping[tuple[str, str, str], Measurement]
     stats: meas.MeasureStats
     tiles: Mapping[str, str] = field(default_factory=dict)   # contraction prim -> its fastest tile
+    pending: Mapping[tuple[str, str, str], meas.KernelJob] = field(default_factory=dict)
+    estimates: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
+    promise: Mapping[tuple[str, str, str], float] = field(default_factory=dict)  # estimate / members alone
 
     def with_measurement(self, m: Measurement) -> "Measured":
         """A copy where `m` replaces the earlier measurements of its (key, impl)."""
@@ -95,7 +99,7 @@ def enumerate_candidates(graph: Graph, options: Options) -> cands.Enumeration:
 # ------------------------------------------------------------------------------------------------
 
 def _job(graph: Graph, c, impl: str, schedule: str) -> meas.KernelJob:
-    kg = meas.kernel_graph(graph, c.members, c.inputs, c.outputs)
+    kg = kernel_graph(graph, c.members, c.inputs, c.outputs)
     return meas.KernelJob(c.key, impl, schedule, kg, c.inputs, c.outputs)
 
 
@@ -165,7 +169,7 @@ def candidate_jobs(graph: Graph, candidates, options: Options, machine: Machine,
     untuned = 0
     impls = registry.measured(options)
     for c in candidates:
-        kg = meas.kernel_graph(graph, c.members, c.inputs, c.outputs)
+        kg = kernel_graph(graph, c.members, c.inputs, c.outputs)
         for impl in impls:
             if impl.supports(kg, kg.prims, c.inputs, c.outputs) is not None:
                 continue
@@ -182,26 +186,99 @@ def candidate_jobs(graph: Graph, candidates, options: Options, machine: Machine,
     return out + conversion_jobs(graph, out, machine)
 
 
-def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Options, machine: Machine) -> Measured:
-    """Time the micro-kernel tiles of every contraction, then every candidate in each layout class
-    (its contraction's fastest tile, or the default schedule) and the layout conversions; a fused
-    candidate whose tile does not apply is timed with the default schedule instead."""
-    by_prim = tile_jobs(graph, enumeration.candidates, options, machine)
-    results, stats = meas.measure([j for js in by_prim.values() for j in js], db, options, machine, label="tiles")
-    tiles = fastest_schedules(results, by_prim)
-    jobs = candidate_jobs(graph, enumeration.candidates, options, machine, tiles)
-    more, s2 = meas.measure(jobs, db, options, machine)
-    results.update(more)
+def _measure_with_fallback(jobs, db: ProfileDB, options: Options, machine: Machine, label: str,
+                           workers: meas.Workers | None = None):
+    """Measure `jobs`; a fused kernel whose contraction's tile does not apply to it is timed with
+    the default schedule of its layout class instead."""
+    results, stats = meas.measure(jobs, db, options, machine, label=label, workers=workers)
     refused = [replace(j, schedule=_in_class(split(j.schedule)[0], "default")) for j in jobs
                if split(j.schedule)[1] not in ("default", *CONVERSIONS) and registry.native(j.impl)
                and not results[j.ident].ok]
     if refused:
         log.info("%d fused kernels refused their contraction's tile; timing them with the default schedule",
                  len(refused))
-        fallback, s3 = meas.measure(refused, db, options, machine, label="fallback")
+        fallback, s2 = meas.measure(refused, db, options, machine, label="fallback", workers=workers)
         results.update(fallback)
-        s2 = s2.merged(s3)
-    return Measured(results, stats.merged(s2), {f"{p}@{cls}" if cls else p: s for (p, cls), s in tiles.items()})
+        stats = stats.merged(s2)
+    return results, stats
+
+
+def _deferrable(job: meas.KernelJob) -> bool:
+    """Fused generated kernels wait for the solver to want them; single prims, conversions and
+    the untuned comparisons are always measured."""
+    return len(job.graph.prims) > 1 and registry.native(job.impl) and job.schedule != "none"
+
+
+def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Options, machine: Machine,
+                       workers: meas.Workers | None = None) -> Measured:
+    """Time the micro-kernel tiles of every contraction, then every candidate in each layout class
+    (its contraction's fastest tile, or the default schedule) and the layout conversions.
+
+    With `options.prune`, a fused candidate that the profile database does not hold yet is not
+    timed here: it gets an optimistic estimate, and `refine` measures it only when the solver
+    wants it."""
+    by_prim = tile_jobs(graph, enumeration.candidates, options, machine)
+    results, stats = meas.measure([j for js in by_prim.values() for j in js], db, options, machine, label="tiles",
+                                  workers=workers)
+    tiles = fastest_schedules(results, by_prim)
+    jobs = candidate_jobs(graph, enumeration.candidates, options, machine, tiles)
+    pending: dict = {}
+    if options.prune:
+        have = meas.stored(jobs, db, options, machine)
+        pending = {j.ident: j for j in jobs if j.ident not in have and _deferrable(j)}
+        jobs = [j for j in jobs if j.ident not in pending]
+    more, s2 = _measure_with_fallback(jobs, db, options, machine, "measure", workers)
+    results.update(more)
+    measured = Measured(results, stats.merged(s2), {f"{p}@{cls}" if cls else p: s for (p, cls), s in tiles.items()})
+    return _with_pending(measured, pending, options)
+
+
+def _with_pending(measured: Measured, pending: Mapping, options: Options) -> Measured:
+    """`measured` with `pending` jobs and their estimates (kernorch.estimate), from the singletons
+    measured so far."""
+    if not pending:
+        return replace(measured, pending={}, estimates={}, promise={})
+    from .calibrate import calibrate
+    from .estimate import fused_estimate_ns
+    cal = calibrate(options.threads)
+    alone: dict[str, int] = {}
+    for (key, impl, sched), m in measured.measurements.items():
+        if m.ok and sched != "none" and len(m.description.split("+")) == 1:
+            alone.setdefault(key, m.median_ns)
+            alone[key] = min(alone[key], m.median_ns)
+    cheapest = min(alone.values(), default=0)
+    prim_alone = {}
+    for j in pending.values():
+        for p in j.graph.prims:
+            if p.name not in prim_alone:
+                key = structural_key([p], j.graph, [p.name])  # the key of the prim as a kernel of its own
+                if key in alone:
+                    prim_alone[p.name] = alone[key]
+    estimates = {i: fused_estimate_ns(j.graph, cal["peak_gflops"], cal["bandwidth_gbs"], prim_alone, cheapest)
+                 for i, j in pending.items()}
+    promise = {i: estimates[i] / max(1, sum(prim_alone.get(p.name, 0) for p in j.graph.prims))
+               for i, j in pending.items()}
+    return replace(measured, pending=dict(pending), estimates=estimates, promise=promise)
+
+
+def promising(measured: Measured, wanted, rounds: int) -> list:
+    """What a refine round measures: the kernels the plan wants, and as many more (at least 16,
+    doubling every round up to 32 times that) of the pending fusions whose estimate saves most
+    against their members measured alone: the solver would ask for them in later rounds, and a
+    round's solve costs more than a batch of measurements."""
+    wanted = list(dict.fromkeys(wanted))
+    more = max(16, len(wanted)) * 2 ** min(rounds, 5)
+    rest = sorted((i for i in measured.pending if i not in set(wanted)), key=lambda i: (measured.promise[i], i))
+    return wanted + rest[:more]
+
+
+def refine(measured: Measured, idents, db: ProfileDB, options: Options, machine: Machine,
+           workers: meas.Workers | None = None) -> Measured:
+    """Measure the pending jobs `idents` (the solver chose them on their estimates)."""
+    jobs = [measured.pending[i] for i in idents if i in measured.pending]
+    results, stats = _measure_with_fallback(jobs, db, options, machine, "refine", workers)
+    merged = replace(measured, measurements={**measured.measurements, **results}, stats=measured.stats.merged(stats))
+    return _with_pending(merged, {i: j for i, j in measured.pending.items() if i not in results}, options)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -228,15 +305,26 @@ class Spec:
     members: tuple[str, ...]
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
+    ident: tuple[str, str, str] = ("", "", "")   # its measurement (key, impl, schedule)
 
 
-def problem_for(graph: Graph, candidates, measurements, options: Options, machine: Machine | None = None):
+def _estimated(measured: Measured) -> dict:
+    """The pending jobs as measurements holding their estimates (reason "estimate")."""
+    return {i: Measurement("", j.key, j.impl, j.schedule, "", "ok", measured.estimates[i], (), "estimate")
+            for i, j in measured.pending.items()}
+
+
+def problem_for(graph: Graph, candidates, measurements, options: Options, machine: Machine | None = None,
+                estimates: Mapping | None = None):
     """The orchestration problem: one choice per (candidate, allowed implementation, layout class)
-    with a measured cost, and a conversion choice per direction for every tensor some choice reads
-    or writes blocked. Returns the problem and a map from choice id to its Spec."""
+    with a measured cost (or, not measured yet, its estimate), and a conversion choice per direction
+    for every tensor some choice reads or writes blocked. Returns the problem and a map from choice
+    id to its Spec."""
     from . import orchestrate as orch
     from . import primitives
     costs = best_costs(measurements)
+    for k, m in best_costs(estimates or {}).items():
+        costs.setdefault(k, m)  # a measured variant of the class counts; the estimate fills the gap
     choices, by_id = [], {}
     qualified_tensors: dict[str, None] = {}
     lanes = (machine or Machine.host()).lanes
@@ -252,7 +340,7 @@ def problem_for(graph: Graph, candidates, measurements, options: Options, machin
                 cid = f"c{i}.{impl.name}" + (f".b{cls}" if cls else "")
                 choices.append(orch.Choice(cid, c.key, impl.name, frozenset(c.members), reads, frozenset(io.writes),
                                            int(m.median_ns), tuple(c.members), m.schedule))
-                by_id[cid] = Spec(tuple(c.members), tuple(c.inputs), tuple(c.outputs))
+                by_id[cid] = Spec(tuple(c.members), tuple(c.inputs), tuple(c.outputs), (c.key, impl.name, m.schedule))
                 for q in (*reads, *io.writes):
                     if "@" in q:
                         qualified_tensors.setdefault(q)
@@ -273,7 +361,7 @@ def problem_for(graph: Graph, candidates, measurements, options: Options, machin
             cid = f"{split(sched)[1]}:{t}"
             choices.append(orch.Choice(cid, key, "tvm", frozenset(), reads, frozenset(io.writes), int(m.median_ns),
                                        (), sched))
-            by_id[cid] = Spec((), (t,), (t,))
+            by_id[cid] = Spec((), (t,), (t,), (key, "tvm", sched))
     deps = {p.name: tuple(t for t in dict.fromkeys(p.inputs) if t in graph.by_name) for p in graph.prims}
     problem = orch.Problem(tuple(p.name for p in graph.prims), deps, tuple(graph.outputs), tuple(choices),
                            {p.name: primitives.kind(p.op) for p in graph.prims}, sources)
@@ -298,17 +386,21 @@ def uncovered(graph: Graph, enumeration, problem, measurements, options: Options
 
 
 def orchestrate(graph: Graph, enumeration, measured: Measured, options: Options,
-                meta: Mapping[str, str] | None = None):
+                meta: Mapping[str, str] | None = None, previous=None):
     """Solve the binary linear program over every measured candidate and make the plan."""
     from .plan import make_plan
-    problem, by_id = problem_for(graph, enumeration.candidates, measured.measurements, options)
+    problem, by_id = problem_for(graph, enumeration.candidates, measured.measurements, options,
+                                 estimates=_estimated(measured))
     why = uncovered(graph, enumeration, problem, measured.measurements, options)
     if why:
         raise KernorchError(why)
-    plan = make_plan(problem, options.solver_time_limit)
+    plan = make_plan(problem, options.solver_time_limit, previous)
     # the plan's kernels take every tensor they read, in the order the lowering numbers them
     kernels = tuple(replace(k, inputs=by_id[k.id].inputs, outputs=by_id[k.id].outputs) for k in plan.kernels)
-    return replace(plan, kernels=kernels, meta=dict(meta or {}))
+    wanted = [by_id[k.id].ident for k in plan.kernels if by_id[k.id].ident in measured.pending]
+    wanted += [by_id[a.id].ident for k in plan.kernels for a in k.alternatives
+               if by_id[a.id].ident in measured.pending and a.cost_ns < k.cost_ns]
+    return replace(plan, kernels=kernels, meta=dict(meta or {}), estimated=tuple(dict.fromkeys(wanted)))
 
 
 def plan_meta(source: str, machine: Machine, options: Options) -> dict[str, str]:
@@ -343,22 +435,35 @@ def plan_model(model, options: Options, db: ProfileDB | None = None, machine: Ma
         loaded = load(model, options, clock)
         with clock("enumerate"):
             enumeration = enumerate_candidates(loaded.graph, options)
-        with clock("measure"):
-            measured = measure_candidates(loaded.graph, enumeration, db, options, machine)
         meta = plan_meta(loaded.source, machine, options)
-        with clock("orchestrate"):
-            plan = orchestrate(loaded.graph, enumeration, measured, options, meta)
-        tuning = None
-        if options.budget:
-            from . import tune
+        with meas.Workers(options) as workers:
+            with clock("measure"):
+                measured = measure_candidates(loaded.graph, enumeration, db, options, machine, workers)
 
-            def solve(m: Measured):
+            def solve(m: Measured, previous=None) -> tuple:
+                """Solve; while the plan holds kernels known only by their estimates, measure them
+                (and the most promising others), solve again. Returns (plan, measured)."""
                 with clock("orchestrate"):
-                    return orchestrate(loaded.graph, enumeration, m, options, meta)
+                    plan = orchestrate(loaded.graph, enumeration, m, options, meta, previous)
+                while plan.estimated:
+                    rounds = m.stats.rounds + 1
+                    batch = promising(m, plan.estimated, rounds - 1)
+                    log.info("refine %d: measuring %d kernels the plan wants and %d promising ones (%d unmeasured)",
+                             rounds, len(plan.estimated), len(batch) - len(plan.estimated), len(m.pending))
+                    with clock("measure"):
+                        m = refine(m, batch, db, options, machine, workers)
+                    m = replace(m, stats=replace(m.stats, rounds=rounds))
+                    with clock("orchestrate"):
+                        plan = orchestrate(loaded.graph, enumeration, m, options, meta, previous=plan)
+                return plan, replace(m, stats=replace(m.stats, estimated=len(m.pending)))
 
-            with clock("tune"):
-                plan, measured, tuning = tune.tune_loop(loaded.graph, enumeration, measured, plan, db, options,
-                                                        machine, solve)
+            plan, measured = solve(measured)
+            tuning = None
+            if options.budget:
+                from . import tune
+                with clock("tune"):
+                    plan, measured, tuning = tune.tune_loop(loaded.graph, enumeration, measured, plan, db, options,
+                                                            machine, solve)
         return Planned(loaded, enumeration, measured, plan, tuning, clock.seconds, machine)
     finally:
         if own:

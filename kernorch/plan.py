@@ -75,6 +75,8 @@ class Plan:
     unfused_ns: int | None = None
     greedy_ns: int | None = None
     meta: Mapping[str, str] = field(default_factory=dict)
+    # measurements (key, impl, schedule) of kernels chosen, or close to it, on an estimate only
+    estimated: tuple = field(default=(), compare=False)
 
     @property
     def predicted_ns(self) -> int:
@@ -125,6 +127,7 @@ class Plan:
     # -- serialisation -----------------------------------------------------------------------
     def to_json(self) -> dict:
         d = asdict(self)
+        d.pop("estimated")
         d["meta"] = dict(self.meta)
         d["version"] = PLAN_VERSION
         d["predicted_ns"] = self.predicted_ns
@@ -169,8 +172,10 @@ class Plan:
         return "\n".join(lines)
 
 
-def make_plan(problem: Problem, time_limit: float = 60.0) -> Plan:
-    """Solve and compute both baselines; a baseline that does not exist is recorded as None."""
+def make_plan(problem: Problem, time_limit: float = 60.0, previous: "Plan | None" = None) -> Plan:
+    """Solve and compute both baselines; a baseline that does not exist is recorded as None.
+    `previous`: a plan of an earlier solve of this problem (other costs), the solver's start when it
+    is cheaper than the greedy baseline under today's costs."""
     baselines: dict[str, Solution | None] = {}
     for name, fn in (("unfused", unfused), ("greedy", greedy)):
         try:
@@ -179,5 +184,11 @@ def make_plan(problem: Problem, time_limit: float = 60.0) -> Plan:
             log.info("no %s baseline: %s", name, e)
             baselines[name] = None
     start = baselines["greedy"] or baselines["unfused"]
-    sol = solve(problem, time_limit, initial=list(start.chosen) if start else None)
+    initial = list(start.chosen) if start else None
+    if previous is not None:
+        costs = {c.id: c.cost_ns for c in problem.choices}
+        ids = [k.id for k in previous.kernels]
+        if all(i in costs for i in ids) and (start is None or sum(costs[i] for i in ids) < start.objective_ns):
+            initial = ids
+    sol = solve(problem, time_limit, initial=initial)
     return Plan.from_solution(problem, sol, baselines)

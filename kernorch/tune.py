@@ -40,7 +40,7 @@ from typing import Sequence
 from . import measure as meas
 from .backends import registry
 from .database import Measurement, ProfileDB
-from .ir import KernorchError
+from .ir import KernorchError, kernel_graph
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ def _kernels(graph, candidates, keys) -> dict[str, Kernel]:
     out = {}
     for c in candidates:
         if c.key in keys and c.key not in out:
-            kg = meas.kernel_graph(graph, c.members, c.inputs, c.outputs)
+            kg = kernel_graph(graph, c.members, c.inputs, c.outputs)
             if any(p.op == "opaque" for p in kg.prims):
                 continue
             out[c.key] = Kernel(c.key, meas.KernelJob(c.key, "tvm", "default", kg, c.inputs, c.outputs))
@@ -336,7 +336,8 @@ def _reuse(graph, candidates, measured, db: ProfileDB, state: State, directory: 
 def tune_loop(graph, enumeration, measured, plan, db: ProfileDB, options, machine, solve,
               chunk: int | None = None, max_rounds: int = 1000):
     """Spend `options.budget` tuning the kernels that can change `plan`; after each round,
-    `solve(measured)` gives the next plan. Returns (plan, measured, history):
+    `solve(measured)` gives the next plan and the measurements it needed, as (plan, measured).
+    Returns (plan, measured, history):
 
         history = {"budget", "unit", "spent", "curve": [(seconds, predicted ms)], "kernels": [tuned keys],
                    "kernel_curves": {key: [(trials, best ns)]}, "rounds", "new_trials", "seconds"}
@@ -364,7 +365,7 @@ def tune_loop(graph, enumeration, measured, plan, db: ProfileDB, options, machin
                      "new_trials": 0, "curve": [], "kernels": [], "kernel_curves": {}}
     measured, reused = _reuse(graph, candidates, measured, db, state, directory, options, machine)
     if reused:
-        plan = solve(measured)
+        plan, measured = solve(measured)
     history["reused"] = reused
     history["curve"].append((0.0, plan.predicted_ns / 1e6))
     log.info("tuning: budget %s, %d kernels already tuned, plan %.4f ms", budget, reused, plan.predicted_ns / 1e6)
@@ -427,7 +428,7 @@ def tune_loop(graph, enumeration, measured, plan, db: ProfileDB, options, machin
             log.info("tuned %s (%s): %d trials, %s ns (default %s ns), %.1f s", k.job.description, key, e["trials"],
                      m.median_ns, e["curve"][0][1], time.perf_counter() - ts)
         history["rounds"] += 1
-        plan = solve(measured)
+        plan, measured = solve(measured)
         history["curve"].append((time.perf_counter() - t0, plan.predicted_ns / 1e6))
         log.info("tuning round %d: plan %.4f ms, %.0f of %s spent", history["rounds"], plan.predicted_ns / 1e6,
                  _spent([e for k, e in state.data.items() if k in all_keys], budget), budget)

@@ -248,3 +248,56 @@ def test_a_blocked_kernel_reading_a_graph_input_gets_its_conversion(tmp_path):
     ref = executor.ort_session(model, 1).run(None, feeds)
     for r, o in zip(ref, model.graph.output):
         assert executor.max_error(r, compiled.run(feeds)[o.name])["rel"] < 1e-4
+
+
+def chain_model(path, n=6):
+    """x[256,512] through `n` cheap elementwise nodes: each costs its memory traffic, so a fused run
+    of them costs about what one of them does."""
+    ops = ["Relu", "Neg", "Abs"]
+    nodes = [helper.make_node(ops[i % len(ops)], ["x" if i == 0 else f"t{i - 1}"], [f"t{i}" if i < n - 1 else "y"],
+                              name=f"n{i}") for i in range(n)]
+    g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [256, 512])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [256, 512])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, str(path))
+
+
+@pytest.mark.parametrize("estimate_ns", [1, 10**10])
+def test_pruned_measurement_ends_with_a_plan_of_measured_kernels(tmp_path, monkeypatch, estimate_ns):
+    """prune: fused kernels are measured only when the solver wants them on their estimates; the
+    loop ends when every kernel of the plan was measured. Estimates below any time: the solver keeps
+    asking until it has what it wants; above any time: no fused kernel is measured at all."""
+    import kernorch.estimate
+    monkeypatch.setattr(kernorch.estimate, "fused_estimate_ns", lambda *a: estimate_ns)
+    model = tmp_path / "chain.onnx"
+    chain_model(model)
+    base = Options().with_(**FAST).with_(max_kernel_size=3)
+    pruned = pipeline.plan_model(str(model), base.with_(db_path=str(tmp_path / "a.sqlite")))
+    full = pipeline.plan_model(str(model), base.with_(db_path=str(tmp_path / "b.sqlite"), prune=False))
+    assert not pruned.plan.estimated
+    ms = pruned.measured.measurements
+    assert all((k.key, k.impl, k.schedule) in ms and ms[(k.key, k.impl, k.schedule)].ok for k in pruned.plan.kernels)
+    assert full.measured.stats.estimated == 0 and full.measured.stats.rounds == 0
+    def fused_keys(measurements):
+        return {key for (key, _, sched), m in measurements.items() if "+" in m.description and sched != "none"}
+    fused, measured_fused = fused_keys(full.measured.measurements), fused_keys(ms)
+    if estimate_ns == 1:
+        assert pruned.measured.stats.rounds >= 1 and measured_fused
+        assert any(len(k.members) > 1 for k in pruned.plan.kernels)
+    else:
+        assert pruned.measured.stats.rounds == 0 and not measured_fused
+        assert pruned.measured.stats.estimated == len(fused) > 0
+        assert all(len(k.members) == 1 for k in pruned.plan.kernels)
+
+
+def test_estimates_err_low():
+    """The estimate of a fused kernel: the cheapest call plus half of what its most expensive member
+    alone takes beyond it, unless the roofline says more."""
+    from kernorch.estimate import fused_estimate_ns, kernel_floor_ns
+    from kernorch.ir import Graph, TensorType, make_prim
+    t = TensorType((256, 256))
+    g = Graph((("x", t),), ("b",), (make_prim("a", "exp", ["x"], t), make_prim("b", "relu", ["a"], t)))
+    floor = kernel_floor_ns(g, 300.0, 40.0)
+    assert floor == int(2 * 256 * 256 * 4 / 240.0)
+    assert fused_estimate_ns(g, 300.0, 40.0, {"a": 10_000, "b": 4_000}, 1_000) == max(floor, 900 + 4_550)

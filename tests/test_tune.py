@@ -101,7 +101,8 @@ def tuned(tmp_path_factory):
     d = tmp_path_factory.mktemp("tune")
     model = tiny_model(d / "tiny.onnx")
     opts = Options().with_(db_path=str(d / "db.sqlite"), tune_dir=str(d / "tuning"), budget="8t", threads=1,
-                           max_kernel_size=4, repeats=3, min_repeat_ms=1.0, workers=2, compare_untuned=0)
+                           max_kernel_size=4, repeats=3, min_repeat_ms=1.0, workers=2, compare_untuned=0,
+                           prune=False)
     machine = Machine.host()
     with ProfileDB(opts.resolved_db()) as db:
         loaded = pipeline.load(str(model), opts)
@@ -110,9 +111,9 @@ def tuned(tmp_path_factory):
         meta = pipeline.plan_meta(loaded.source, machine, opts)
 
         def solve(m):
-            return pipeline.orchestrate(loaded.graph, en, m, opts, meta)
+            return pipeline.orchestrate(loaded.graph, en, m, opts, meta), m
 
-        before = solve(measured)
+        before, _ = solve(measured)
         plan, measured, history = tune.tune_loop(loaded.graph, en, measured, before, db, opts, machine, solve)
     return d, model, opts, before, plan, measured, history, loaded, en, solve
 
@@ -151,7 +152,7 @@ def test_emitted_model_with_tuned_kernels_matches_ort(tuned):
     # make the tuned kernels free, so the plan takes them and the emitter must rebuild them
     free = replace(measured, measurements={k: (replace(m, median_ns=1) if k[1] == "tvm-tuned" and m.ok else m)
                                            for k, m in measured.measurements.items()})
-    plan = solve(free)
+    plan, _ = solve(free)
     assert any(k.impl == "tvm-tuned" for k in plan.kernels)
     compiled = pipeline.emit(loaded.graph, plan, opts, Machine.host())
     assert verify.verify(compiled, str(model), opts)["ok"]

@@ -20,6 +20,7 @@ from tvm import relax
 from ...ir import Graph, KernorchError
 from ...kernels import variant_out_packs, variant_packs
 from ...layouts import kernel_io
+from ...timing import time_calls
 from .. import registry
 from .build import check_bounds, register_packed, relax_func
 from .lower import lower
@@ -192,15 +193,7 @@ class Executable:
 
     def time(self, feeds: Mapping[str, np.ndarray], runs: int = 10, warmup: int = 2) -> list[float]:
         """Seconds per end-to-end call (inputs already on the device), one value per run."""
-        call = self.bind(feeds)
-        for _ in range(warmup):
-            call()
-        out = []
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            call()
-            out.append(time.perf_counter() - t0)
-        return out
+        return time_calls(self.bind(feeds), runs, warmup)
 
     def profile(self, feeds: Mapping[str, np.ndarray], runs: int = 3) -> list[dict]:
         """Per-call latency inside the real executable (VM instrumentation), median over `runs`.
