@@ -261,13 +261,15 @@ def _with_pending(measured: Measured, pending: Mapping, options: Options) -> Mea
     return replace(measured, pending=dict(pending), estimates=estimates, promise=promise)
 
 
-def promising(measured: Measured, wanted, rounds: int) -> list:
-    """What a refine round measures: the kernels the plan wants, and as many more (at least 16,
-    doubling every round up to 32 times that) of the pending fusions whose estimate saves most
-    against their members measured alone: the solver would ask for them in later rounds, and a
-    round's solve costs more than a batch of measurements."""
+def promising(measured: Measured, wanted, solve_s: float) -> list:
+    """What a refine round measures: the kernels the plan wants, and more of the pending fusions
+    whose estimates save the most against their members measured alone (the solver would ask for
+    them in later rounds): as many as can be measured in about the time one solve takes (between
+    16 and 512), so neither the solves nor the measurements dominate the loop."""
     wanted = list(dict.fromkeys(wanted))
-    more = max(16, len(wanted)) * 2 ** min(rounds, 5)
+    s = measured.stats
+    per_kernel = s.seconds / s.measured if s.measured else 1.0
+    more = min(512, max(16, int(solve_s / max(per_kernel, 1e-3))))
     rest = sorted((i for i in measured.pending if i not in set(wanted)), key=lambda i: (measured.promise[i], i))
     return wanted + rest[:more]
 
@@ -443,16 +445,18 @@ def plan_model(model, options: Options, db: ProfileDB | None = None, machine: Ma
             def solve(m: Measured, previous=None) -> tuple:
                 """Solve; while the plan holds kernels known only by their estimates, measure them
                 (and the most promising others), solve again. Returns (plan, measured)."""
+                t0 = time.perf_counter()
                 with clock("orchestrate"):
                     plan = orchestrate(loaded.graph, enumeration, m, options, meta, previous)
                 while plan.estimated:
                     rounds = m.stats.rounds + 1
-                    batch = promising(m, plan.estimated, rounds - 1)
+                    batch = promising(m, plan.estimated, time.perf_counter() - t0)
                     log.info("refine %d: measuring %d kernels the plan wants and %d promising ones (%d unmeasured)",
                              rounds, len(plan.estimated), len(batch) - len(plan.estimated), len(m.pending))
                     with clock("measure"):
                         m = refine(m, batch, db, options, machine, workers)
                     m = replace(m, stats=replace(m.stats, rounds=rounds))
+                    t0 = time.perf_counter()
                     with clock("orchestrate"):
                         plan = orchestrate(loaded.graph, enumeration, m, options, meta, previous=plan)
                 return plan, replace(m, stats=replace(m.stats, estimated=len(m.pending)))

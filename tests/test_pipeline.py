@@ -301,3 +301,19 @@ def test_estimates_err_low():
     floor = kernel_floor_ns(g, 300.0, 40.0)
     assert floor == int(2 * 256 * 256 * 4 / 240.0)
     assert fused_estimate_ns(g, 300.0, 40.0, {"a": 10_000, "b": 4_000}, 1_000) == max(floor, 900 + 4_550)
+
+
+def test_a_refine_round_measures_what_the_plan_wants_then_the_most_promising():
+    """promising(): the wanted kernels first, then pending fusions by estimate / members alone,
+    as many as one solve's time measures (at least 16, at most 512)."""
+    from kernorch.measure import MeasureStats
+    pending = {(f"k{i}", "tvm", "default"): None for i in range(600)}
+    promise = {i: (int(i[0][1:]) * 7919) % 600 / 600 for i in pending}
+    m = pipeline.Measured({}, MeasureStats(measured=100, seconds=50.0), pending=pending, promise=promise)
+    wanted = [("k5", "tvm", "default"), ("k9", "tvm", "default")]
+    few = pipeline.promising(m, wanted, solve_s=1.0)       # 0.5 s a kernel: 2 in a solve, 16 at least
+    assert few[:2] == wanted and len(few) == 2 + 16
+    rest = sorted((i for i in pending if i not in wanted), key=lambda i: (promise[i], i))
+    assert few[2:] == rest[:16]
+    assert len(pipeline.promising(m, wanted, solve_s=20.0)) == 2 + 40
+    assert len(pipeline.promising(m, wanted, solve_s=10_000.0)) == 2 + 512
