@@ -58,9 +58,20 @@ class ProfileDB:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.conn = sqlite3.connect(str(self.path), timeout=30)
-        self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.executescript(SCHEMA)
-        self.conn.commit()
+        # Switching to WAL and creating the schema take an exclusive lock that SQLite does not wait
+        # for: a second process opening the same new database at that moment gets "database is
+        # locked" at once. Retry for as long as the connection's own timeout.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.conn.execute("PRAGMA journal_mode=WAL")
+                self.conn.executescript(SCHEMA)
+                self.conn.commit()
+                break
+            except sqlite3.OperationalError as e:
+                if "locked" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def close(self) -> None:
         self.conn.close()

@@ -510,8 +510,10 @@ _STATUS = {
 }
 
 
-def solve(problem: Problem, time_limit: float = 60.0, initial: list[str] | None = None) -> Solution:
-    """Return the cheapest executable selection of choices (or the best found by `time_limit`).
+def solve(problem: Problem, time_limit: float = 60.0, initial: list[str] | None = None,
+          rel_gap: float = 0.0) -> Solution:
+    """Return the cheapest executable selection of choices (or the best found by `time_limit`;
+    with `rel_gap` > 0, the first found within that fraction of the bound: status "within_gap").
 
     `initial` is an optional list of choice ids used as the MIP start; by default the greedy
     baseline (or, failing that, the unfused one) is used, so a time-out still returns a plan at
@@ -545,7 +547,7 @@ def solve(problem: Problem, time_limit: float = 60.0, initial: list[str] | None 
 
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
-    h.setOptionValue("mip_rel_gap", 0.0)
+    h.setOptionValue("mip_rel_gap", float(rel_gap))
     h.setOptionValue("mip_abs_gap", 0.5)  # costs are integers: a gap below 1 ns proves optimality
     h.passModel(model.lp)
     cuts = 0
@@ -629,8 +631,8 @@ def solve(problem: Problem, time_limit: float = 60.0, initial: list[str] | None 
     obj = cost(best)
     bound_ns = min(obj, max(0, math.ceil(bound - 1e-6))) if math.isfinite(bound) else 0
     gap = 0.0 if obj == bound_ns else (obj - bound_ns) / obj
-    if status == "optimal" and obj > bound_ns:
-        status = "time_limit"  # defensive: never call a plan optimal without the bound to prove it
+    if status == "optimal" and obj > bound_ns:  # never call a plan optimal without the bound to prove it
+        status = "within_gap" if rel_gap > 0 and gap <= rel_gap + 1e-9 else "time_limit"
     return Solution(ids, status, obj, bound_ns, gap, time.perf_counter() - t0, cuts,
                     h.getNumRow(), model.n_cols, h.getNumNz())
 

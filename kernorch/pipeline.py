@@ -261,6 +261,9 @@ def _with_pending(measured: Measured, pending: Mapping, options: Options) -> Mea
     return replace(measured, pending=dict(pending), estimates=estimates, promise=promise)
 
 
+REFINE_GAP = 0.01   # solves between measurement rounds stop within 1 % of the optimum; the last is exact
+
+
 def promising(measured: Measured, wanted, solve_s: float) -> list:
     """What a refine round measures: the kernels the plan wants, and more of the pending fusions
     whose estimates save the most against their members measured alone (the solver would ask for
@@ -388,7 +391,7 @@ def uncovered(graph: Graph, enumeration, problem, measurements, options: Options
 
 
 def orchestrate(graph: Graph, enumeration, measured: Measured, options: Options,
-                meta: Mapping[str, str] | None = None, previous=None):
+                meta: Mapping[str, str] | None = None, previous=None, rel_gap: float = 0.0):
     """Solve the binary linear program over every measured candidate and make the plan."""
     from .plan import make_plan
     problem, by_id = problem_for(graph, enumeration.candidates, measured.measurements, options,
@@ -396,7 +399,7 @@ def orchestrate(graph: Graph, enumeration, measured: Measured, options: Options,
     why = uncovered(graph, enumeration, problem, measured.measurements, options)
     if why:
         raise KernorchError(why)
-    plan = make_plan(problem, options.solver_time_limit, previous)
+    plan = make_plan(problem, options.solver_time_limit, previous, rel_gap)
     # the plan's kernels take every tensor they read, in the order the lowering numbers them
     kernels = tuple(replace(k, inputs=by_id[k.id].inputs, outputs=by_id[k.id].outputs) for k in plan.kernels)
     wanted = [by_id[k.id].ident for k in plan.kernels if by_id[k.id].ident in measured.pending]
@@ -444,11 +447,19 @@ def plan_model(model, options: Options, db: ProfileDB | None = None, machine: Ma
 
             def solve(m: Measured, previous=None) -> tuple:
                 """Solve; while the plan holds kernels known only by their estimates, measure them
-                (and the most promising others), solve again. Returns (plan, measured)."""
-                t0 = time.perf_counter()
-                with clock("orchestrate"):
-                    plan = orchestrate(loaded.graph, enumeration, m, options, meta, previous)
-                while plan.estimated:
+                (and the most promising others) and solve again, within REFINE_GAP of the optimum;
+                the last solve is exact. Returns (plan, measured)."""
+                gap = REFINE_GAP if m.pending else 0.0
+                while True:
+                    t0 = time.perf_counter()
+                    with clock("orchestrate"):
+                        plan = orchestrate(loaded.graph, enumeration, m, options, meta, previous, gap)
+                    previous = plan
+                    if not plan.estimated:
+                        if gap == 0.0:
+                            return plan, replace(m, stats=replace(m.stats, estimated=len(m.pending)))
+                        gap = 0.0  # every kernel of the plan is measured: prove it optimal
+                        continue
                     rounds = m.stats.rounds + 1
                     batch = promising(m, plan.estimated, time.perf_counter() - t0)
                     log.info("refine %d: measuring %d kernels the plan wants and %d promising ones (%d unmeasured)",
@@ -456,10 +467,7 @@ def plan_model(model, options: Options, db: ProfileDB | None = None, machine: Ma
                     with clock("measure"):
                         m = refine(m, batch, db, options, machine, workers)
                     m = replace(m, stats=replace(m.stats, rounds=rounds))
-                    t0 = time.perf_counter()
-                    with clock("orchestrate"):
-                        plan = orchestrate(loaded.graph, enumeration, m, options, meta, previous=plan)
-                return plan, replace(m, stats=replace(m.stats, estimated=len(m.pending)))
+                    gap = REFINE_GAP if m.pending else 0.0
 
             plan, measured = solve(measured)
             tuning = None

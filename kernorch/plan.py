@@ -172,10 +172,11 @@ class Plan:
         return "\n".join(lines)
 
 
-def make_plan(problem: Problem, time_limit: float = 60.0, previous: "Plan | None" = None) -> Plan:
+def make_plan(problem: Problem, time_limit: float = 60.0, previous: "Plan | None" = None,
+              rel_gap: float = 0.0) -> Plan:
     """Solve and compute both baselines; a baseline that does not exist is recorded as None.
     `previous`: a plan of an earlier solve of this problem (other costs), the solver's start when it
-    is cheaper than the greedy baseline under today's costs."""
+    is cheaper than the greedy baseline under today's costs. `rel_gap`: see orchestrate.solve."""
     baselines: dict[str, Solution | None] = {}
     for name, fn in (("unfused", unfused), ("greedy", greedy)):
         try:
@@ -190,5 +191,5 @@ def make_plan(problem: Problem, time_limit: float = 60.0, previous: "Plan | None
         ids = [k.id for k in previous.kernels]
         if all(i in costs for i in ids) and (start is None or sum(costs[i] for i in ids) < start.objective_ns):
             initial = ids
-    sol = solve(problem, time_limit, initial=initial)
+    sol = solve(problem, time_limit, initial=initial, rel_gap=rel_gap)
     return Plan.from_solution(problem, sol, baselines)

@@ -220,3 +220,38 @@ def random_model(seed: int, max_ops: int = 5):
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 8
     return m, sorted(set(b.ops))
+
+
+def fuzz_options(db_path: str):
+    """A tiny measurement budget: every kernel is still built, checked and timed once."""
+    from kernorch.options import Options
+    return Options(db_path=db_path, threads=1, max_kernel_size=3, repeats=1, min_repeat_ms=0.2, compare_untuned=0,
+                   workers=2)
+
+
+class Discard(Exception):
+    """The graph is not a test of kernorch (ONNX Runtime rejects it, or its reference is not finite)."""
+
+
+def check(seed: int, options) -> dict:
+    """Optimize `random_model(seed)` end to end with `options` and compare every output with ONNX
+    Runtime on inputs from the seed. Returns the log entry (seed, ops, outcome, kernels); raises
+    Discard for a graph that tests nothing, and AssertionError (or kernorch's error) on a mismatch."""
+    from kernorch import executor, pipeline
+
+    model, ops = random_model(seed)
+    feeds = executor.random_feeds(pipeline.load(model, options).graph, seed)
+    try:
+        sess = executor.ort_session(model, 1)
+        ref = sess.run(None, feeds)
+    except Exception as e:  # noqa: BLE001 - ONNX Runtime rejects the graph: not a kernorch case
+        raise Discard(f"rejected by ONNX Runtime: {str(e)[:200]}") from None
+    if not all(np.isfinite(r).all() for r in ref):
+        raise Discard("non-finite reference")
+    compiled, planned = pipeline.optimize(model, options, runs=0)
+    got = compiled.run(feeds)
+    for o, r in zip(sess.get_outputs(), ref):
+        err = executor.max_error(np.asarray(r), got[o.name])
+        assert err["rel"] <= 1e-3, (seed, o.name, err)
+    return {"seed": seed, "ops": ops, "outcome": "ok", "kernels": len(planned.plan.kernels),
+            "blocked": sum(1 for k in planned.plan.kernels if k.schedule.startswith("b"))}

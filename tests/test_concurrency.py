@@ -130,3 +130,20 @@ def test_a_killed_tuning_run_keeps_its_trials(tmp_path):
     assert rep["tuning"]["reused"] >= 1                      # the killed run's tuned kernels came back
     assert rep["tuning"]["new_trials"] <= 24 - spent + 8     # and their trials counted as spent
     check_output(model, tmp_path / "out")
+
+
+def test_a_plain_script_without_a_main_guard_optimizes(tmp_path):
+    """The API from a script with no `if __name__ == "__main__":` guard: the measurement workers
+    never re-run the script, so nothing crashes and nothing is refused."""
+    model = chain_model(tmp_path / "m.onnx", depth=1)
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import numpy as np, kernorch\n"
+        f"c = kernorch.optimize({str(model)!r}, runs=0, db_path={str(tmp_path / 'db.sqlite')!r}, threads=1,\n"
+        "                      repeats=2, min_repeat_ms=1.0, max_kernel_size=2)\n"
+        "print('OUTPUT', c.run({'x': np.ones((8, 32), np.float32)})['y'].shape)\n")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "OUTPUT (8, 32)" in r.stdout
+    with sqlite3.connect(str(tmp_path / "db.sqlite")) as c:
+        assert c.execute("SELECT COUNT(*) FROM measurements WHERE status != 'ok'").fetchone()[0] == 0

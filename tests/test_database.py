@@ -268,3 +268,31 @@ def test_workers_start_with_their_environment():
         r = pool.call(_tvm_threads, (), timeout=60)
     assert r.ok and r.value == 2
     assert os.environ.get("TVM_NUM_THREADS") == before  # the parent's environment is unchanged
+
+
+def _open_and_add(path: str, i: int, barrier, errors) -> None:
+    barrier.wait()  # every process opens the new database at the same moment
+    try:
+        with ProfileDB(path) as db:
+            db.add(Measurement("t", f"k{i}", "tvm", "default", "v", "ok", 1000 + i, (1000 + i,), "", 0.0, "add"))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        errors.put(f"{type(e).__name__}: {e}")
+
+
+def test_processes_opening_one_new_database_at_once_all_succeed(tmp_path):
+    """Creating the schema and switching to WAL lock the file, and SQLite may refuse at once
+    ("database is locked") instead of waiting: every process opening the same new database at the
+    same moment still gets in (seen once when two optimizations started together)."""
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    for round_ in range(5):
+        path = str(tmp_path / f"new{round_}.sqlite")
+        barrier, errors = ctx.Barrier(8), ctx.Queue()
+        procs = [ctx.Process(target=_open_and_add, args=(path, i, barrier, errors)) for i in range(8)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(60)
+        assert errors.empty(), errors.get()
+        with ProfileDB(path) as db:
+            assert db.stats()["measurements"] == 8

@@ -170,6 +170,18 @@ def test_solve_matches_brute_force(seed, n, max_size):
     assert Plan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(4, 9), st.sampled_from([0.01, 0.2, 0.5]))
+def test_solve_within_a_gap_stays_within_it_of_brute_force(seed, n, rel_gap):
+    """rel_gap: the plan may stop short of the optimum, never by more than the gap, and says so."""
+    p = random_problem(random.Random(seed), n, 3)
+    exact = brute_force(p)
+    sol = solve(p, time_limit=30, rel_gap=rel_gap)
+    validate(p, sol.chosen)
+    assert exact.objective_ns <= sol.objective_ns <= exact.objective_ns / (1 - rel_gap) + 1
+    assert sol.status == ("optimal" if sol.objective_ns == sol.bound_ns else "within_gap")
+
+
 def test_random_instances_exercise_cycle_cuts():
     """Seeded sweep: multi-output candidates sometimes form cycles, and the cuts fix them."""
     rng = random.Random(7)
