@@ -274,20 +274,27 @@ def _run_with_retry(pool: WorkerPool, fn, jobs: list[KernelJob], args, timeout: 
         group = retry
 
 
-def stored(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine: Machine) -> dict:
-    """The measurements the database already holds for `jobs` (ok or refused; transient failures
-    are not verdicts): what `measure` would serve without running anything."""
-    target = machine.fingerprint(options.threads)
+def _history(jobs: Iterable[KernelJob], db: ProfileDB, target: str) -> dict[tuple[str, str, str], list[Measurement]]:
+    """Every stored measurement of each job on `target`, at the job's implementation versions."""
     by_version: dict[str, list[KernelJob]] = {}
     for j in jobs:
         by_version.setdefault(versions(j.impl), []).append(j)
-    out = {}
+    out: dict[tuple[str, str, str], list[Measurement]] = {}
     for ver, js in by_version.items():
         hist = db.history(target, ver, [j.ident for j in js])
         for j in js:
-            ms = [m for m in hist.get(j.ident) or [] if m.status != "failed"]
-            if ms:
-                out[j.ident] = best_of(ms)
+            out[j.ident] = list(hist.get(j.ident) or [])
+    return out
+
+
+def stored(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine: Machine) -> dict:
+    """The measurements the database already holds for `jobs` (ok or refused; transient failures
+    are not verdicts): what `measure` would serve without running anything."""
+    out = {}
+    for ident, ms in _history(jobs, db, machine.fingerprint(options.threads)).items():
+        ms = [m for m in ms if m.status != "failed"]
+        if ms:
+            out[ident] = best_of(ms)
     return out
 
 
@@ -317,27 +324,23 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
     stats = MeasureStats(jobs=len(jobs))
     results: dict[tuple[str, str, str], Measurement] = {}
     todo: list[KernelJob] = []
-    by_version: dict[str, list[KernelJob]] = {}
-    for j in jobs:
-        by_version.setdefault(versions(j.impl), []).append(j)
     previous: dict[tuple[str, str, str], Measurement] = {}  # best stored measurement of each kernel timed again
     failed_before: set[tuple[str, str, str]] = set()        # kernels an earlier run saw crash or time out
-    for ver, js in by_version.items():
-        hist = db.history(target, ver, [j.ident for j in js])
-        for j in js:
-            ms = hist.get(j.ident) or []
-            if any(m.status == "failed" for m in ms):
-                failed_before.add(j.ident)
-            ms = [m for m in ms if m.status != "failed"]
-            if not ms:
-                todo.append(j)
-                continue
-            b = best_of(ms)
-            if options.remeasure and b.ok and sum(m.ok for m in ms) < REMEASURE_TRIES:
-                previous[j.ident] = b
-                todo.append(j)
-            else:
-                results[j.ident] = b
+    hist = _history(jobs, db, target)
+    for j in jobs:
+        ms = hist[j.ident]
+        if any(m.status == "failed" for m in ms):
+            failed_before.add(j.ident)
+        ms = [m for m in ms if m.status != "failed"]
+        if not ms:
+            todo.append(j)
+            continue
+        b = best_of(ms)
+        if options.remeasure and b.ok and sum(m.ok for m in ms) < REMEASURE_TRIES:
+            previous[j.ident] = b
+            todo.append(j)
+        else:
+            results[j.ident] = b
     stats.cached = len(results)
     stats.remeasured = len(previous)
     if not todo:
