@@ -455,6 +455,8 @@ def test_blocked_conv_tiles_compute_the_reference(shape, target):
     _run_variant(graph, inputs, f"b{lanes}/default", target)
     if shape.get("cout", 32) % lanes == 0:
         assert tiles
+        # small weights fit in half of L2: every tile also with rows outside the channel tiles
+        assert {(t.mr, t.nb) for t in tiles if t.rows_outer} == {(t.mr, t.nb) for t in tiles if not t.rows_outer}
 
 
 def test_blocked_layout_signature_and_conversions(target):

@@ -127,7 +127,9 @@ def prim_tiles(machine, graph, prim, blocked_layout: bool = False) -> tuple[Tile
     Matmuls (2-D or batched, constant or activation right operand): rows M, columns N, depth K;
     the tile packs the right operand when it is a constant. Convolutions, only in a blocked
     variant (their vector is a block of output channels): rows are output columns, columns the
-    output channels, depth C/g x kh x kw; the constant weight is packed OIHW>O{nb}.
+    output channels, depth C/g x kh x kw; the constant weight is packed OIHW>O{nb}. When the packed
+    weight fits in half of L2, each tile also comes with rows outside the channel tiles (`r`: an
+    input row stays in cache while every channel tile passes over it).
     """
     if not prim.type.static:
         return ()
@@ -138,8 +140,11 @@ def prim_tiles(machine, graph, prim, blocked_layout: bool = False) -> tuple[Tile
     if prim.op == "conv" and blocked_layout and prim.type.rank == 4 and prim.inputs[1] in graph.constants:
         o, ow = int(prim.type.shape[1]), int(prim.type.shape[3])
         w = np.shape(graph.constants[prim.inputs[1]])
-        return tuple(Tile(t.mr, t.nb, True) for t in contraction_tiles(machine, ow, o, int(np.prod(w[1:])), True,
-                                                                        split_vectors=True))
+        tiles = contraction_tiles(machine, ow, o, int(np.prod(w[1:])), True, split_vectors=True)
+        out = tuple(Tile(t.mr, t.nb, True) for t in tiles)
+        if any(t.rows_outer for t in tiles):  # the weight fits in half of L2: rows outside the channel tiles too
+            out += tuple(Tile(t.mr, t.nb, True, True) for t in tiles)
+        return out
     return ()
 
 

@@ -373,7 +373,8 @@ def _block_of_buffer(buf) -> int | None:
 def _rule_conv(func, lanes: int, tile: Tile) -> s_tir.Schedule:
     """A convolution as a register micro-kernel over (output columns x output channels).
 
-    Loops: (image, output-channel tile, output row, output-column tile) fused and parallel; the
+    Loops: (image, output-channel tile, output row, output-column tile) fused and parallel (with
+    `tile.rows_outer`: image, row, column tile, channel tile, so an input row stays in cache); the
     reduction over input-channel blocks, kh, kw and the channels of one block; then `mr` output
     columns (unrolled) x `nb` output channels (vectors of `lanes`, unrolled over the vectors)
     accumulated in a local cache and written back once with the epilogue (bias, activation,
@@ -404,8 +405,9 @@ def _rule_conv(func, lanes: int, tile: Tile) -> s_tir.Schedule:
     owo, owi = sch.split(ow, factors=[None, _rows(tile.mr, ext[3])])
     rco, rci = sch.split(rc, factors=[None, in_block]) if in_block and ext[4] % in_block == 0 else (None, rc)
     red = [x for x in (rco, rkh, rkw, rci) if x is not None]
-    sch.reorder(n, oco, oh, owo, *red, owi, *[x for x in (oci_o,) if x is not None], oci_i)
-    par = _parallel(sch, [n, oco, oh, owo])
+    outer = [n, oh, owo, oco] if tile.rows_outer else [n, oco, oh, owo]
+    sch.reorder(*outer, *red, owi, *[x for x in (oci_o,) if x is not None], oci_i)
+    par = _parallel(sch, outer)
     sch.vectorize(oci_i)
     sch.unroll(owi)
     if oci_o is not None:
