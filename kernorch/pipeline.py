@@ -279,11 +279,15 @@ def promising(measured: Measured, wanted, solve_s: float) -> list:
 
 def refine(measured: Measured, idents, db: ProfileDB, options: Options, machine: Machine,
            workers: meas.Workers | None = None) -> Measured:
-    """Measure the pending jobs `idents` (the solver chose them on their estimates)."""
+    """Measure the pending jobs `idents` (the solver chose them on their estimates). The estimates of
+    the jobs still pending stay as they are: they depend only on the single primitives measured
+    alone, and every pending job is a fusion."""
     jobs = [measured.pending[i] for i in idents if i in measured.pending]
     results, stats = _measure_with_fallback(jobs, db, options, machine, "refine", workers)
-    merged = replace(measured, measurements={**measured.measurements, **results}, stats=measured.stats.merged(stats))
-    return _with_pending(merged, {i: j for i, j in measured.pending.items() if i not in results}, options)
+    left = {i: j for i, j in measured.pending.items() if i not in results}
+    return replace(measured, measurements={**measured.measurements, **results}, stats=measured.stats.merged(stats),
+                   pending=left, estimates={i: measured.estimates[i] for i in left},
+                   promise={i: measured.promise[i] for i in left})
 
 
 # ------------------------------------------------------------------------------------------------
