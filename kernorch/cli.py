@@ -89,6 +89,9 @@ def _tuning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure-all", action="store_true",
                    help="time every fused candidate up front, instead of only those the solver wants on an "
                         "optimistic estimate (slower; the plan is the same unless an estimate was too high)")
+    p.add_argument("--cost-model", choices=("learned", "analytic"), default=None,
+                   help="what an unmeasured fusion is estimated at: the analytic bound raised by the shipped "
+                        "learned model where it is confident the fusion loses (learned, default), or the bound alone")
     p.add_argument("--allow-python-kernels", action="store_true",
                    help="let operators without a compiled kernel (TopK, NonZero, ...) run through onnx's "
                         "reference evaluator as Python callbacks inside the executable (slow; off by default)")
@@ -120,6 +123,8 @@ def options_from(args) -> Options:
         kw["python_kernels"] = True
     if getattr(args, "measure_all", False):
         kw["prune"] = False
+    if getattr(args, "cost_model", None):
+        kw["cost_model"] = args.cost_model
     if getattr(args, "remeasure", False):
         kw["remeasure"] = True
     if getattr(args, "time_limit", None):

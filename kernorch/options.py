@@ -141,6 +141,7 @@ class Options:
     python_kernels: bool = False        # allow operators kept whole to run as Python callbacks (backends.registry)
     layouts: bool = True                # offer blocked-layout (nChw16c) variants and conversions to the solver
     prune: bool = True                  # measure a fused kernel only when the solver wants it (estimate first)
+    cost_model: str = "learned"         # pruning's estimates: "learned" (kernorch.costmodel) or "analytic" (kernorch.estimate)
     remeasure: bool = False             # time every kernel again (measure.REMEASURE_TRIES); the fastest counts
     compare_untuned: int = 8            # also time this many kernels untuned, for the report
     verify: bool = True

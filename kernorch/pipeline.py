@@ -14,18 +14,20 @@ The CLI stops after any stage (inspect, candidates, plan); `Clock` records the s
 from __future__ import annotations
 
 import logging
+import math
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Sequence
 
 from . import candidates as cands
+from . import costmodel as cm
 from . import fission as fis
 from . import measure as meas
 from .backends import registry
 from .database import Measurement, ProfileDB
 from .frontend import onnx as frontend
-from .ir import Graph, KernorchError, kernel_graph, structural_key
+from .ir import Graph, KernorchError, kernel_graph
 from .kernels import blocked, has_blocked_variant, prim_tiles, split
 from .kernels.variants import CONVERSIONS
 from .layouts import candidate_io, conversion, conversion_key, conversions
@@ -66,7 +68,11 @@ class Measured:
     tiles: Mapping[str, str] = field(default_factory=dict)   # contraction prim -> its fastest tile
     pending: Mapping[tuple[str, str, str], meas.KernelJob] = field(default_factory=dict)
     estimates: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
-    promise: Mapping[tuple[str, str, str], float] = field(default_factory=dict)  # estimate / members alone
+    members_ns: Mapping[tuple[str, str, str], float] = field(default_factory=dict)  # its members alone, summed
+    bounds: Mapping[tuple[str, str, str], int] = field(default_factory=dict)        # kernorch.estimate's bound
+    predicted: Mapping[tuple[str, str, str], float] = field(default_factory=dict)  # learned cost model, ns
+    sigma: float = 0.0                      # the learned model's spread (log space)
+    residual: cm.Residual = field(default_factory=cm.Residual)  # this run's correction of the model
 
     def with_measurement(self, m: Measurement) -> "Measured":
         """A copy where `m` replaces the earlier measurements of its (key, impl)."""
@@ -230,35 +236,45 @@ def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Option
     more, s2 = _measure_with_fallback(jobs, db, options, machine, "measure", workers)
     results.update(more)
     measured = Measured(results, stats.merged(s2), {f"{p}@{cls}" if cls else p: s for (p, cls), s in tiles.items()})
-    return _with_pending(measured, pending, options)
+    return _with_pending(measured, pending, options, machine)
 
 
-def _with_pending(measured: Measured, pending: Mapping, options: Options) -> Measured:
-    """`measured` with `pending` jobs and their estimates (kernorch.estimate), from the singletons
-    measured so far."""
+CONFIDENCE = 2.0  # the learned prediction counts lowered by this many of the model's sigmas
+
+
+def _with_pending(measured: Measured, pending: Mapping, options: Options, machine: Machine) -> Measured:
+    """`measured` with `pending` jobs and their estimates, from the singletons measured so far.
+
+    An estimate is the optimistic bound of kernorch.estimate, raised to the learned cost model's
+    prediction (kernorch.costmodel) lowered by CONFIDENCE sigmas when that is higher: the bound keeps
+    every fusion that may win in the solver's sight, the model takes out the ones it is confident
+    will not (a fusion that recomputes a convolution per pooling window). `cost_model="analytic"`,
+    or no model shipped, leaves the bound alone."""
     if not pending:
-        return replace(measured, pending={}, estimates={}, promise={})
+        return replace(measured, pending={}, estimates={}, bounds={}, members_ns={}, predicted={})
     from .calibrate import calibrate
     from .estimate import fused_estimate_ns
     cal = calibrate(options.threads)
-    alone: dict[str, int] = {}
-    for (key, impl, sched), m in measured.measurements.items():
-        if m.ok and sched != "none" and len(m.description.split("+")) == 1:
-            alone.setdefault(key, m.median_ns)
-            alone[key] = min(alone[key], m.median_ns)
-    cheapest = min(alone.values(), default=0)
-    prim_alone = {}
-    for j in pending.values():
-        for p in j.graph.prims:
-            if p.name not in prim_alone:
-                key = structural_key([p], j.graph, [p.name])  # the key of the prim as a kernel of its own
-                if key in alone:
-                    prim_alone[p.name] = alone[key]
-    estimates = {i: fused_estimate_ns(j.graph, cal["peak_gflops"], cal["bandwidth_gbs"], prim_alone, cheapest)
-                 for i, j in pending.items()}
-    promise = {i: estimates[i] / max(1, sum(prim_alone.get(p.name, 0) for p in j.graph.prims))
-               for i, j in pending.items()}
-    return replace(measured, pending=dict(pending), estimates=estimates, promise=promise)
+    alone, cheapest = cm.alone_times(measured.measurements)
+    prim_alone = cm.prims_alone((j.graph for j in pending.values()), alone)
+    bounds = {i: fused_estimate_ns(j.graph, cal["peak_gflops"], cal["bandwidth_gbs"], prim_alone, cheapest)
+              for i, j in pending.items()}
+    model = cm.shipped() if options.cost_model == "learned" else None
+    predicted: dict = {}
+    if model is not None:
+        rows = cm.rows_for(list(pending.values()), prim_alone, cheapest, machine, cal, options.threads)
+        predicted = {r.ident: ns for r, ns in zip(rows, model.predict_ns(rows))}
+        measured = replace(measured, sigma=model.sigma)
+    members_ns = {i: float(max(1, sum(prim_alone.get(p.name, 0) for p in j.graph.prims))) for i, j in pending.items()}
+    out = replace(measured, pending=dict(pending), bounds=bounds, members_ns=members_ns, predicted=predicted)
+    return replace(out, estimates=_estimates(out))
+
+
+def _estimates(measured: Measured) -> dict:
+    """Each pending job's estimate: its bound, or the learned prediction corrected by this run's
+    residual and lowered by CONFIDENCE sigmas when that is higher."""
+    factor = math.exp(measured.residual.shift - CONFIDENCE * measured.sigma)
+    return {i: max(b, int(measured.predicted.get(i, 0) * factor)) for i, b in measured.bounds.items()}
 
 
 REFINE_GAP = 0.01   # solves between measurement rounds stop within 1 % of the optimum; the last is exact
@@ -273,21 +289,36 @@ def promising(measured: Measured, wanted, solve_s: float) -> list:
     s = measured.stats
     per_kernel = s.seconds / s.measured if s.measured else 1.0
     more = min(512, max(16, int(solve_s / max(per_kernel, 1e-3))))
-    rest = sorted((i for i in measured.pending if i not in set(wanted)), key=lambda i: (measured.promise[i], i))
+    rest = sorted((i for i in measured.pending if i not in set(wanted)), key=lambda i: (_promise(measured, i), i))
+    if measured.predicted:  # the learned model: only the fusions it expects to save, within a sigma
+        rest = [i for i in rest if _promise(measured, i) * math.exp(-measured.sigma) < 1.0]
     return wanted + rest[:more]
+
+
+def _promise(measured: Measured, ident) -> float:
+    """A pending fusion's expected time over its members' alone: the learned prediction corrected
+    by the run's residual, else the estimate."""
+    if ident in measured.predicted:
+        return measured.predicted[ident] * math.exp(measured.residual.shift) / measured.members_ns[ident]
+    return measured.estimates[ident] / measured.members_ns[ident]
 
 
 def refine(measured: Measured, idents, db: ProfileDB, options: Options, machine: Machine,
            workers: meas.Workers | None = None) -> Measured:
-    """Measure the pending jobs `idents` (the solver chose them on their estimates). The estimates of
-    the jobs still pending stay as they are: they depend only on the single primitives measured
-    alone, and every pending job is a fusion."""
+    """Measure the pending jobs `idents` (the solver chose them on their estimates). The bounds of
+    the jobs still pending stay as they are (they depend only on the single primitives measured
+    alone, and every pending job is a fusion); the learned predictions move with the residual of
+    the fusions measured so far."""
     jobs = [measured.pending[i] for i in idents if i in measured.pending]
     results, stats = _measure_with_fallback(jobs, db, options, machine, "refine", workers)
     left = {i: j for i, j in measured.pending.items() if i not in results}
-    return replace(measured, measurements={**measured.measurements, **results}, stats=measured.stats.merged(stats),
-                   pending=left, estimates={i: measured.estimates[i] for i in left},
-                   promise={i: measured.promise[i] for i in left})
+    residual = measured.residual.add((measured.predicted[i], m.median_ns) for i, m in results.items()
+                                     if m.ok and i in measured.predicted)
+    out = replace(measured, measurements={**measured.measurements, **results}, stats=measured.stats.merged(stats),
+                  pending=left, residual=residual, bounds={i: measured.bounds[i] for i in left},
+                  predicted={i: measured.predicted[i] for i in left if i in measured.predicted},
+                  members_ns={i: measured.members_ns[i] for i in left})
+    return replace(out, estimates=_estimates(out))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -272,7 +272,7 @@ def test_pruned_measurement_ends_with_a_plan_of_measured_kernels(tmp_path, monke
     monkeypatch.setattr(kernorch.estimate, "fused_estimate_ns", lambda *a: estimate_ns)
     model = tmp_path / "chain.onnx"
     chain_model(model)
-    base = Options().with_(**FAST).with_(max_kernel_size=3)
+    base = Options().with_(**FAST).with_(max_kernel_size=3, cost_model="analytic")
     pruned = pipeline.plan_model(str(model), base.with_(db_path=str(tmp_path / "a.sqlite")))
     full = pipeline.plan_model(str(model), base.with_(db_path=str(tmp_path / "b.sqlite"), prune=False))
     assert not pruned.plan.estimated
@@ -309,7 +309,8 @@ def test_a_refine_round_measures_what_the_plan_wants_then_the_most_promising():
     from kernorch.measure import MeasureStats
     pending = {(f"k{i}", "tvm", "default"): None for i in range(600)}
     promise = {i: (int(i[0][1:]) * 7919) % 600 / 600 for i in pending}
-    m = pipeline.Measured({}, MeasureStats(measured=100, seconds=50.0), pending=pending, promise=promise)
+    m = pipeline.Measured({}, MeasureStats(measured=100, seconds=50.0), pending=pending,
+                          estimates={i: 1000 * p for i, p in promise.items()}, members_ns={i: 1000.0 for i in pending})
     wanted = [("k5", "tvm", "default"), ("k9", "tvm", "default")]
     few = pipeline.promising(m, wanted, solve_s=1.0)       # 0.5 s a kernel: 2 in a solve, 16 at least
     assert few[:2] == wanted and len(few) == 2 + 16

@@ -1,0 +1,187 @@
+"""The learned cost model: how well it ranks fusions on models it was not trained on, and the model
+the package ships.
+
+    .venv/bin/python benchmarks/costmodel.py                  # evaluate (leave one model out), then train and save
+    .venv/bin/python benchmarks/costmodel.py --no-save        # evaluate only
+
+Data: the profile database (the user's cache unless --db) holds every kernel measured on this
+machine; for each model, the candidates are enumerated again (no measuring) and joined with the
+database by their keys. Each measured fused kernel is one row (kernorch.features), its label
+log(measured / members alone).
+
+Evaluation, leave one model out: the model is fitted on the others' rows and predicts the held-out
+model's. Reported against the analytic bound of kernorch.estimate, per held-out model:
+
+* Spearman rho of predicted vs measured times among the choices that cover the same primitive
+  (every fused kernel containing it), averaged over primitives with at least 3 choices: the
+  issue's "within prim covers" rank correlation;
+* the same on the ratio fused / members alone (harder: size no longer helps);
+* pairwise accuracy within covers, and top-3 recall of the measured fastest choice per cover;
+* the spread (standard deviation) of log(measured / predicted): `sigma`, saved with the model.
+
+Writes benchmarks/results/costmodel.json and .md, and kernorch/data/costmodel.json (trained on all
+rows) unless --no-save.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SHARED = HERE.parents[1] / "shared" / "models"
+sys.path.insert(0, str(ROOT))
+
+from kernorch import costmodel as cm  # noqa: E402
+from kernorch import measure as meas  # noqa: E402
+from kernorch import pipeline as pl  # noqa: E402
+from kernorch.calibrate import calibrate  # noqa: E402
+from kernorch.database import ProfileDB  # noqa: E402
+from kernorch.estimate import fused_estimate_ns  # noqa: E402
+from kernorch.options import Machine, Options  # noqa: E402
+
+
+def model_paths(names) -> list[Path]:
+    from kernorch.examples import save_examples
+    out = [SHARED / f"{n}.onnx" for n in names if (SHARED / f"{n}.onnx").exists()]
+    examples = Path(tempfile.mkdtemp(prefix="kernorch-examples-"))
+    out += [p for p in save_examples(examples) if p.stem in names]
+    return out
+
+
+def stored_rows(path: Path, db: ProfileDB, options: Options, machine: Machine, calibration: dict):
+    """(rows of every fused job of the model, with times where the database has them; analytic
+    estimates by ident)."""
+    loaded = pl.load(str(path), options)
+    en = pl.enumerate_candidates(loaded.graph, options)
+    by_prim = pl.tile_jobs(loaded.graph, en.candidates, options, machine)
+    stored = meas.stored([j for js in by_prim.values() for j in js], db, options, machine)
+    jobs = pl.candidate_jobs(loaded.graph, en.candidates, options, machine, pl.fastest_schedules(stored, by_prim))
+    stored.update(meas.stored(jobs, db, options, machine))
+    alone, cheapest = cm.alone_times(stored)
+    fused = [j for j in jobs if pl._deferrable(j)]
+    prim_alone = cm.prims_alone((j.graph for j in fused), alone)
+    rows = cm.rows_for(fused, prim_alone, cheapest, machine, calibration, options.threads, stored, source=path.stem)
+    analytic = {j.ident: fused_estimate_ns(j.graph, calibration["peak_gflops"], calibration["bandwidth_gbs"],
+                                           prim_alone, cheapest) for j in fused}
+    return rows, analytic
+
+
+def _spearman(a, b) -> float | None:
+    from scipy.stats import spearmanr
+    if len(a) < 3 or len(set(a)) < 2 or len(set(b)) < 2:
+        return None
+    return float(spearmanr(a, b).statistic)
+
+
+def metrics(rows, predicted_ns) -> dict:
+    """Rank quality of `predicted_ns` (per row) against the measured times, within prim covers."""
+    covers: dict[str, list[int]] = {}
+    for i, r in enumerate(rows):
+        for p in r.prims:
+            covers.setdefault(p, []).append(i)
+    rho_t, rho_r, pairs_ok, pairs, top3, tops = [], [], 0, 0, 0, 0
+    for idx in covers.values():
+        if len(idx) < 3:
+            continue
+        meas_t = [rows[i].measured_ns for i in idx]
+        pred_t = [predicted_ns[i] for i in idx]
+        s = _spearman(pred_t, meas_t)
+        if s is not None:
+            rho_t.append(s)
+        s = _spearman([p / rows[i].base_ns for p, i in zip(pred_t, idx)], [m / rows[i].base_ns for m, i in zip(meas_t, idx)])
+        if s is not None:
+            rho_r.append(s)
+        for a in range(len(idx)):
+            for b in range(a + 1, len(idx)):
+                if meas_t[a] != meas_t[b]:
+                    pairs += 1
+                    pairs_ok += (pred_t[a] < pred_t[b]) == (meas_t[a] < meas_t[b])
+        best = min(range(len(idx)), key=lambda k: meas_t[k])
+        tops += 1
+        top3 += best in sorted(range(len(idx)), key=lambda k: pred_t[k])[:3]
+    errors = [math.log(r.measured_ns / p) for r, p in zip(rows, predicted_ns)]
+    return {"rows": len(rows), "covers": len(rho_t),
+            "rho_time": statistics.mean(rho_t) if rho_t else None,
+            "rho_ratio": statistics.mean(rho_r) if rho_r else None,
+            "pairwise": pairs_ok / pairs if pairs else None,
+            "top3_recall": top3 / tops if tops else None,
+            "bias": statistics.mean(errors), "sigma": statistics.pstdev(errors)}
+
+
+def markdown(result: dict) -> str:
+    m = result["machine"]
+    lines = ["# Learned cost model: leave one model out", "",
+             f"Machine: {m['name']}, {m['simd_bits']}-bit vectors, {result['threads']} threads; "
+             f"{result['rows']} measured fused kernels from {len(result['models'])} models. "
+             "Each row: the model fitted on the other models' kernels predicts this model's; "
+             "rho = Spearman within prim covers (time / ratio to members alone), sigma = spread of log(measured/predicted).", "",
+             "| held out | rows | predictor | rho time | rho ratio | pairwise | top-3 recall | bias | sigma |",
+             "|---|---|---|---|---|---|---|---|---|"]
+
+    def f(x):
+        return "-" if x is None else f"{x:.2f}"
+    for name, by in result["held_out"].items():
+        for pred in ("learned", "analytic"):
+            e = by[pred]
+            lines.append(f"| {name} | {e['rows']} | {pred} | {f(e['rho_time'])} | {f(e['rho_ratio'])} | "
+                         f"{f(e['pairwise'])} | {f(e['top3_recall'])} | {f(e['bias'])} | {f(e['sigma'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="transformer_block,candy_like,gpt2_mini,yolox_tiny,candy,segformer_b0")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--db", default=None)
+    ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--out", default=str(HERE / "results" / "costmodel"))
+    args = ap.parse_args(argv)
+    options = Options(threads=args.threads, db_path=args.db)
+    machine = Machine.host()
+    calibration = calibrate(args.threads)
+    rows_by_model = {}
+    with ProfileDB(options.resolved_db()) as db:
+        for path in model_paths(args.models.split(",")):
+            t0 = time.perf_counter()
+            rows, analytic = stored_rows(path, db, options, machine, calibration)
+            measured = [r for r in rows if r.measured_ns]
+            print(f"{path.stem}: {len(rows)} fused kernels, {len(measured)} measured ({time.perf_counter() - t0:.1f} s)",
+                  flush=True)
+            if measured:
+                rows_by_model[path.stem] = (measured, analytic)
+    result = {"machine": machine.to_json(), "threads": args.threads, "models": list(rows_by_model),
+              "rows": sum(len(r) for r, _ in rows_by_model.values()), "held_out": {}}
+    sigmas = []
+    for name, (rows, analytic) in rows_by_model.items():
+        train = [r for other, (rs, _) in rows_by_model.items() if other != name for r in rs]
+        if not train:
+            continue
+        model = cm.CostModel.fit(train)
+        learned = metrics(rows, model.predict_ns(rows))
+        result["held_out"][name] = {"learned": learned, "analytic": metrics(rows, [analytic[r.ident] for r in rows])}
+        sigmas.append(learned["sigma"])
+        print(f"{name}: learned rho {learned['rho_time']:.2f}/{learned['rho_ratio']:.2f} sigma {learned['sigma']:.2f}; "
+              f"analytic rho {result['held_out'][name]['analytic']['rho_time']:.2f}", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    out.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
+    if not args.no_save and rows_by_model:
+        all_rows = [r for rs, _ in rows_by_model.values() for r in rs]
+        summary = {"sigma": statistics.median(sigmas) if sigmas else 0.5, "machines": [machine.name],
+                   "trained": time.strftime("%Y-%m-%d")}
+        cm.CostModel.fit(all_rows, summary).save(cm.SHIPPED)
+        print(f"wrote {cm.SHIPPED} ({len(all_rows)} rows, sigma {summary['sigma']:.2f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Pruned measurement, replayed: how many fused kernels each estimator makes the optimizer measure,
+and how good the plan it ends with is, with the profile database answering every measurement.
+
+    .venv/bin/python benchmarks/pruning.py --models gpt2_mini,candy
+    .venv/bin/python benchmarks/pruning.py --models candy --confidence 1.0,2.0
+
+For a model whose candidates the database already holds (a previous unpruned or pruned run on this
+machine), `pipeline.plan_model` runs three times: measuring everything, pruning with the analytic
+bound (`cost_model="analytic"`) and pruning with the learned model (`"learned"`). Nothing is timed:
+`measure` answers from the database (what a cold run would have measured), and the database is
+made to look empty of fused kernels, so pruning starts as on a cold database. The learned model is
+fitted on the *other* models' rows (leave one model out), as for a model it has never seen.
+
+Reported: fused kernels measured, solve-and-measure rounds, and the plan's predicted latency (the
+sum of its measured kernels) against the plan of the unpruned run. Writes
+benchmarks/results/pruning.json and .md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import costmodel as cmbench  # noqa: E402  (benchmarks/costmodel.py: the rows of a model)
+from kernorch import costmodel as cm  # noqa: E402
+from kernorch import measure as meas  # noqa: E402
+from kernorch import pipeline as pl  # noqa: E402
+from kernorch.calibrate import calibrate  # noqa: E402
+from kernorch.database import Measurement, ProfileDB  # noqa: E402
+from kernorch.options import Machine, Options  # noqa: E402
+
+TRAIN = "transformer_block,candy_like,gpt2_mini,yolox_tiny,candy"
+
+
+def replay(path: Path, options: Options, machine: Machine, db: ProfileDB) -> tuple:
+    """plan_model with the database as the oracle; returns (planned, fused kernels measured, all measured)."""
+    real_stored = meas.stored
+    counts = {"all": 0, "fused": 0}
+
+    def stored(jobs, _db, opts, mach):
+        jobs = list(jobs)
+        got = real_stored(jobs, db, opts, mach)
+        deferred = {j.ident for j in jobs if pl._deferrable(j)}
+        return {i: m for i, m in got.items() if i not in deferred}
+
+    def measure(jobs, _db, opts, mach=None, label="", workers=None):
+        jobs = list(jobs)
+        got = real_stored(jobs, db, opts, machine)
+        out = {j.ident: got.get(j.ident) or Measurement("", j.key, j.impl, j.schedule, "", "refused", None, (),
+                                                        "not in the database") for j in jobs}
+        counts["all"] += len(jobs)
+        counts["fused"] += sum(pl._deferrable(j) for j in jobs)
+        return out, meas.MeasureStats(jobs=len(jobs), measured=len(jobs), seconds=1.0 * len(jobs))
+
+    with mock.patch.object(meas, "stored", stored), mock.patch.object(meas, "measure", measure):
+        planned = pl.plan_model(str(path), options, db=db, machine=machine)
+    return planned, counts["fused"], counts["all"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="transformer_block,gpt2_mini,candy")
+    ap.add_argument("--train", default=TRAIN, help="models whose rows the learned model may use (minus the one replayed)")
+    ap.add_argument("--confidence", default=str(pl.CONFIDENCE), help="comma-separated values of pipeline.CONFIDENCE")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--db", default=None)
+    ap.add_argument("--out", default=str(HERE / "results" / "pruning"))
+    args = ap.parse_args(argv)
+    options = Options(threads=args.threads, db_path=args.db)
+    machine = Machine.host()
+    calibration = calibrate(args.threads)
+    results = []
+    with ProfileDB(options.resolved_db()) as db:
+        rows = {}
+        for p in cmbench.model_paths(args.train.split(",")):
+            rs, _ = cmbench.stored_rows(p, db, options, machine, calibration)
+            rows[p.stem] = [r for r in rs if r.measured_ns]
+        for path in cmbench.model_paths(args.models.split(",")):
+            train = [r for name, rs in rows.items() if name != path.stem for r in rs]
+            model = cm.CostModel.fit(train, {"sigma": cm.shipped().sigma if cm.shipped() else 0.7})
+            runs = [("all", options.with_(prune=False), None), ("analytic", options.with_(cost_model="analytic"), None)]
+            runs += [(f"learned@{c}", options.with_(cost_model="learned"), float(c)) for c in args.confidence.split(",")]
+            base = None
+            for label, opts, confidence in runs:
+                t0 = time.perf_counter()
+                with mock.patch.object(cm, "shipped", lambda: model), \
+                        mock.patch.object(pl, "CONFIDENCE", confidence if confidence is not None else pl.CONFIDENCE):
+                    planned, fused, total = replay(path, opts, machine, db)
+                ns = planned.plan.predicted_ns
+                base = base or ns
+                r = {"model": path.stem, "estimator": label, "fused_measured": fused, "measured": total,
+                     "rounds": planned.measured.stats.rounds, "never_measured": planned.measured.stats.estimated,
+                     "plan_ms": ns / 1e6, "plan_vs_all": ns / base, "replay_s": time.perf_counter() - t0}
+                results.append(r)
+                print(f"{path.stem} {label}: {fused} fused measured, {r['rounds']} rounds, plan {ns / 1e6:.3f} ms "
+                      f"({r['plan_vs_all']:.4f} of measuring all)", flush=True)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"machine": machine.to_json(), "results": results}, indent=1))
+    lines = ["# Pruned measurement replayed from the profile database", "",
+             f"Machine: {machine.name}, {args.threads} threads. Learned model fitted without the replayed model.", "",
+             "| model | estimator | fused measured | rounds | never measured | plan ms | plan / measuring all |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['estimator']} | {r['fused_measured']} | {r['rounds']} | {r['never_measured']} | "
+              f"{r['plan_ms']:.3f} | {r['plan_vs_all']:.4f} |" for r in results]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

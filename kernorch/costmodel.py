@@ -1,0 +1,166 @@
+"""The learned cost model: what a fused kernel not measured yet will take (XGBoost, no pickle).
+
+It predicts y = log(measured / base) of a fused kernel, base being the sum of its primitives
+measured alone (kernorch.features), from the fusion's structure, its schedule and the machine.
+Pruning (`pipeline.measure_candidates`) uses it in place of the analytic bound of kernorch.estimate:
+the solver is shown each unmeasured fusion at its prediction lowered by the model's own spread, so
+it asks to measure the fusions that may win, and far fewer of the ones that will not.
+
+Transfer: every row carries the machine's features (vector width, registers, caches, measured peak
+and bandwidth, threads), and during a run the fusions measured so far correct the prediction by a
+shrunk median residual (`Residual`), which is how a model trained elsewhere adapts to a new CPU
+from its first few dozen measurements.
+
+A model is saved as XGBoost's own JSON with the feature order and training summary as attributes;
+loading it runs no code. The package ships one (kernorch/data/costmodel.json), trained by
+`benchmarks/costmodel.py` on the project's own measurements.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+from . import features as feat
+from .ir import Graph, KernorchError, structural_key
+
+SHIPPED = Path(__file__).parent / "data" / "costmodel.json"
+PARAMS = {"max_depth": 6, "eta": 0.08, "subsample": 0.9, "colsample_bytree": 0.9, "min_child_weight": 2,
+          "objective": "reg:squarederror", "nthread": 1, "seed": 0}
+ROUNDS = 300
+SHRINK = 8.0  # the run's residual counts n / (n + SHRINK) of its median: a few fusions move it little
+
+
+def alone_times(measurements: Mapping) -> tuple[dict[str, int], int]:
+    """Per kernel key of a single primitive: its fastest successful measurement (untuned
+    comparisons aside), and the cheapest of them all (the call every kernel pays)."""
+    alone: dict[str, int] = {}
+    for (key, _impl, sched), m in measurements.items():
+        if m.ok and sched != "none" and len(m.description.split("+")) == 1:
+            alone[key] = min(alone.get(key, m.median_ns), m.median_ns)
+    return alone, min(alone.values(), default=0)
+
+
+def prims_alone(graphs: Iterable[Graph], alone_by_key: Mapping[str, int]) -> dict[str, int]:
+    """Per prim name of the kernel graphs: its time measured as a kernel of its own, where known."""
+    out: dict[str, int] = {}
+    for kg in graphs:
+        for p in kg.prims:
+            if p.name not in out:
+                key = structural_key([p], kg, [p.name])
+                if key in alone_by_key:
+                    out[p.name] = alone_by_key[key]
+    return out
+
+
+@dataclass(frozen=True)
+class Row:
+    """One fused kernel: its features, its base (ns) and, when measured, its time (ns)."""
+    ident: tuple[str, str, str]
+    features: Mapping[str, float]
+    base_ns: float
+    prims: tuple[str, ...] = ()
+    measured_ns: int | None = None
+    source: str = ""
+
+    @property
+    def label(self) -> float:
+        return math.log(self.measured_ns / self.base_ns)
+
+
+def rows_for(jobs: Sequence, alone: Mapping[str, int], cheapest: int, machine, calibration: Mapping, threads: int,
+             measurements: Mapping | None = None, source: str = "") -> list[Row]:
+    """The rows of fused jobs (`measurements`: their results, where measured)."""
+    out = []
+    for j in jobs:
+        m = (measurements or {}).get(j.ident)
+        ns = m.median_ns if m is not None and m.ok else None
+        out.append(Row(j.ident, feat.kernel_features(j.graph, j.schedule, alone, cheapest, machine, calibration, threads),
+                       feat.base_ns(j.graph, alone, cheapest), tuple(p.name for p in j.graph.prims), ns, source))
+    return out
+
+
+class CostModel:
+    def __init__(self, booster, summary: Mapping | None = None):
+        self.booster = booster
+        self.summary = dict(summary or {})
+
+    @property
+    def sigma(self) -> float:
+        """The model's out-of-sample spread in log space (from its training summary)."""
+        return float(self.summary.get("sigma", 0.5))
+
+    @staticmethod
+    def fit(rows: Sequence[Row], summary: Mapping | None = None, rounds: int = ROUNDS) -> "CostModel":
+        import numpy as np
+        import xgboost as xgb
+        rows = [r for r in rows if r.measured_ns]
+        if not rows:
+            raise KernorchError("the cost model has nothing to learn from: no measured fused kernels")
+        x = np.array([feat.vector(r.features) for r in rows], dtype=np.float32)
+        y = np.array([r.label for r in rows], dtype=np.float32)
+        booster = xgb.train(PARAMS, xgb.DMatrix(x, label=y, feature_names=list(feat.FEATURES)), rounds)
+        s = {"rows": len(rows), "sources": sorted({r.source for r in rows if r.source})} | dict(summary or {})
+        return CostModel(booster, s)
+
+    def predict(self, rows: Sequence[Row]) -> list[float]:
+        """Predicted log(time / base) per row."""
+        if not rows:
+            return []
+        import numpy as np
+        import xgboost as xgb
+        x = np.array([feat.vector(r.features) for r in rows], dtype=np.float32)
+        return [float(v) for v in self.booster.predict(xgb.DMatrix(x, feature_names=list(feat.FEATURES)))]
+
+    def predict_ns(self, rows: Sequence[Row]) -> list[float]:
+        return [r.base_ns * math.exp(y) for r, y in zip(rows, self.predict(rows))]
+
+    def save(self, path: str | Path) -> None:
+        self.booster.set_attr(kernorch_features=json.dumps(list(feat.FEATURES)),
+                              kernorch_summary=json.dumps(self.summary, sort_keys=True))
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.booster.save_model(str(path))
+
+    @staticmethod
+    def load(path: str | Path) -> "CostModel":
+        import xgboost as xgb
+        path = Path(path)
+        if path.suffix != ".json":
+            raise KernorchError(f"{path}: a cost model is XGBoost JSON (.json)")
+        try:
+            booster = xgb.Booster(model_file=str(path))
+        except Exception as e:  # xgboost raises its own error type for an unreadable file
+            raise KernorchError(f"{path}: not a readable cost model ({str(e).splitlines()[0]})") from None
+        names = json.loads(booster.attr("kernorch_features") or "[]")
+        if tuple(names) != feat.FEATURES:
+            raise KernorchError(f"{path}: cost model built for other features ({len(names)} vs {len(feat.FEATURES)})")
+        return CostModel(booster, json.loads(booster.attr("kernorch_summary") or "{}"))
+
+
+def shipped() -> CostModel | None:
+    """The model that ships with the package, or None when there is none (or it does not match)."""
+    if not SHIPPED.exists():
+        return None
+    try:
+        return CostModel.load(SHIPPED)
+    except KernorchError:
+        return None
+
+
+@dataclass(frozen=True)
+class Residual:
+    """This run's correction in log space: the median of log(measured / predicted) over the fusions
+    measured so far, shrunk toward 0 while they are few."""
+    errors: tuple[float, ...] = field(default_factory=tuple)
+
+    def add(self, pairs: Iterable[tuple[float, float]]) -> "Residual":
+        """`pairs` of (predicted ns, measured ns)."""
+        return Residual(self.errors + tuple(math.log(m / p) for p, m in pairs if p > 0 and m > 0))
+
+    @property
+    def shift(self) -> float:
+        n = len(self.errors)
+        return statistics.median(self.errors) * n / (n + SHRINK) if n else 0.0

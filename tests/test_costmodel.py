@@ -1,0 +1,165 @@
+"""The learned cost model: features of a fused kernel, fitting, a save format that runs no code, the
+run's residual, and how pruning uses it (never below the analytic bound)."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from kernorch import costmodel as cm
+from kernorch import features as feat
+from kernorch import pipeline
+from kernorch.ir import Graph, KernorchError, TensorType, make_prim
+from kernorch.options import Machine
+
+MACHINE = Machine("test cpu", ("avx2", "fma"), 2, 256, l1d_kib=32, l2_kib=512, l3_kib=8192)
+CAL = {"peak_gflops": 100.0, "bandwidth_gbs": 20.0}
+
+
+def pooled_graph():
+    """relu → 3x3 max pool: the pool reads every relu output 9 times (inlined: computed 9 times)."""
+    t = TensorType((1, 8, 16, 16))
+    relu = make_prim("r", "relu", ["x"], t)
+    pool = make_prim("p", "pool", ["r"], t, mode="max", kernel=(3, 3), strides=(1, 1), pads=(1, 1, 1, 1),
+                     dilations=(1, 1), ceil_mode=0)
+    return Graph((("x", t),), ("p",), (relu, pool))
+
+
+def chain_graph():
+    t = TensorType((64, 64))
+    return Graph((("x", t),), ("b",), (make_prim("a", "exp", ["x"], t), make_prim("b", "relu", ["a"], t)))
+
+
+def test_features_are_complete_finite_and_in_one_order():
+    f = feat.kernel_features(chain_graph(), "b16/t14x32pr", {"a": 2000, "b": 1000}, 500, MACHINE, CAL, 2)
+    assert set(f) == set(feat.FEATURES) and len(feat.vector(f)) == len(feat.FEATURES)
+    assert all(math.isfinite(v) for v in f.values())
+    assert f["n_prims"] == 2 and f["n_elementwise"] == 2 and f["log_base"] == pytest.approx(math.log(3000))
+    assert (f["blocked"], f["tile_rows"], f["tile_cols"], f["packed"], f["rows_outside"]) == (16, 14, 32, 1, 1)
+    assert f["internal_share"] > 0 and f["simd_bits"] == 256 and f["vector_registers"] == 16
+    with pytest.raises(KeyError):
+        feat.vector({k: v for k, v in f.items() if k != "threads"})
+
+
+def test_inlining_into_a_window_counts_as_recompute():
+    """A pointwise member read by a 3x3 pooling window is computed about 9 times; a chain of
+    pointwise members is not recomputed at all."""
+    pooled = feat.kernel_features(pooled_graph(), "default", {"r": 1000, "p": 1000}, 100, MACHINE, CAL, 2)
+    chain = feat.kernel_features(chain_graph(), "default", {"a": 1000, "b": 1000}, 100, MACHINE, CAL, 2)
+    assert pooled["log_reuse_max"] == pytest.approx(math.log1p(9.0), rel=0.05)
+    assert pooled["log_recompute"] > 1.0
+    assert chain["log_recompute"] == 0.0 and chain["log_reuse_max"] == pytest.approx(math.log(2.0))
+
+
+def synthetic_rows(n=200, seed=0):
+    """Rows whose label is a known function of two features."""
+    rng = np.random.default_rng(seed)
+    base = feat.kernel_features(chain_graph(), "default", {"a": 1000, "b": 1000}, 100, MACHINE, CAL, 2)
+    rows = []
+    for i in range(n):
+        f = dict(base, log_recompute=float(rng.uniform(0, 3)), call_share=float(rng.uniform(0, 1)))
+        y = 0.8 * f["log_recompute"] - 0.5 * f["call_share"]
+        rows.append(cm.Row(("k%d" % i, "tvm", "default"), f, 1000.0, ("a", "b"), int(1000 * math.exp(y)), "synthetic"))
+    return rows
+
+
+def test_fit_learns_and_a_saved_model_is_json_that_loads_to_the_same_predictions(tmp_path):
+    rows = synthetic_rows()
+    model = cm.CostModel.fit(rows, {"sigma": 0.3}, rounds=60)
+    fresh = synthetic_rows(50, seed=1)
+    predicted = model.predict(fresh)
+    assert np.corrcoef(predicted, [r.label for r in fresh])[0, 1] > 0.9
+    path = tmp_path / "m.json"
+    model.save(path)
+    json.loads(path.read_text())  # XGBoost's own JSON: nothing to unpickle
+    back = cm.CostModel.load(path)
+    assert back.predict(fresh) == pytest.approx(predicted) and back.sigma == 0.3
+    assert back.summary["rows"] == 200 and back.summary["sources"] == ["synthetic"]
+
+
+def test_loading_refuses_other_features_and_other_formats(tmp_path):
+    model = cm.CostModel.fit(synthetic_rows(30), rounds=5)
+    path = tmp_path / "m.json"
+    model.save(path)
+    doc = json.loads(path.read_text())
+    attrs = doc["learner"]["attributes"]
+    attrs["kernorch_features"] = json.dumps(list(feat.FEATURES[:-1]))
+    path.write_text(json.dumps(doc))
+    with pytest.raises(KernorchError, match="other features"):
+        cm.CostModel.load(path)
+    with pytest.raises(KernorchError, match="JSON"):
+        cm.CostModel.load(tmp_path / "m.pkl")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(KernorchError, match="not a readable cost model"):
+        cm.CostModel.load(tmp_path / "bad.json")
+    with pytest.raises(KernorchError, match="nothing to learn"):
+        cm.CostModel.fit([])
+
+
+def test_the_shipped_model_loads_with_these_features():
+    model = cm.shipped()
+    assert model is not None, f"{cm.SHIPPED} missing or built for other features: run benchmarks/costmodel.py"
+    assert model.summary["rows"] > 1000 and 0 < model.sigma < 2
+
+
+def test_the_residual_is_a_shrunk_median():
+    r = cm.Residual().add([(100.0, 100.0 * math.e)])
+    assert r.shift == pytest.approx(1.0 / (1 + cm.SHRINK))
+    many = cm.Residual().add([(100.0, 50.0)] * 400)
+    assert many.shift == pytest.approx(math.log(0.5) * 400 / (400 + cm.SHRINK))
+    assert cm.Residual().shift == 0.0
+
+
+def test_estimates_never_fall_below_the_bound():
+    """The learned prediction only raises an estimate, and only by what it predicts beyond
+    CONFIDENCE sigmas."""
+    ids = [("a", "tvm", "default"), ("b", "tvm", "default")]
+    m = pipeline.Measured({}, None, bounds={ids[0]: 1000, ids[1]: 1000}, sigma=0.5,
+                          predicted={ids[0]: 100.0, ids[1]: 100_000.0})
+    est = pipeline._estimates(m)
+    assert est[ids[0]] == 1000
+    assert est[ids[1]] == int(100_000.0 * math.exp(-pipeline.CONFIDENCE * 0.5))
+
+
+class Confident:
+    """A stand-in for a trained model that is sure every fusion is a thousand times its members."""
+    sigma = 0.1
+
+    def predict_ns(self, rows):
+        return [1000.0 * r.base_ns for r in rows]
+
+
+@pytest.mark.parametrize("cost_model", ["learned", "analytic"])
+def test_a_confident_model_keeps_fusions_unmeasured(tmp_path, monkeypatch, cost_model):
+    """With the learned cost model, a fusion it is sure will lose is never measured (the plan holds
+    only measured kernels either way); the analytic bound alone has the solver ask for fusions."""
+    import onnx
+    from onnx import TensorProto, helper
+    from kernorch.options import Options
+    monkeypatch.setattr(cm, "shipped", lambda: Confident())
+    nodes = [helper.make_node(op, [i], [o], name=o) for op, i, o in
+             (("Relu", "x", "a"), ("Neg", "a", "b"), ("Abs", "b", "y"))]
+    g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [256, 512])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [256, 512])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, str(tmp_path / "chain.onnx"))
+    options = Options(threads=1, max_kernel_size=3, repeats=3, min_repeat_ms=1.0, workers=2, compare_untuned=0,
+                      db_path=str(tmp_path / "db.sqlite"), cost_model=cost_model)
+    planned = pipeline.plan_model(str(tmp_path / "chain.onnx"), options)
+    fused = {k for (k, _, s), v in planned.measured.measurements.items() if "+" in v.description and s != "none"}
+    assert not planned.plan.estimated
+    if cost_model == "learned":
+        assert not fused and planned.measured.stats.estimated > 0
+        assert all(len(k.members) == 1 for k in planned.plan.kernels)
+    else:
+        assert fused and planned.measured.stats.rounds >= 1
+
+
+def test_the_cli_chooses_the_cost_model():
+    from kernorch import cli
+    parser = cli.parser()
+    assert cli.options_from(parser.parse_args(["optimize", "m.onnx", "-o", "out", "--cost-model", "analytic"])).cost_model == "analytic"
+    assert cli.options_from(parser.parse_args(["optimize", "m.onnx", "-o", "out"])).cost_model == "learned"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["optimize", "m.onnx", "-o", "out", "--cost-model", "magic"])
