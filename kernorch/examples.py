@@ -100,10 +100,12 @@ def candy_like(size: int = 64, width: int = 16, blocks: int = 2, seed: int = 0):
     return n.model([("input", [1, 3, size, size])], [(x, "output", [1, 3, size, size])])
 
 
-def transformer_block(seq: int = 32, dim: int = 64, heads: int = 4, hidden: int = 256, seed: int = 1):
-    """Pre-norm encoder block: x + Attn(LN(x)), then + MLP(LN(.)) with the Erf-GELU export pattern."""
+def transformer_block(seq: int | str = 32, dim: int = 64, heads: int = 4, hidden: int = 256, seed: int = 1):
+    """Pre-norm encoder block: x + Attn(LN(x)), then + MLP(LN(.)) with the Erf-GELU export pattern.
+    `seq` a name (e.g. "seq"): the sequence axis is symbolic (an ONNX dim_param; reshapes infer it)."""
     n = _Net("transformer_block", seed)
     hd = dim // heads
+    length = -1 if isinstance(seq, str) else seq
 
     def shape(*dims):
         return n.init(np.array(dims, np.int64), "shape")
@@ -116,14 +118,14 @@ def transformer_block(seq: int = 32, dim: int = 64, heads: int = 4, hidden: int 
 
     x = "x"
     h = ln(x)
-    q, k, v = (n.node("Reshape", [linear(h, dim, dim), shape(1, seq, heads, hd)]) for _ in range(3))
+    q, k, v = (n.node("Reshape", [linear(h, dim, dim), shape(1, length, heads, hd)]) for _ in range(3))
     q = n.node("Transpose", [q], perm=[0, 2, 1, 3])
     k = n.node("Transpose", [k], perm=[0, 2, 3, 1])
     v = n.node("Transpose", [v], perm=[0, 2, 1, 3])
     s = n.node("Div", [n.node("MatMul", [q, k]), n.init(np.array(math.sqrt(hd), np.float32), "scale")])
     p = n.node("Softmax", [s], axis=-1)
     a = n.node("Transpose", [n.node("MatMul", [p, v])], perm=[0, 2, 1, 3])
-    a = linear(n.node("Reshape", [a, shape(1, seq, dim)]), dim, dim)
+    a = linear(n.node("Reshape", [a, shape(1, length, dim)]), dim, dim)
     x = n.node("Add", [x, a])
     f = linear(ln(x), dim, hidden)
     erf = n.node("Erf", [n.node("Div", [f, n.init(np.array(math.sqrt(2.0), np.float32), "sqrt2")])])

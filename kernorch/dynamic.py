@@ -1,0 +1,258 @@
+"""Symbolic dimensions: one primitive graph for a whole range of a dimension (e.g. seq=1..512).
+
+A model exported with a symbolic axis (an ONNX `dim_param`) is fissioned at a few probe values of
+that symbol; the prim graphs are aligned by name (fission names a prim after its ONNX node, so the
+names agree across probes) and every integer that differs between them (a dimension of a type, a
+reshape target, a slice end) is fitted as a polynomial of degree at most 2 in the symbol and checked
+on one more probe. The result is one generic graph whose dimensions are `SymDim`s; `bind` turns it
+back into the static graph of any value in the range, the same graph fission would give there
+(the tests check exactly that on values that were not probes).
+
+What is refused, with the node named: a graph whose structure changes with the value (a different
+set of prims, different wiring, an attribute that is not an integer changing), an integer that
+follows no integer polynomial of degree <= 2 (e.g. seq // 2), and a folded constant whose values
+change with the value (a causal mask or position ids computed from the shape). One symbol at a time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from typing import Any, Callable, Mapping
+
+from .ir import Graph, KernorchError, Prim, TensorType
+
+PRIMES = (61, 67, 71, 73, 79, 83, 89, 97, 101, 103, 107, 109, 113, 127, 131, 137, 139, 149, 151, 157, 163,
+          167, 173, 179, 181, 191, 193, 197, 199, 211, 223, 227, 229, 233, 239, 241, 251, 2, 3, 5, 7, 11, 13, 17,
+          19, 23, 29, 31, 37, 41, 43, 47, 53, 59)
+PROBES = 4   # three to fit a polynomial of degree 2, one to check it
+
+
+@dataclass(frozen=True)
+class SymDim:
+    """c0 + c1*s + c2*s^2 for the symbol `name` (integer coefficients)."""
+    name: str
+    coeffs: tuple[int, int, int]
+
+    def __call__(self, value: int) -> int:
+        c0, c1, c2 = self.coeffs
+        return c0 + c1 * value + c2 * value * value
+
+    def subs(self, binding: Mapping[str, int]) -> int:
+        if self.name not in binding:
+            raise KernorchError(f"symbol {self.name!r} is not bound")
+        return self(int(binding[self.name]))
+
+    def __str__(self) -> str:
+        terms = []
+        for power, c in zip((2, 1, 0), reversed(self.coeffs)):
+            mono = {2: f"{self.name}^2", 1: self.name, 0: ""}[power]
+            if c == 0:
+                continue
+            terms.append(str(c) if not mono else mono if c == 1 else f"-{mono}" if c == -1 else f"{c}*{mono}")
+        return "+".join(terms).replace("+-", "-") or "0"
+
+    def to_json(self) -> dict:
+        return {"symbol": self.name, "coeffs": list(self.coeffs)}
+
+
+@dataclass(frozen=True)
+class Range:
+    name: str
+    lo: int
+    hi: int
+
+    def __post_init__(self):
+        if not 1 <= self.lo <= self.hi:
+            raise KernorchError(f"shape range {self.name}={self.lo}..{self.hi}: need 1 <= lo <= hi")
+
+    def __contains__(self, value: int) -> bool:
+        return self.lo <= value <= self.hi
+
+    def probes(self) -> list[int]:
+        """PROBES distinct values in the range, primes first (they collide with no power-of-two dim,
+        so a misfit shows), else evenly spread values."""
+        out = [p for p in PRIMES if p in self][:PROBES]
+        if len(out) < PROBES:
+            span = range(self.lo, self.hi + 1)
+            out += [v for v in span if v not in out][:PROBES - len(out)]
+        if len(out) < PROBES:
+            raise KernorchError(f"shape range {self.name}={self.lo}..{self.hi} holds fewer than {PROBES} values: "
+                                "bind it with a static shape instead")
+        return sorted(out)
+
+
+def parse_range(text: str) -> Range:
+    """'seq=1..512' -> Range('seq', 1, 512)."""
+    name, sep, span = text.partition("=")
+    lo, dots, hi = span.partition("..")
+    if not sep or not dots or not name.strip():
+        raise KernorchError(f"--shape {text!r}: expected NAME=LO..HI for a symbolic dimension, e.g. seq=1..512")
+    try:
+        return Range(name.strip(), int(lo), int(hi))
+    except ValueError:
+        raise KernorchError(f"--shape {text!r}: LO and HI must be integers") from None
+
+
+# -- fitting ---------------------------------------------------------------------------------
+
+def fit(name: str, xs: list[int], ys: list[int]) -> int | SymDim:
+    """The integer polynomial of degree <= 2 through (xs[:3], ys[:3]) checked on the rest; an int
+    when ys do not vary; None when no such polynomial exists."""
+    if len(set(ys)) == 1:
+        return ys[0]
+    (x0, x1, x2), (y0, y1, y2) = xs[:3], ys[:3]
+    # Newton's divided differences, exactly
+    d01 = Fraction(y1 - y0, x1 - x0)
+    d12 = Fraction(y2 - y1, x2 - x1)
+    c2 = (d12 - d01) / (x2 - x0)
+    c1 = d01 - c2 * (x0 + x1)
+    c0 = y0 - c1 * x0 - c2 * x0 * x0
+    if any(c.denominator != 1 for c in (c0, c1, c2)):
+        return None
+    poly = SymDim(name, (int(c0), int(c1), int(c2)))
+    if any(poly(x) != y for x, y in zip(xs, ys)):
+        return None
+    return poly
+
+
+def _leaves(value: Any) -> list:
+    if isinstance(value, tuple):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]
+
+
+def _rebuild(value: Any, it) -> Any:
+    if isinstance(value, tuple):
+        return tuple(_rebuild(v, it) for v in value)
+    return next(it)
+
+
+def _is_slot(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _generalize_value(name: str, probes: list[int], values: list[Any], where: Callable[[], str]) -> Any:
+    """One value (a shape, an attribute) seen at every probe: its integer leaves fitted."""
+    first = values[0]
+    leaves = [_leaves(v) for v in values]
+    if any(len(ls) != len(leaves[0]) for ls in leaves) or any(_shape_of(v) != _shape_of(first) for v in values):
+        raise KernorchError(f"{where()} changes structure with {name} ({values[0]!r} at {name}={probes[0]}, "
+                            f"{values[1]!r} at {name}={probes[1]}): not one graph over the range")
+    out = []
+    for i, leaf in enumerate(leaves[0]):
+        column = [ls[i] for ls in leaves]
+        if not all(_is_slot(v) for v in column):
+            if any(v != leaf for v in column):
+                raise KernorchError(f"{where()} has a value that changes with {name} and is not an integer "
+                                    f"({column[0]!r} vs {column[1]!r})")
+            out.append(leaf)
+            continue
+        f = fit(name, probes, column)
+        if f is None:
+            raise KernorchError(f"{where()}: an integer follows no polynomial of {name} of degree <= 2 "
+                                f"({', '.join(f'{v} at {name}={p}' for p, v in zip(probes, column))})")
+        out.append(f)
+    return _rebuild(first, iter(out))
+
+
+def _shape_of(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return tuple(_shape_of(v) for v in value)
+    return type(value).__name__ if not _is_slot(value) else "int"
+
+
+def generalize(graphs: Mapping[int, Graph], name: str) -> Graph:
+    """One generic graph from the static graphs fissioned at each probe value of `name`."""
+    probes = sorted(graphs)
+    gs = [graphs[p] for p in probes]
+    first = gs[0]
+    for p, g in zip(probes[1:], gs[1:]):
+        a, b = [q.name for q in first.prims], [q.name for q in g.prims]
+        if a != b:
+            diff = next((x for x, y in zip(a, b) if x != y), None) or (set(a) ^ set(b) or {"?"}).pop()
+            node = next((q.origin for q in first.prims + g.prims if q.name == diff), diff)
+            raise KernorchError(f"the graph's structure changes with {name} (node {node!r}: prim {diff!r} at "
+                                f"{name}={probes[0]} vs {name}={p}): not one graph over the range")
+        if first.outputs != g.outputs or [n for n, _ in first.inputs] != [n for n, _ in g.inputs]:
+            raise KernorchError(f"the graph's inputs or outputs change with {name}")
+    for c in first.constants:
+        arrays = [g.constants.get(c) for g in gs]
+        if any(a is None or a.shape != arrays[0].shape or a.dtype != arrays[0].dtype or not (a == arrays[0]).all()
+               for a in arrays):
+            raise KernorchError(f"constant {c!r} changes with {name} (a mask or positions computed from the "
+                                "shape?): not supported with a symbolic dimension yet")
+    prims = []
+    for i, p in enumerate(first.prims):
+        others = [g.prims[i] for g in gs]
+
+        def where(p=p):
+            return f"node {p.origin or p.name!r} (prim {p.name}, {p.op})"
+        if any(q.op != p.op or q.inputs != p.inputs or [k for k, _ in q.attrs] != [k for k, _ in p.attrs] for q in others):
+            raise KernorchError(f"{where()} changes operator, inputs or attributes with {name}")
+        shape = _generalize_value(name, probes, [q.type.shape for q in others], where)
+        attrs = tuple((k, _generalize_value(name, probes, [dict(q.attrs)[k] for q in others], where))
+                      for k, _ in p.attrs)
+        prims.append(replace(p, attrs=attrs, type=TensorType(shape, p.type.dtype)))
+    inputs = tuple((n, TensorType(_generalize_value(name, probes, [dict(g.inputs)[n].shape for g in gs],
+                                                    lambda n=n: f"input {n!r}"), t.dtype))
+                   for n, t in first.inputs)
+    return Graph(inputs, first.outputs, tuple(prims), dict(first.constants), first.name)
+
+
+# -- binding ---------------------------------------------------------------------------------
+
+def _bind_value(value: Any, binding: Mapping[str, int]) -> Any:
+    if isinstance(value, tuple):
+        return tuple(_bind_value(v, binding) for v in value)
+    if isinstance(value, SymDim):
+        return value.subs(binding)
+    return value
+
+
+def bind(graph: Graph, binding: Mapping[str, int]) -> Graph:
+    """The static graph of a generic one at `binding` (e.g. {"seq": 128})."""
+    def ty(t: TensorType) -> TensorType:
+        return TensorType(_bind_value(t.shape, binding), t.dtype)
+    prims = tuple(Prim(p.name, p.op, p.inputs, tuple((k, _bind_value(v, binding)) for k, v in p.attrs), ty(p.type),
+                       p.origin) for p in graph.prims)
+    return Graph(tuple((n, ty(t)) for n, t in graph.inputs), graph.outputs, prims, graph.constants, graph.name)
+
+
+def symbols(graph: Graph) -> set[str]:
+    """The symbols a generic graph's dimensions and attributes use."""
+    out: set[str] = set()
+
+    def walk(v):
+        if isinstance(v, tuple):
+            for x in v:
+                walk(x)
+        elif isinstance(v, SymDim):
+            out.add(v.name)
+    for _, t in graph.inputs:
+        walk(t.shape)
+    for p in graph.prims:
+        walk(p.type.shape)
+        walk(p.attrs)
+    return out
+
+
+def generic_graph(model, rng: Range, shapes: Mapping[str, tuple] | None = None) -> Graph:
+    """Load `model` (a path or ModelProto whose inputs use the dim_param `rng.name`) at each probe
+    value, fission it, and generalize (see the module docstring)."""
+    from . import fission
+    from .frontend import onnx as frontend
+    og = frontend.load(model, shapes)
+    if rng.name not in og.symbols:
+        known = ", ".join(sorted(og.symbols)) or "none"
+        raise KernorchError(f"{og.source}: --shape names the symbol {rng.name!r}, which no input uses "
+                            f"(symbolic dimensions: {known})")
+    others = sorted(set(og.symbols) - {rng.name})
+    if others:
+        raise KernorchError(f"{og.source}: symbolic dimension(s) {', '.join(others)} are not bound: one symbol "
+                            "may vary, bind the others with --shape INPUT=DIMS")
+    graphs = {}
+    for p in rng.probes():
+        bound = {n: tuple(p if d == rng.name else d for d in t.shape) for n, t in og.inputs
+                 if any(d == rng.name for d in t.shape)}
+        graphs[p] = fission.fission(frontend.load(model, {**dict(shapes or {}), **bound}))
+    return generalize(graphs, rng.name)

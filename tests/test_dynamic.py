@@ -1,0 +1,109 @@
+"""Symbolic dimensions (kernorch.dynamic): one generic graph over a range, which binds back to exactly
+the graph fission gives at any value of the range; what cannot be one graph is refused by name."""
+import random
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from kernorch import dynamic, examples, fission
+from kernorch.frontend import onnx as frontend
+from kernorch.ir import KernorchError, structural_key
+
+
+def fissioned(model, s):
+    return fission.fission(frontend.load(model, {"x": (1, s, 64)}))
+
+
+@pytest.fixture(scope="module")
+def block():
+    model = examples.transformer_block(seq="seq")
+    return model, dynamic.generic_graph(model, dynamic.parse_range("seq=1..512"))
+
+
+def test_the_generic_graph_binds_to_the_graph_fission_gives_at_any_length(block):
+    model, generic = block
+    assert dynamic.symbols(generic) == {"seq"}
+    values = [1, 2, 512] + random.Random(0).sample(range(3, 512), 5)
+    for s in values:
+        want, got = fissioned(model, s), dynamic.bind(generic, {"seq": s})
+        assert got.prims == want.prims and got.inputs == want.inputs and got.outputs == want.outputs, s
+
+
+def test_generic_keys_name_the_symbol_and_never_meet_static_ones(block):
+    model, generic = block
+    static = fissioned(model, 61)
+    p = next(q for q in generic.prims if q.op == "matmul")
+    generic_key = structural_key([p], generic, [p.name])
+    static_key = structural_key([static.by_name[p.name]], static, [p.name])
+    assert generic_key != static_key
+    assert "seq" in str(p.type) and str(p.type) == "float32[1xseqx64]"
+
+
+def test_polynomials_fit_exactly_or_not_at_all():
+    xs = [61, 67, 71, 73]
+    assert dynamic.fit("s", xs, [7] * 4) == 7
+    assert dynamic.fit("s", xs, [4 * x + 1 for x in xs]) == dynamic.SymDim("s", (1, 4, 0))
+    assert dynamic.fit("s", xs, [x * x for x in xs]) == dynamic.SymDim("s", (0, 0, 1))
+    assert dynamic.fit("s", xs, [x // 2 for x in xs]) is None
+    assert dynamic.fit("s", xs, [x ** 3 for x in xs]) is None  # fits three points, fails the fourth
+    assert str(dynamic.SymDim("s", (1, 4, 0))) == "4*s+1" and str(dynamic.SymDim("s", (-2, 1, 1))) == "s^2+s-2"
+    assert dynamic.SymDim("s", (0, 3, 0)).subs({"s": 5}) == 15
+
+
+def test_ranges_and_their_errors():
+    r = dynamic.parse_range("seq=1..512")
+    assert (r.name, r.lo, r.hi) == ("seq", 1, 512) and r.probes() == [61, 67, 71, 73]
+    assert dynamic.parse_range("n=3..8").probes() == [3, 4, 5, 7]  # its primes, then the first other value
+    for bad in ("seq", "seq=1-512", "seq=a..b", "seq=0..4", "seq=9..3"):
+        with pytest.raises(KernorchError):
+            dynamic.parse_range(bad)
+    with pytest.raises(KernorchError, match="fewer than"):
+        dynamic.parse_range("seq=1..3").probes()
+
+
+def _model(nodes, inits, out_shape):
+    g = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "seq", 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, out_shape)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def test_an_integer_that_is_no_polynomial_is_refused_with_its_node():
+    """Slicing the first seq // 2 rows: the slice end follows no polynomial."""
+    i64 = lambda v, n: numpy_helper.from_array(np.array(v, np.int64), n)  # noqa: E731
+    nodes = [helper.make_node("Shape", ["x"], ["shp"], name="shape"),
+             helper.make_node("Gather", ["shp", "one"], ["len"], name="len", axis=0),
+             helper.make_node("Div", ["len", "two"], ["half"], name="half"),
+             helper.make_node("Unsqueeze", ["half", "zero"], ["ends"], name="ends"),
+             helper.make_node("Slice", ["x", "zero", "ends", "one"], ["y"], name="first_half")]
+    m = _model(nodes, [i64(1, "one"), i64(2, "two"), i64([0], "zero")], [1, "half", 8])
+    with pytest.raises(KernorchError, match="first_half.*no polynomial"):
+        dynamic.generic_graph(m, dynamic.parse_range("seq=1..512"))
+
+
+def test_a_constant_that_changes_with_the_length_is_refused():
+    """Position ids folded from the shape (Range over seq) are a different constant at each length."""
+    i64 = lambda v, n: numpy_helper.from_array(np.array(v, np.int64), n)  # noqa: E731
+    nodes = [helper.make_node("Shape", ["x"], ["shp"], name="shape"),
+             helper.make_node("Gather", ["shp", "one"], ["len"], name="len", axis=0),
+             helper.make_node("Range", ["zero", "len", "one"], ["pos"], name="positions"),
+             helper.make_node("Cast", ["pos"], ["posf"], name="cast", to=TensorProto.FLOAT),
+             helper.make_node("Unsqueeze", ["posf", "axes"], ["pos3"], name="unsq"),
+             helper.make_node("Add", ["x", "pos3"], ["y"], name="add")]
+    m = _model(nodes, [i64(1, "one"), i64(0, "zero"), i64([0, 2], "axes")], [1, "seq", 8])
+    with pytest.raises(KernorchError, match="constant .* changes with seq"):
+        dynamic.generic_graph(m, dynamic.parse_range("seq=1..512"))
+
+
+def test_symbols_are_checked_against_the_model():
+    model = examples.transformer_block(seq="seq")
+    with pytest.raises(KernorchError, match="no input uses.*seq"):
+        dynamic.generic_graph(model, dynamic.parse_range("batch=1..8"))
+    two = examples.transformer_block(seq="seq")
+    two.graph.input[0].type.tensor_type.shape.dim[0].dim_param = "batch"
+    with pytest.raises(KernorchError, match="batch.*not bound"):
+        dynamic.generic_graph(two, dynamic.parse_range("seq=1..512"))
+    onnx.checker.check_model(model)
