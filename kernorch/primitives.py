@@ -88,11 +88,21 @@ def _size(t: TensorType) -> int:
     return t.size
 
 
+def _dim(d):
+    """A TE extent as a Python int when it is a constant, else the (symbolic) expression itself:
+    kernels over a symbolic dimension (kernorch.dynamic) get TIR variables as extents."""
+    try:
+        return int(d)
+    except TypeError:
+        return d
+
+
 def _bcast_index(T, x, out_idx):
-    """Index into `x` for an output index under numpy broadcasting."""
-    shape = [int(d) for d in x.shape]
+    """Index into `x` for an output index under numpy broadcasting (a symbolic extent is never
+    the broadcast one: the generic graph's types already agree at every value)."""
+    shape = [_dim(d) for d in x.shape]
     off = len(out_idx) - len(shape)
-    return [0 if shape[i] == 1 else out_idx[off + i] for i in range(len(shape))]
+    return [0 if isinstance(shape[i], int) and shape[i] == 1 else out_idx[off + i] for i in range(len(shape))]
 
 
 def _same(types, attrs):
@@ -278,10 +288,10 @@ def _reduce(name, np_fn, te_reducer):
         rank = len(x.shape)
         axes = _norm_axes(a["axes"], rank)
         keep = bool(a.get("keepdims", 1))
-        raxes = [T.te.reduce_axis((0, int(x.shape[ax])), name=f"r{ax}") for ax in axes]
+        raxes = [T.te.reduce_axis((0, _dim(x.shape[ax])), name=f"r{ax}") for ax in axes]
         count = 1
         for ax in axes:
-            count *= int(x.shape[ax])
+            count *= _dim(x.shape[ax])
 
         def body(*i):
             idx, it, rk = [], iter(i), iter(raxes)
@@ -296,7 +306,8 @@ def _reduce(name, np_fn, te_reducer):
 
         res = T.te.compute(tuple(out.shape), body, name=name)
         if name == "reduce_mean":
-            res = T.te.compute(tuple(out.shape), lambda *i: res(*i) / T.tir.const(count, x.dtype), name="mean")
+            n = T.tir.const(count, x.dtype) if isinstance(count, int) else count.astype(x.dtype)
+            res = T.te.compute(tuple(out.shape), lambda *i: res(*i) / n, name="mean")
         return res
 
     def example():
@@ -477,7 +488,7 @@ def _reshape_infer(types, a):
 def _unravel(T, flat, shape):
     idx = []
     for d in reversed(shape):
-        idx.append(T.tir.floormod(flat, d) if d != 1 else T.tir.const(0, "int64") * flat)
+        idx.append(T.tir.const(0, "int64") * flat if isinstance(d, int) and d == 1 else T.tir.floormod(flat, d))
         flat = T.tir.floordiv(flat, d)
     return list(reversed(idx))
 
@@ -491,8 +502,8 @@ def _ravel(T, idx, shape):
 
 def _reshape_te(T, ins, a, out):
     x = ins[0]
-    in_shape = [int(d) for d in x.shape]
-    out_shape = [int(d) for d in out.shape]
+    in_shape = [_dim(d) for d in x.shape]
+    out_shape = [_dim(d) for d in out.shape]
     return T.te.compute(tuple(out.shape), lambda *i: x(*_unravel(T, _ravel(T, i, out_shape), in_shape)),
                         name="reshape")
 
@@ -544,7 +555,7 @@ def _concat_te(T, ins, a, out):
     off = 0
     for x in ins:
         offsets.append(off)
-        off += int(x.shape[ax])
+        off += _dim(x.shape[ax])
 
     def body(*i):
         val = None
@@ -587,7 +598,7 @@ def _pad_te(T, ins, a, out):
     x = ins[0]
     r = len(x.shape)
     p = a["pads"]
-    n = [int(d) for d in x.shape]
+    n = [_dim(d) for d in x.shape]
     mode = a.get("mode", "constant")
 
     def body(*i):
@@ -631,7 +642,7 @@ def _gather_te(T, ins, a, out):
 
     def body(*i):
         pos = idx(*i[ax:ax + k])
-        n = int(x.shape[ax])
+        n = _dim(x.shape[ax])
         pos = T.tir.Select(pos < 0, pos + n, pos)  # ONNX/numpy negative indices count from the end
         return x(*(list(i[:ax]) + [pos] + list(i[ax + k:])))
 
@@ -659,7 +670,7 @@ def _matmul_infer(types, a):
 
 def _matmul_te(T, ins, a, out):
     x, y = ins
-    kk = int(x.shape[-1])
+    kk = _dim(x.shape[-1])
     r = T.te.reduce_axis((0, kk), name="k")
     nb = len(out.shape) - 2
 

@@ -10,10 +10,12 @@ import types
 from typing import Sequence
 
 import tvm
+import tvm.sym
 from tvm import te, tirx, topi
 
 from ... import primitives
-from ...ir import Graph, KernorchError, Prim
+from ...dynamic import SymDim
+from ...ir import Graph, KernorchError, Prim, TensorType
 from ...kernels import variant_out_packs, variant_packs
 
 #: The TVM namespace handed to the primitive table's TE computes (they never import tvm).
@@ -39,10 +41,13 @@ def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs:
     params: list[te.Tensor] = []
     packs = variant_packs(graph, inputs, schedule)
     out_packs = variant_out_packs(graph, outputs, schedule)
+    sym = _Symbols()
     for i, name in enumerate(inputs):
-        t = graph.type_of(name)
-        if not t.static:
-            raise KernorchError(f"kernel input {name!r} has a symbolic shape {t}; bind the shape first")
+        t = sym.type(graph.type_of(name))
+        if any(isinstance(d, str) for d in t.shape):
+            raise KernorchError(f"kernel input {name!r} has an unbound symbolic shape {t}; bind the shape first")
+        if sym.vars and i in packs:
+            raise KernorchError(f"kernel input {name!r}: packed layouts need static shapes")
         if i in packs:
             ph = te.placeholder(packs[i].packed_shape, t.dtype, name=f"in{i}_packed_{_ident(name)}")
             env[name] = packs[i].te_view(T, ph, f"{UNPACK}{i}")
@@ -60,8 +65,9 @@ def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs:
         if missing:
             kind = "a later member" if any(m in member_names for m in missing) else "neither a member nor an input"
             raise KernorchError(f"prim {p.name} ({p.op}) reads {missing} which is {kind} of the kernel")
-        out = d.te(T, [env[t] for t in p.inputs], p.a, p.type)
-        if tuple(int(s) for s in out.shape) != tuple(p.type.shape) or out.dtype != p.type.dtype:
+        want = sym.type(p.type)
+        out = d.te(T, [env[t] for t in p.inputs], sym.value(p.a), want)
+        if not sym.same_shape(out.shape, want.shape) or out.dtype != p.type.dtype:
             raise KernorchError(f"TE compute of {p.op} ({p.name}) gave {out.dtype}{list(out.shape)}, "
                                 f"expected {p.type}")
         env[p.name] = out
@@ -70,9 +76,47 @@ def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs:
             raise KernorchError(f"kernel output {o!r} is not computed by a member")
     results = [out_packs[j].te_block(T, env[o], f"{BLOCK}{j}") if j in out_packs else env[o]
                for j, o in enumerate(outputs)]
-    func = te.create_prim_func(params + results)
+    if sym.vars and out_packs:
+        raise KernorchError("blocked output layouts need static shapes")
+    func = te.create_prim_func(params + results, index_dtype_override="int64" if sym.vars else None)
     func = func.with_attr(NUM_INPUTS_ATTR, len(inputs))
     return tvm.IRModule({"main": func})
+
+
+class _Symbols:
+    """The TIR variables of one kernel's symbolic dimensions (kernorch.dynamic.SymDim): one int64
+    variable per symbol, shared by every shape and attribute that uses it."""
+
+    def __init__(self):
+        self.vars: dict[str, tirx.Var] = {}
+
+    def expr(self, d):
+        if not isinstance(d, SymDim):
+            return d
+        v = self.vars.setdefault(d.name, tirx.Var(d.name, "int64"))
+        c0, c1, c2 = (tirx.IntImm("int64", c) for c in d.coeffs)
+        e = c1 * v if d.coeffs[1] != 1 else v
+        if d.coeffs[2]:
+            e = e + c2 * v * v if d.coeffs[1] else c2 * v * v
+        return e + c0 if d.coeffs[0] else e
+
+    def value(self, v):
+        if isinstance(v, dict):
+            return {k: self.value(x) for k, x in v.items()}
+        if isinstance(v, tuple):
+            return tuple(self.value(x) for x in v)
+        return self.expr(v)
+
+    def type(self, t: TensorType) -> TensorType:
+        return t if t.static else TensorType(tuple(self.expr(d) for d in t.shape), t.dtype)
+
+    def same_shape(self, got, want) -> bool:
+        if len(got) != len(want):
+            return False
+        if not self.vars:
+            return tuple(int(s) for s in got) == tuple(want)
+        ana = tvm.sym.Analyzer()
+        return all(ana.can_prove_equal(g, w) for g, w in zip(got, want))
 
 
 def _ident(name: str) -> str:

@@ -298,8 +298,10 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None) -> s_tir.Sched
     if len(loops) != len(ivs) or kinds != [_DATA_PAR] * nsp + [_COMM_REDUCE] * (len(ivs) - nsp) or nsp < 1:
         raise _NotApplicable("unexpected loop structure")
     ext = [_extent(sch, lp) for lp in loops]
+    padding: set[str] = set()
     if any(e is None for e in ext):
-        raise _NotApplicable("symbolic extents")
+        sch, blk, loops, ext = _pad_symbolic(sch, cname, nsp, ext, lanes, tile)
+        padding = set(_root_blocks(sch)) - set(names)
     v = nsp - 1
     if ext[v] < 4:
         raise _NotApplicable("innermost spatial extent too small to vectorize")
@@ -343,7 +345,8 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None) -> s_tir.Sched
         sch.unroll(ri)
     # accumulate in a local tile, written back (with the epilogue) once per tile
     wb = sch.cache_write(blk, 0, "local")
-    _reverse_inline_chain(sch, wb, func)
+    if not padding:  # a padded domain: the copy-out keeps its own guarded loop (inlined, it would write the padding)
+        _reverse_inline_chain(sch, wb, func)
     sch.reverse_compute_at(wb, par, preserve_unit_loops=True)
     wb_loops = sch.get_loops(wb)
     if len(wb_loops) > 1:
@@ -351,10 +354,35 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None) -> s_tir.Sched
     init = sch.decompose_reduction(blk, red[0])
     init_loops = sch.get_loops(init)
     sch.vectorize(init_loops[-1])
-    # everything else (producers like pad, epilogues that could not be inlined): the blocks that
-    # existed before this rule, apart from the contraction, and still sit at the root
-    _schedule_rest(sch, set(names) - {cname}, lanes)
+    # everything else (producers like pad, epilogues that could not be inlined, the padding blocks
+    # of a symbolic extent): the blocks at the root apart from the contraction
+    _schedule_rest(sch, (set(names) | padding) - {cname}, lanes)
     return sch
+
+
+SYMBOLIC_ROWS = 8  # the row tile of a contraction over a symbolic row extent, without a tile variant
+
+
+def _pad_symbolic(sch, cname: str, nsp: int, ext: list, lanes: int, tile: Tile | None):
+    """A contraction over a symbolic extent (kernorch.dynamic: e.g. seq rows): its iteration domain
+    is padded to a multiple of the tile on each symbolic spatial axis (`pad_einsum`: the operands
+    are copied into padded buffers, the result out of one), so the tile body below runs without a
+    guard, at any length. A symbolic reduction extent stays a plain loop. Returns the schedule with
+    the block, its loops and their extents as the rule expects them (the padded ones divisible)."""
+    v = nsp - 1
+    rows = tile.mr if tile is not None else SYMBOLIC_ROWS
+    cols = tile.nb if tile is not None else 2 * lanes
+    pad = [1] * len(ext)
+    for i in range(nsp):
+        if ext[i] is None:
+            pad[i] = cols if i == v else rows
+    blk = sch.get_sblock(cname)
+    sch.pad_einsum(blk, pad)
+    loops = list(sch.get_loops(blk))
+    # the rule reads extents as ints: a padded symbolic extent counts as its tile times a large
+    # number (it only has to be divisible by the tile and larger than it)
+    ext = [e if e is not None else p * 1024 for e, p in zip(ext, pad)]
+    return sch, blk, loops, ext
 
 
 def _contraction_name(func) -> str:
