@@ -77,6 +77,8 @@ def main(argv=None) -> int:
     machine = Machine.host()
     calibration = calibrate(args.threads)
     results = []
+    shipped = cm.shipped()
+    sigma = shipped.sigma if shipped else 0.7
     with ProfileDB(options.resolved_db()) as db:
         rows = {}
         for p in cmbench.model_paths(args.train.split(",")):
@@ -84,7 +86,7 @@ def main(argv=None) -> int:
             rows[p.stem] = [r for r in rs if r.measured_ns]
         for path in cmbench.model_paths(args.models.split(",")):
             train = [r for name, rs in rows.items() if name != path.stem for r in rs]
-            model = cm.CostModel.fit(train, {"sigma": cm.shipped().sigma if cm.shipped() else 0.7})
+            model = cm.CostModel.fit(train, {"sigma": sigma})
             runs = [("all", options.with_(prune=False), None), ("analytic", options.with_(cost_model="analytic"), None)]
             runs += [(f"learned@{c}", options.with_(cost_model="learned"), float(c)) for c in args.confidence.split(",")]
             base = None
