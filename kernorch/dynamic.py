@@ -15,6 +15,7 @@ change with the value (a causal mask or position ids computed from the shape). O
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any, Callable, Mapping
@@ -79,6 +80,17 @@ class Range:
             raise KernorchError(f"shape range {self.name}={self.lo}..{self.hi} holds fewer than {PROBES} values: "
                                 "bind it with a static shape instead")
         return sorted(out)
+
+
+def samples(ranges) -> tuple:
+    """Where a kernel over a range is timed, with weights: the ends and the geometric middle,
+    weighted 1/4, 1/2, 1/4 (the trapezoid rule over a log-uniform length: each octave of the range
+    counts the same). `ranges`: (name, lo, hi) triples; one symbol."""
+    if len(ranges) != 1:
+        raise KernorchError(f"one symbolic dimension at a time, got {len(ranges)}")
+    name, lo, hi = ranges[0]
+    mid = min(hi, max(lo, round(math.sqrt(lo * hi))))
+    return (((name, lo),), 0.25), (((name, mid),), 0.5), (((name, hi),), 0.25)
 
 
 def parse_range(text: str) -> Range:

@@ -16,7 +16,7 @@ import logging
 import tempfile
 import time
 import zlib
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -54,6 +54,14 @@ class KernelJob:
     graph: Graph
     inputs: tuple[str, ...]   # parameter order: every tensor read from outside, weights included
     outputs: tuple[str, ...]
+    # a kernel over a symbolic dimension (kernorch.dynamic): the (binding, weight) pairs it is
+    # checked and timed at; its time is the weighted sum
+    samples: tuple[tuple[tuple[tuple[str, int], ...], float], ...] = ()
+
+    def at(self, binding) -> "KernelJob":
+        """This kernel's static instance at `binding`."""
+        from .dynamic import bind
+        return replace(self, graph=bind(self.graph, dict(binding)), samples=())
 
     @property
     def ident(self) -> tuple[str, str, str]:
@@ -161,7 +169,14 @@ def _build_task(job: KernelJob, threads: int, out_dir: str, verify: bool, tune_d
     kernel = tb.build(mod, target)
     build_s = time.perf_counter() - t0
     err = None
-    if verify:
+    if verify and job.samples:  # one build serves every length: checked at each sample
+        err = 0.0
+        for binding, _ in job.samples:
+            bj = job.at(binding)
+            inputs = make_inputs(bj)
+            got = kernel(*inputs, out_shapes=[bj.graph.type_of(o).shape for o in bj.outputs])
+            err = max(err, check(bj, got, reference(bj, inputs)))
+    elif verify:
         inputs = make_inputs(job)
         got = unpack_outputs(job.graph, job.outputs, job.schedule, kernel(*kernel_args(job, inputs)))
         err = check(job, got, reference(job, inputs))
@@ -174,7 +189,7 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
                cutoff_s: float | None = None) -> dict:
     """Time one kernel. `cutoff_s`: when one call already takes longer, that single run is the
     measurement (the kernel is dominated by another implementation of the same key)."""
-    inputs = make_inputs(job)
+    inputs = make_inputs(job) if not job.samples else []
     if not registry.native(job.impl):
         kernel = registry.python_kernel(job.impl, job.graph, job.graph.prims, job.inputs, job.outputs)
         err = check(job, kernel(*inputs), reference(job, inputs)) if verify else None
@@ -184,6 +199,14 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
         return {"runs": runs, "error": err}
     from .backends import tvm as tb
     kernel = tb.load(path)
+    if job.samples:  # the weighted sum over the samples, repeat by repeat
+        total = np.zeros(repeats)
+        for binding, weight in job.samples:
+            bj = job.at(binding)
+            runs = kernel.time(*make_inputs(bj), number=1, repeat=repeats, min_repeat_ms=int(min_repeat_ms),
+                               out_shapes=[bj.graph.type_of(o).shape for o in bj.outputs])
+            total += weight * np.array(runs[:repeats])
+        return {"runs": [float(r) for r in total], "error": None}
     inputs = kernel_args(job, inputs)
     if cutoff_s is not None:
         first = kernel.time(*inputs, number=1, repeat=1)
@@ -287,11 +310,18 @@ def _history(jobs: Iterable[KernelJob], db: ProfileDB, target: str) -> dict[tupl
     return out
 
 
+def target_of(machine: Machine, options: Options) -> str:
+    """The database namespace of a run's measurements: the machine and threads, and the range of a
+    symbolic dimension (a kernel over seq=1..512 costs its weighted time over that range)."""
+    fp = machine.fingerprint(options.threads)
+    return fp + "".join(f"|{n}={lo}..{hi}" for n, lo, hi in options.ranges)
+
+
 def stored(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine: Machine) -> dict:
     """The measurements the database already holds for `jobs` (ok or refused; transient failures
     are not verdicts): what `measure` would serve without running anything."""
     out = {}
-    for ident, ms in _history(jobs, db, machine.fingerprint(options.threads)).items():
+    for ident, ms in _history(jobs, db, target_of(machine, options)).items():
         ms = [m for m in ms if m.status != "failed"]
         if ms:
             out[ident] = best_of(ms)
@@ -319,8 +349,11 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
     """
     t_start = time.perf_counter()
     machine = machine or Machine.host()
-    target = machine.fingerprint(options.threads)
+    target = target_of(machine, options)
     jobs = list({j.ident: j for j in jobs}.values())
+    if options.ranges:
+        from .dynamic import samples, symbols
+        jobs = [replace(j, samples=samples(options.ranges)) if symbols(j.graph) else j for j in jobs]
     stats = MeasureStats(jobs=len(jobs))
     results: dict[tuple[str, str, str], Measurement] = {}
     todo: list[KernelJob] = []

@@ -87,7 +87,11 @@ def load(model, options: Options, clock: Clock | None = None) -> Loaded:
     with clock("load"):
         og = frontend.load(model, options.shape_dict)
     with clock("fission"):
-        graph = fis.fission(og)
+        if options.ranges:  # one graph over the range of a symbolic dimension (kernorch.dynamic)
+            from .dynamic import Range, generic_graph
+            graph = generic_graph(model, Range(*options.ranges[0]), options.shape_dict)
+        else:
+            graph = fis.fission(og)
     return Loaded(og.source, og, graph)
 
 
@@ -125,6 +129,8 @@ def tile_jobs(graph: Graph, candidates, options: Options, machine: Machine) -> d
     """Per contraction prim and layout class: its kernel alone in every micro-kernel tile (the tile
     that wins alone is the one its fused candidates use: epilogues do not change the register tile)."""
     out: dict[tuple, list[meas.KernelJob]] = {}
+    if options.ranges:  # micro-kernel tiles (packed weights) are sized for static shapes
+        return out
     for c in candidates:
         if len(c.members) == 1 and c.linear:
             for cls in _variant_classes(graph, c, options, machine):
@@ -229,7 +235,7 @@ def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Option
     tiles = fastest_schedules(results, by_prim)
     jobs = candidate_jobs(graph, enumeration.candidates, options, machine, tiles)
     pending: dict = {}
-    if options.prune:
+    if options.prune and not options.ranges:  # the estimates need static sizes: over a range, all are measured
         have = meas.stored(jobs, db, options, machine)
         pending = {j.ident: j for j in jobs if j.ident not in have and _deferrable(j)}
         jobs = [j for j in jobs if j.ident not in pending]
@@ -445,6 +451,8 @@ def orchestrate(graph: Graph, enumeration, measured: Measured, options: Options,
 
 def plan_meta(source: str, machine: Machine, options: Options) -> dict[str, str]:
     meta = {"model": source, "machine": machine.name, "threads": str(options.threads)}
+    if options.ranges:  # the emitter bounds the symbol, the runtime checks it
+        meta["ranges"] = ",".join(f"{n}={lo}..{hi}" for n, lo, hi in options.ranges)
     if options.budget:  # where the emitter finds the schedules of "tvm-tuned" kernels
         from .tune import tune_dir
         meta["tune_dir"] = str(tune_dir(options, machine))

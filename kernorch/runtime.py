@@ -60,13 +60,14 @@ class CompiledModel:
         if unknown:
             raise KernorchError(f"unknown inputs {unknown}; the model takes {self.input_names}")
         feeds = {}
+        binding: dict[str, int] = {}
         for n, t in self.graph.inputs:
             if n not in inputs:
                 raise KernorchError(f"missing input {n!r} ({t})")
             x = inputs[n]
             if not isinstance(x, np.ndarray):
                 x = np.asarray(x)
-            want = tuple(int(d) for d in t.shape)
+            want = self._shape(n, t, x.shape, binding)
             if x.shape != want:
                 raise KernorchError(f"input {n!r} has shape {x.shape}, the model was optimized for {want}")
             if x.dtype != np.dtype(t.dtype):
@@ -75,6 +76,37 @@ class CompiledModel:
                 x = x.astype(t.dtype)
             feeds[n] = x
         return feeds
+
+    @property
+    def ranges(self) -> dict[str, tuple[int, int]]:
+        """The symbolic dimensions this executable serves: {"seq": (1, 512)} (empty: static)."""
+        from .dynamic import parse_range
+        rs = [parse_range(r) for r in self.plan.meta.get("ranges", "").split(",") if r]
+        return {r.name: (r.lo, r.hi) for r in rs}
+
+    def _shape(self, name: str, t, shape: tuple[int, ...], binding: dict[str, int]) -> tuple:
+        """The shape input `name` must have; a symbolic dimension takes its value from the first
+        input that has it, within its range (the same value in every input)."""
+        from .dynamic import SymDim
+        if t.static:
+            return tuple(t.shape)
+        if len(shape) != len(t.shape):
+            return tuple(str(d) for d in t.shape)
+        out = []
+        for d, got in zip(t.shape, shape):
+            if isinstance(d, SymDim):
+                lo, hi = self.ranges[d.name]
+                if d.name not in binding:
+                    value = next((v for v in range(lo, hi + 1) if d(v) == got), None) if d.coeffs[2] else \
+                        (got - d.coeffs[0]) // d.coeffs[1] if (got - d.coeffs[0]) % d.coeffs[1] == 0 else None
+                    if value is None or not lo <= value <= hi:
+                        raise KernorchError(f"input {name!r} has shape {shape}: {d.name} must be in {lo}..{hi} "
+                                            f"(this executable serves {d.name}={lo}..{hi}; dimension {d} is {got})")
+                    binding[d.name] = value
+                out.append(d(binding[d.name]))
+            else:
+                out.append(d)
+        return tuple(out)
 
     # -- running -------------------------------------------------------------------------------
     def run(self, inputs: Mapping[str, np.ndarray], check_finite: bool = True) -> dict[str, np.ndarray]:

@@ -161,3 +161,30 @@ def test_symbolic_kernels_compile_once_and_are_right_at_every_length(block, fuse
             got, want = _run_symbolic(kg, ins, out, ex, s)
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, equal_nan=True,
                                        err_msg=f"{kg.prims[0].op} kernel {out} at seq={s}")
+
+
+def test_one_executable_serves_the_whole_range(tmp_path):
+    """optimize over seq=1..512: one plan, one compiled module; right against ONNX Runtime at both
+    ends and between, and a length outside the range is refused by name."""
+    import onnxruntime as ort
+    from kernorch import pipeline
+    from kernorch.options import Options
+    path = tmp_path / "block.onnx"
+    onnx.save(examples.transformer_block(seq="seq"), str(path))
+    options = Options(threads=1, max_kernel_size=2, repeats=3, min_repeat_ms=1.0, workers=2, compare_untuned=0,
+                      db_path=str(tmp_path / "db.sqlite"), ranges=(("seq", 1, 512),))
+    planned = pipeline.plan_model(str(path), options)
+    assert planned.plan.meta["ranges"] == "seq=1..512"
+    assert any("seq" in str(planned.loaded.graph.type_of(k.outputs[0])) for k in planned.plan.kernels)
+    compiled = pipeline.emit(planned.loaded.graph, planned.plan, options, planned.machine)
+    assert compiled.ranges == {"seq": (1, 512)}
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for s in (1, 7, 300, 512):
+        x = np.random.default_rng(s).standard_normal((1, s, 64)).astype(np.float32)
+        got = compiled.run({"x": x})["y"]
+        np.testing.assert_allclose(got, session.run(None, {"x": x})[0], rtol=1e-4, atol=1e-4)
+    for bad in (513, 0):
+        with pytest.raises(KernorchError, match=r"seq must be in 1\.\.512"):
+            compiled.run({"x": np.zeros((1, bad, 64), np.float32)})
+    with pytest.raises(KernorchError, match="optimized for"):
+        compiled.run({"x": np.zeros((1, 5, 32), np.float32)})

@@ -37,28 +37,34 @@ class BuiltKernel:
     def output_types(self):
         return self.params[self.num_inputs:]
 
-    def _args(self, inputs: Sequence[np.ndarray]):
+    def _args(self, inputs: Sequence[np.ndarray], out_shapes: Sequence[tuple[int, ...]] | None = None):
+        """Device tensors of `inputs` and fresh outputs. A symbolic dimension (a str in `params`:
+        the kernel serves a range of lengths) takes any size; then `out_shapes` gives the outputs'."""
         if len(inputs) != self.num_inputs:
             raise KernorchError(f"kernel takes {self.num_inputs} inputs, got {len(inputs)}")
         args = []
         for x, (shape, dtype) in zip(inputs, self.input_types):
             x = np.asarray(x, dtype=dtype, order="C")  # (ascontiguousarray makes 0-d arrays 1-d)
-            if x.shape != shape:
+            if len(x.shape) != len(shape) or any(isinstance(d, int) and d != n for d, n in zip(shape, x.shape)):
                 raise KernorchError(f"input of shape {x.shape}, kernel expects {shape}")
             args.append(tvm.runtime.tensor(x, self.dev))
-        outs = [tvm.runtime.empty(shape, dtype, self.dev) for shape, dtype in self.output_types]
+        if out_shapes is None:
+            if any(isinstance(d, str) for shape, _ in self.output_types for d in shape):
+                raise KernorchError("a kernel with symbolic output shapes needs out_shapes")
+            out_shapes = [shape for shape, _ in self.output_types]
+        outs = [tvm.runtime.empty(tuple(shape), dtype, self.dev) for shape, (_, dtype) in zip(out_shapes, self.output_types)]
         return args, outs
 
-    def __call__(self, *inputs: np.ndarray) -> list[np.ndarray]:
-        args, outs = self._args(inputs)
+    def __call__(self, *inputs: np.ndarray, out_shapes=None) -> list[np.ndarray]:
+        args, outs = self._args(inputs, out_shapes)
         self._fn(*args, *outs)
         return [o.numpy() for o in outs]
 
     def time(self, *inputs: np.ndarray, number: int = 10, repeat: int = 5, warmup: int = 1,
-             min_repeat_ms: int = 0) -> list[float]:
+             min_repeat_ms: int = 0, out_shapes=None) -> list[float]:
         """Seconds per call, one value per repeat (each the mean of `number` calls), on
         preallocated tensors. Take the median yourself; never assert on it in tests."""
-        args, outs = self._args(inputs)
+        args, outs = self._args(inputs, out_shapes)
         for _ in range(max(warmup, 0)):
             self._fn(*args, *outs)
         fe = self.rt_mod.time_evaluator("main", self.dev, number=number, repeat=repeat, min_repeat_ms=min_repeat_ms)
@@ -95,7 +101,7 @@ def build(mod: tvm.IRModule, target: tvm.target.Target) -> BuiltKernel:
     func = mod["main"]
     params = []
     for buf in func.params:  # 0.27: params are Buffers (no buffer_map)
-        params.append((tuple(int(s) for s in buf.shape), str(buf.dtype)))
+        params.append((tuple(int(s) if isinstance(s, tirx.IntImm) else str(s) for s in buf.shape), str(buf.dtype)))
     n_in = func.attrs[NUM_INPUTS_ATTR] if func.attrs is not None and NUM_INPUTS_ATTR in func.attrs else len(params) - 1
     check_bounds(mod)
     ex = tvm.compile(mod, target=target)
@@ -129,7 +135,7 @@ def check_bounds(mod: tvm.IRModule) -> None:
             if opaque(idx):
                 continue
             b = ana.const_int_bound(idx)
-            if b.min_value < 0 or b.max_value >= int(n):
+            if b.min_value < 0 or (b.max_value >= int(n) if isinstance(n, tirx.IntImm) else not ana.can_prove(idx < n)):
                 return False
         return True
 

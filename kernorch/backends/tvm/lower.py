@@ -41,7 +41,7 @@ def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs:
     params: list[te.Tensor] = []
     packs = variant_packs(graph, inputs, schedule)
     out_packs = variant_out_packs(graph, outputs, schedule)
-    sym = _Symbols()
+    sym = Symbols()
     for i, name in enumerate(inputs):
         t = sym.type(graph.type_of(name))
         if any(isinstance(d, str) for d in t.shape):
@@ -83,7 +83,7 @@ def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs:
     return tvm.IRModule({"main": func})
 
 
-class _Symbols:
+class Symbols:
     """The TIR variables of one kernel's symbolic dimensions (kernorch.dynamic.SymDim): one int64
     variable per symbol, shared by every shape and attribute that uses it."""
 

@@ -23,7 +23,8 @@ from ...layouts import kernel_io
 from ...timing import time_calls
 from .. import registry
 from .build import check_bounds, register_packed, relax_func
-from .lower import lower
+from ...dynamic import parse_range
+from .lower import Symbols, lower
 from .schedule import schedule
 from .target import make_target, set_threads
 
@@ -81,19 +82,22 @@ def register_python_kernels(graph: Graph, plan) -> None:
                             call_name(i, k))
 
 
-def _tensor_type(t) -> relax.TensorType:
-    return relax.TensorType([int(d) for d in t.shape], t.dtype)
-
-
 def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, str, np.ndarray]]) -> tvm.IRModule:
-    """The Relax IRModule of the plan."""
+    """The Relax IRModule of the plan. Over a symbolic dimension (plan.meta["ranges"]: "seq=1..512")
+    the function's shapes use one int64 variable per symbol, bounded by the range's upper end (the
+    VM plans its buffers for it); the kernels bind their own variables from their arguments."""
     bb = relax.BlockBuilder()
+    sym = Symbols()
+    bounds = {r.name: r.hi for r in map(parse_range, filter(None, plan.meta.get("ranges", "").split(",")))}
+
+    def _tensor_type(t) -> relax.TensorType:
+        return relax.TensorType([sym.expr(d) for d in t.shape], t.dtype)
     inputs = [relax.Var(n, _tensor_type(t)) for n, t in graph.inputs]
     wvars = [relax.Var(f"w_{i}", relax.TensorType(list(a.shape), str(a.dtype))) for i, (_, _, a) in enumerate(weight_params)]
     wvar = {(t, layout): v for (t, layout, _), v in zip(weight_params, wvars)}
     env = {n: v for (n, _), v in zip(graph.inputs, inputs)}
     tune_dir = plan.meta.get("tune_dir")
-    with bb.function("main", inputs + wvars):
+    with bb.function("main", inputs + wvars, attrs={"tir_var_upper_bound": bounds} if bounds else None):
         with bb.dataflow():
             for i, k in enumerate(plan.kernels):
                 native = registry.native(k.impl)
