@@ -23,8 +23,9 @@ from .options import Options
 def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
     if model:
         p.add_argument("model", help="an ONNX model file")
-        p.add_argument("--shape", action="append", default=[], metavar="NAME=D1xD2...",
-                       help="bind an input's symbolic dimensions, e.g. input=1x3x224x224")
+        p.add_argument("--shape", action="append", default=[], metavar="NAME=D1xD2...|SYM=LO..HI",
+                       help="bind an input's symbolic dimensions, e.g. input=1x3x224x224; or let one symbolic "
+                            "dimension range over LO..HI, e.g. seq=1..512 (one executable for every length)")
     p.add_argument("--threads", type=int, default=None, help="threads for kernorch's kernels and for every peer")
     p.add_argument("--db", default=None, help="profile database (default: in the user's cache directory)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -110,7 +111,12 @@ def options_from(args) -> Options:
     o = Options()
     kw = {}
     if getattr(args, "shape", None):
-        kw["shapes"] = tuple(parse_shape(s) for s in args.shape)
+        from .dynamic import parse_range
+        ranges = [parse_range(s) for s in args.shape if ".." in s]   # seq=1..512: a symbolic dimension
+        kw["shapes"] = tuple(parse_shape(s) for s in args.shape if ".." not in s)
+        if len(ranges) > 1:
+            raise KernorchError("one symbolic dimension may vary (--shape NAME=LO..HI) for now")
+        kw["ranges"] = tuple((r.name, r.lo, r.hi) for r in ranges)
     if args.threads:
         kw["threads"] = args.threads
     if args.db:

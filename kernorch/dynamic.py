@@ -20,40 +20,12 @@ from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any, Callable, Mapping
 
-from .ir import Graph, KernorchError, Prim, TensorType
+from .ir import Graph, KernorchError, Prim, SymDim, TensorType
 
 PRIMES = (61, 67, 71, 73, 79, 83, 89, 97, 101, 103, 107, 109, 113, 127, 131, 137, 139, 149, 151, 157, 163,
           167, 173, 179, 181, 191, 193, 197, 199, 211, 223, 227, 229, 233, 239, 241, 251, 2, 3, 5, 7, 11, 13, 17,
           19, 23, 29, 31, 37, 41, 43, 47, 53, 59)
 PROBES = 4   # three to fit a polynomial of degree 2, one to check it
-
-
-@dataclass(frozen=True)
-class SymDim:
-    """c0 + c1*s + c2*s^2 for the symbol `name` (integer coefficients)."""
-    name: str
-    coeffs: tuple[int, int, int]
-
-    def __call__(self, value: int) -> int:
-        c0, c1, c2 = self.coeffs
-        return c0 + c1 * value + c2 * value * value
-
-    def subs(self, binding: Mapping[str, int]) -> int:
-        if self.name not in binding:
-            raise KernorchError(f"symbol {self.name!r} is not bound")
-        return self(int(binding[self.name]))
-
-    def __str__(self) -> str:
-        terms = []
-        for power, c in zip((2, 1, 0), reversed(self.coeffs)):
-            mono = {2: f"{self.name}^2", 1: self.name, 0: ""}[power]
-            if c == 0:
-                continue
-            terms.append(str(c) if not mono else mono if c == 1 else f"-{mono}" if c == -1 else f"{c}*{mono}")
-        return "+".join(terms).replace("+-", "-") or "0"
-
-    def to_json(self) -> dict:
-        return {"symbol": self.name, "coeffs": list(self.coeffs)}
 
 
 @dataclass(frozen=True)

@@ -16,12 +16,61 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-Dim = int | str
+class KernorchError(Exception):
+    """An error a user can act on: the message names the file, node, operator and the problem."""
+
+
+@dataclass(frozen=True)
+class SymDim:
+    """c0 + c1*s + c2*s^2 for the symbol `name` (integer coefficients)."""
+    name: str
+    coeffs: tuple[int, int, int]
+
+    def __call__(self, value: int) -> int:
+        c0, c1, c2 = self.coeffs
+        return c0 + c1 * value + c2 * value * value
+
+    def subs(self, binding: Mapping[str, int]) -> int:
+        if self.name not in binding:
+            raise KernorchError(f"symbol {self.name!r} is not bound")
+        return self(int(binding[self.name]))
+
+    def __str__(self) -> str:
+        terms = []
+        for power, c in zip((2, 1, 0), reversed(self.coeffs)):
+            mono = {2: f"{self.name}^2", 1: self.name, 0: ""}[power]
+            if c == 0:
+                continue
+            terms.append(str(c) if not mono else mono if c == 1 else f"-{mono}" if c == -1 else f"{c}*{mono}")
+        return "+".join(terms).replace("+-", "-") or "0"
+
+    def to_json(self) -> dict:
+        return {"symbol": self.name, "coeffs": list(self.coeffs)}
+
+
+def to_json_value(v: Any) -> Any:
+    """An attribute or shape as plain JSON (a SymDim as {"symbol", "coeffs"})."""
+    if isinstance(v, SymDim):
+        return v.to_json()
+    if isinstance(v, (list, tuple)):
+        return [to_json_value(x) for x in v]
+    return v
+
+
+def from_json_value(v: Any) -> Any:
+    """The inverse of `to_json_value`, frozen (lists as tuples)."""
+    if isinstance(v, dict) and set(v) == {"symbol", "coeffs"}:
+        return SymDim(v["symbol"], tuple(int(c) for c in v["coeffs"]))
+    if isinstance(v, list):
+        return tuple(from_json_value(x) for x in v)
+    return v
+
+
+Dim = int | str | SymDim
 Shape = tuple[Dim, ...]
 
 
-class KernorchError(Exception):
-    """An error a user can act on: the message names the file, node, operator and the problem."""
+
 
 
 def freeze(value: Any) -> Any:
@@ -67,11 +116,11 @@ class TensorType:
         return f"{self.dtype}[{'x'.join(str(d) for d in self.shape)}]"
 
     def to_json(self) -> dict:
-        return {"shape": list(self.shape), "dtype": self.dtype}
+        return {"shape": to_json_value(self.shape), "dtype": self.dtype}
 
     @staticmethod
     def from_json(d: Mapping) -> "TensorType":
-        return TensorType(tuple(d["shape"]), d["dtype"])
+        return TensorType(tuple(from_json_value(x) for x in d["shape"]), d["dtype"])
 
 
 @dataclass(frozen=True)
@@ -152,7 +201,7 @@ class Graph:
     def to_json(self) -> dict:
         """Everything but the constants' values (their types are recorded), as plain JSON."""
         return {"name": self.name, "inputs": [[n, t.to_json()] for n, t in self.inputs], "outputs": list(self.outputs),
-                "prims": [{"name": p.name, "op": p.op, "inputs": list(p.inputs), "attrs": [[k, v] for k, v in p.attrs],
+                "prims": [{"name": p.name, "op": p.op, "inputs": list(p.inputs), "attrs": [[k, to_json_value(v)] for k, v in p.attrs],
                            "type": p.type.to_json(), "origin": p.origin} for p in self.prims],
                 "constants": {n: TensorType(tuple(int(d) for d in np.shape(c)), str(np.asarray(c).dtype)).to_json()
                               for n, c in self.constants.items()}}
@@ -160,7 +209,7 @@ class Graph:
     @staticmethod
     def from_json(d: Mapping) -> "Graph":
         """The graph of `to_json` (without constants: `type_of` still knows the inputs it has)."""
-        prims = tuple(Prim(p["name"], p["op"], tuple(p["inputs"]), tuple((k, freeze(v)) for k, v in p["attrs"]),
+        prims = tuple(Prim(p["name"], p["op"], tuple(p["inputs"]), tuple((k, freeze(from_json_value(v))) for k, v in p["attrs"]),
                            TensorType.from_json(p["type"]), p.get("origin", "")) for p in d["prims"])
         return Graph(tuple((n, TensorType.from_json(t)) for n, t in d["inputs"]), tuple(d["outputs"]), prims, {},
                      d.get("name", "graph"))

@@ -284,7 +284,7 @@ def time_against_ort(compiled, model, threads: int, runs: int = 20, seed: int = 
     """The executable just built (timed in this process) against ONNX Runtime in a process of its
     own, in alternating blocks: medians, runs, threads and the load, for `optimize`'s summary."""
     from . import executor
-    feeds = executor.random_feeds(compiled.graph, seed)
+    feeds = executor.random_feeds(compiled.example_graph, seed)
     block = 2
     with Timer(threads) as t:
         t.add_local("kernorch", compiled.bind(feeds))

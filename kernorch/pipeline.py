@@ -562,7 +562,7 @@ def in_context(compiled, seed: int = 0, runs: int = 5) -> dict:
     """Each plan kernel's time inside the executable (median over `runs`), beside its isolated cost:
     where the end-to-end time goes that the additive cost model does not see."""
     from . import executor
-    prof = compiled.profile(executor.random_feeds(compiled.graph, seed), runs=runs)
+    prof = compiled.profile(executor.random_feeds(compiled.example_graph, seed), runs=runs)
     kernel_ms = [0.0] * len(compiled.plan.kernels)
     for p in prof:
         if p["kernel"] is not None:

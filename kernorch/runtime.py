@@ -28,7 +28,7 @@ from typing import Mapping
 import numpy as np
 
 from . import __version__
-from .ir import Graph, KernorchError
+from .ir import Graph, KernorchError, SymDim
 from .options import Machine
 from .plan import Plan
 
@@ -84,10 +84,24 @@ class CompiledModel:
         rs = [parse_range(r) for r in self.plan.meta.get("ranges", "").split(",") if r]
         return {r.name: (r.lo, r.hi) for r in rs}
 
+    def sample_graphs(self) -> list[Graph]:
+        """The graph at the lengths a range is checked at (its ends and geometric middle; the
+        middle first); a static model's graph alone."""
+        if not self.ranges:
+            return [self.graph]
+        from .dynamic import bind, samples
+        points = samples(tuple((n, lo, hi) for n, (lo, hi) in self.ranges.items()))
+        order = [points[1], points[0], points[2]]
+        return [bind(self.graph, dict(binding)) for binding, _ in order]
+
+    @property
+    def example_graph(self) -> Graph:
+        """The graph at one representative length (the middle of a range): what timing uses."""
+        return self.sample_graphs()[0]
+
     def _shape(self, name: str, t, shape: tuple[int, ...], binding: dict[str, int]) -> tuple:
         """The shape input `name` must have; a symbolic dimension takes its value from the first
         input that has it, within its range (the same value in every input)."""
-        from .dynamic import SymDim
         if t.static:
             return tuple(t.shape)
         if len(shape) != len(t.shape):

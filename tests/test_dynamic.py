@@ -188,3 +188,30 @@ def test_one_executable_serves_the_whole_range(tmp_path):
             compiled.run({"x": np.zeros((1, bad, 64), np.float32)})
     with pytest.raises(KernorchError, match="optimized for"):
         compiled.run({"x": np.zeros((1, 5, 32), np.float32)})
+
+
+def test_the_cli_optimizes_over_a_range_and_the_saved_model_serves_it(tmp_path, capsys):
+    """kernorch optimize --shape seq=1..64 saves one model; loaded in a fresh process it runs any
+    length of the range, right against ONNX Runtime, and refuses others."""
+    import subprocess
+    import sys
+    path = tmp_path / "block.onnx"
+    onnx.save(examples.transformer_block(seq="seq"), str(path))
+    out = tmp_path / "out"
+    from kernorch import cli
+    cmd = ["optimize", str(path), "-o", str(out), "--threads", "1",
+           "--shape", "seq=1..64", "--db", str(tmp_path / "db.sqlite"), "--max-kernel-size", "2"]
+    assert cli.main(cmd) == 0
+    check = ("import kernorch, numpy as np, onnxruntime as ort, sys\n"
+             f"m = kernorch.load({str(out)!r}); s = ort.InferenceSession({str(path)!r})\n"
+             "for n in (1, 33, 64):\n"
+             "    x = np.random.default_rng(n).standard_normal((1, n, 64)).astype('float32')\n"
+             "    assert np.abs(m.run({'x': x})['y'] - s.run(None, {'x': x})[0]).max() < 1e-4, n\n"
+             "try:\n    m.run({'x': np.zeros((1, 65, 64), np.float32)})\nexcept kernorch.KernorchError as e:\n"
+             "    print('refused:', e)\n")
+    r = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "seq must be in 1..64" in r.stdout
+    capsys.readouterr()
+    assert cli.main(cmd + ["--shape", "batch=1..2"]) == 2
+    assert "one symbolic dimension" in capsys.readouterr().err

@@ -14,8 +14,7 @@ import tvm.sym
 from tvm import te, tirx, topi
 
 from ... import primitives
-from ...dynamic import SymDim
-from ...ir import Graph, KernorchError, Prim, TensorType
+from ...ir import Graph, KernorchError, Prim, SymDim, TensorType
 from ...kernels import variant_out_packs, variant_packs
 
 #: The TVM namespace handed to the primitive table's TE computes (they never import tvm).
