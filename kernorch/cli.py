@@ -117,6 +117,9 @@ def options_from(args) -> Options:
         if len(ranges) > 1:
             raise KernorchError("one symbolic dimension may vary (--shape NAME=LO..HI) for now")
         kw["ranges"] = tuple((r.name, r.lo, r.hi) for r in ranges)
+        if ranges and getattr(args, "budget", None):
+            raise KernorchError("--budget (MetaSchedule tuning) needs static shapes; it cannot tune over "
+                                f"{ranges[0].name}={ranges[0].lo}..{ranges[0].hi} yet")
     if args.threads:
         kw["threads"] = args.threads
     if args.db:

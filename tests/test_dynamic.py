@@ -215,3 +215,5 @@ def test_the_cli_optimizes_over_a_range_and_the_saved_model_serves_it(tmp_path, 
     capsys.readouterr()
     assert cli.main(cmd + ["--shape", "batch=1..2"]) == 2
     assert "one symbolic dimension" in capsys.readouterr().err
+    assert cli.main(cmd + ["--budget", "10t"]) == 2
+    assert "needs static shapes" in capsys.readouterr().err
