@@ -129,14 +129,20 @@ def tile_jobs(graph: Graph, candidates, options: Options, machine: Machine) -> d
     """Per contraction prim and layout class: its kernel alone in every micro-kernel tile (the tile
     that wins alone is the one its fused candidates use: epilogues do not change the register tile)."""
     out: dict[tuple, list[meas.KernelJob]] = {}
-    if options.ranges:  # micro-kernel tiles (packed weights) are sized for static shapes
-        return out
+    sized = graph
+    if options.ranges:  # over a range: tiles sized at the middle length, for static columns and depth only
+        from .dynamic import bind, samples
+        sized = bind(graph, dict(samples(options.ranges)[1][0]))
     for c in candidates:
         if len(c.members) == 1 and c.linear:
+            prim = graph.by_name[c.linear]
+            if options.ranges and not (isinstance(prim.type.shape[-1], int)
+                                       and isinstance(graph.type_of(prim.inputs[0]).shape[-1], int)):
+                continue
             for cls in _variant_classes(graph, c, options, machine):
                 if (c.linear, cls) in out:
                     continue
-                tiles = prim_tiles(machine, graph, graph.by_name[c.linear], blocked_layout=cls is not None)
+                tiles = prim_tiles(machine, sized, sized.by_name[c.linear], blocked_layout=cls is not None)
                 if tiles:
                     out[(c.linear, cls)] = [_job(graph, c, "tvm", _in_class(cls, t.name)) for t in tiles]
     return out

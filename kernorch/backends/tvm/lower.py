@@ -45,7 +45,7 @@ def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs:
         t = sym.type(graph.type_of(name))
         if any(isinstance(d, str) for d in t.shape):
             raise KernorchError(f"kernel input {name!r} has an unbound symbolic shape {t}; bind the shape first")
-        if sym.vars and i in packs:
+        if i in packs and not graph.type_of(name).static:
             raise KernorchError(f"kernel input {name!r}: packed layouts need static shapes")
         if i in packs:
             ph = te.placeholder(packs[i].packed_shape, t.dtype, name=f"in{i}_packed_{_ident(name)}")

@@ -61,7 +61,7 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
     tile = Tile.parse(inner)
     if tile is not None:  # a micro-kernel variant: exactly this tile, or a refusal (never another rule)
         try:
-            base = _inline_pass(func)
+            base = _inline_pass(_pad_symbolic(func, lanes, tile))
             rule = _rule_conv if _contraction_name(base).startswith("conv") else _rule_contraction
             sch = rule(base, lanes, tile)
         except Exception as e:  # noqa: BLE001 - the variant does not apply to this kernel
@@ -71,7 +71,7 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
         raise KernorchError(f"unknown schedule mode {mode!r} (expected 'none', 'default', a tile like 't14x32p', "
                             "optionally after a layout like 'b16/')")
     try:
-        base = _inline_pass(func)
+        base = _inline_pass(_pad_symbolic(func, lanes, None))
     except Exception as e:  # noqa: BLE001 - inlining is an optimisation only
         log.debug("inline pass failed: %s", e)
         base = func
@@ -241,8 +241,8 @@ def _parallel(sch, loops, min_work: int = 0) -> object | None:
         return None
     fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
     ext = _extent(sch, fused)
-    if ext is None or ext > 1:
-        if min_work <= 0 or (ext or 0) * min_work >= 2048:
+    if ext is None or ext > 1:  # a symbolic extent (kernorch.dynamic) counts as large
+        if min_work <= 0 or ext is None or ext * min_work >= 2048:
             sch.parallel(fused)
     return fused
 
@@ -298,10 +298,14 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None) -> s_tir.Sched
     if len(loops) != len(ivs) or kinds != [_DATA_PAR] * nsp + [_COMM_REDUCE] * (len(ivs) - nsp) or nsp < 1:
         raise _NotApplicable("unexpected loop structure")
     ext = [_extent(sch, lp) for lp in loops]
-    padding: set[str] = set()
-    if any(e is None for e in ext):
-        sch, blk, loops, ext = _pad_symbolic(sch, cname, nsp, ext, lanes, tile)
-        padding = set(_root_blocks(sch)) - set(names)
+    padded = any(e is None for e in ext)
+    if padded:  # a symbolic extent, padded to the tile before inlining (see _pad_symbolic)
+        factors = _pad_factors(ext, nsp, lanes, tile)
+        if any(e is None and f == 1 and i < nsp for i, (e, f) in enumerate(zip(ext, factors))):
+            raise _NotApplicable("a symbolic spatial extent that is not padded")
+        # the rule reads extents as ints: a padded symbolic extent counts as its tile times a large
+        # number (it only has to be divisible by the tile and larger than it)
+        ext = [e if e is not None else f * 1024 for e, f in zip(ext, factors)]
     v = nsp - 1
     if ext[v] < 4:
         raise _NotApplicable("innermost spatial extent too small to vectorize")
@@ -345,7 +349,7 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None) -> s_tir.Sched
         sch.unroll(ri)
     # accumulate in a local tile, written back (with the epilogue) once per tile
     wb = sch.cache_write(blk, 0, "local")
-    if not padding:  # a padded domain: the copy-out keeps its own guarded loop (inlined, it would write the padding)
+    if not padded:  # a padded domain: the copy-out keeps its own guarded loop (inlined, it would write the padding)
         _reverse_inline_chain(sch, wb, func)
     sch.reverse_compute_at(wb, par, preserve_unit_loops=True)
     wb_loops = sch.get_loops(wb)
@@ -356,33 +360,51 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None) -> s_tir.Sched
     sch.vectorize(init_loops[-1])
     # everything else (producers like pad, epilogues that could not be inlined, the padding blocks
     # of a symbolic extent): the blocks at the root apart from the contraction
-    _schedule_rest(sch, (set(names) | padding) - {cname}, lanes)
+    _schedule_rest(sch, set(names) - {cname}, lanes)
     return sch
 
 
 SYMBOLIC_ROWS = 8  # the row tile of a contraction over a symbolic row extent, without a tile variant
 
 
-def _pad_symbolic(sch, cname: str, nsp: int, ext: list, lanes: int, tile: Tile | None):
-    """A contraction over a symbolic extent (kernorch.dynamic: e.g. seq rows): its iteration domain
-    is padded to a multiple of the tile on each symbolic spatial axis (`pad_einsum`: the operands
-    are copied into padded buffers, the result out of one), so the tile body below runs without a
-    guard, at any length. A symbolic reduction extent stays a plain loop. Returns the schedule with
-    the block, its loops and their extents as the rule expects them (the padded ones divisible)."""
-    v = nsp - 1
+def _pad_factors(ext: list, nsp: int, lanes: int, tile: Tile | None) -> list[int]:
+    """Per loop of a contraction: the multiple its symbolic spatial extent is padded to (rows to
+    the row tile, columns to the column tile; 1 elsewhere)."""
     rows = tile.mr if tile is not None else SYMBOLIC_ROWS
     cols = tile.nb if tile is not None else 2 * lanes
-    pad = [1] * len(ext)
-    for i in range(nsp):
-        if ext[i] is None:
-            pad[i] = cols if i == v else rows
-    blk = sch.get_sblock(cname)
-    sch.pad_einsum(blk, pad)
+    return [(cols if i == nsp - 1 else rows) if e is None and i < nsp else 1 for i, e in enumerate(ext)]
+
+
+def _pad_symbolic(func, lanes: int, tile: Tile | None):
+    """A contraction over a symbolic extent (kernorch.dynamic: e.g. seq rows) gets its iteration
+    domain padded to a multiple of the tile on each symbolic spatial axis (`pad_einsum`), before
+    the injective stages are inlined (a packed weight's view is no einsum operand), so the tile body
+    runs without a guard at any length: the operands are copied into padded buffers (or read
+    through guarded loads when the depth is symbolic too), the result copied out of a padded
+    buffer. A symbolic reduction extent stays a plain loop. Returns `func`
+    unchanged when it has no contraction over a symbolic spatial extent."""
+    sch = s_tir.Schedule(func)
+    names = [n for n in _root_blocks(sch) if _contraction_operands(sch.get(sch.get_sblock(n))) is not None]
+    if len(names) != 1:
+        return func
+    blk = sch.get_sblock(names[0])
+    stmt = sch.get(blk)
     loops = list(sch.get_loops(blk))
-    # the rule reads extents as ints: a padded symbolic extent counts as its tile times a large
-    # number (it only has to be divisible by the tile and larger than it)
-    ext = [e if e is not None else p * 1024 for e, p in zip(ext, pad)]
-    return sch, blk, loops, ext
+    nsp = sum(1 for iv in stmt.iter_vars if int(iv.iter_type) == _DATA_PAR)
+    ext = [_extent(sch, lp) for lp in loops]
+    if len(loops) != len(stmt.iter_vars) or not any(e is None for e in ext[:nsp]):
+        return func
+    sch.pad_einsum(blk, _pad_factors(ext, nsp, lanes, tile))
+    if any(e is None for e in ext[nsp:]):
+        # a symbolic depth too: copying the operand into its padded buffer costs more than a guarded
+        # load in the tile (probabilities x V over seq=300: 4.6 ms copied, 0.65 ms guarded; a
+        # weight GEMM with a static depth is 1.4x slower guarded, so it keeps the copy)
+        for producer in sch.get_producers(blk):
+            try:
+                sch.compute_inline(producer)
+            except Exception:  # noqa: BLE001 - a producer that cannot be inlined stays a copy
+                pass
+    return sch.mod["main"]
 
 
 def _contraction_name(func) -> str:
@@ -542,6 +564,8 @@ def _schedule_block(sch, blk, lanes: int) -> None:
         _parallel(sch, loops[:nsp], min_work=red_work)
         return
     outer = _vectorize_inner(sch, blk, lanes)
+    if len(outer) > 1 and outer[-1] == loops[-1] and _extent(sch, loops[-1]) is None:
+        outer = outer[:-1]  # a symbolic innermost loop stays a plain loop inside the parallel ones
     _parallel(sch, outer, min_work=lanes)
 
 
