@@ -174,7 +174,8 @@ def _build_task(job: KernelJob, threads: int, out_dir: str, verify: bool, tune_d
         for binding, _ in job.samples:
             bj = job.at(binding)
             inputs = make_inputs(bj)
-            got = kernel(*inputs, out_shapes=[bj.graph.type_of(o).shape for o in bj.outputs])
+            got = kernel(*kernel_args(bj, inputs), out_shapes=[bj.graph.type_of(o).shape for o in bj.outputs])
+            got = unpack_outputs(bj.graph, bj.outputs, bj.schedule, got)
             err = max(err, check(bj, got, reference(bj, inputs)))
     elif verify:
         inputs = make_inputs(job)
@@ -203,7 +204,7 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
         total = np.zeros(repeats)
         for binding, weight in job.samples:
             bj = job.at(binding)
-            runs = kernel.time(*make_inputs(bj), number=1, repeat=repeats, min_repeat_ms=int(min_repeat_ms),
+            runs = kernel.time(*kernel_args(bj, make_inputs(bj)), number=1, repeat=repeats, min_repeat_ms=int(min_repeat_ms),
                                out_shapes=[bj.graph.type_of(o).shape for o in bj.outputs])
             total += weight * np.array(runs[:repeats])
         return {"runs": [float(r) for r in total], "error": None}

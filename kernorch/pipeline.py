@@ -241,7 +241,7 @@ def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Option
     tiles = fastest_schedules(results, by_prim)
     jobs = candidate_jobs(graph, enumeration.candidates, options, machine, tiles)
     pending: dict = {}
-    if options.prune and not options.ranges:  # the estimates need static sizes: over a range, all are measured
+    if options.prune:
         have = meas.stored(jobs, db, options, machine)
         pending = {j.ident: j for j in jobs if j.ident not in have and _deferrable(j)}
         jobs = [j for j in jobs if j.ident not in pending]
@@ -269,12 +269,17 @@ def _with_pending(measured: Measured, pending: Mapping, options: Options, machin
     cal = calibrate(options.threads)
     alone, cheapest = cm.alone_times(measured.measurements)
     prim_alone = cm.prims_alone((j.graph for j in pending.values()), alone)
+    sized = pending
+    if options.ranges:  # sizes over a range: those of the middle length
+        from .dynamic import samples
+        middle = samples(options.ranges)[1][0]
+        sized = {i: j.at(middle) for i, j in pending.items()}
     bounds = {i: fused_estimate_ns(j.graph, cal["peak_gflops"], cal["bandwidth_gbs"], prim_alone, cheapest)
-              for i, j in pending.items()}
+              for i, j in sized.items()}
     model = cm.shipped() if options.cost_model == "learned" else None
     predicted: dict = {}
     if model is not None:
-        rows = cm.rows_for(list(pending.values()), prim_alone, cheapest, machine, cal, options.threads)
+        rows = cm.rows_for(list(sized.values()), prim_alone, cheapest, machine, cal, options.threads)
         predicted = {r.ident: ns for r, ns in zip(rows, model.predict_ns(rows))}
         measured = replace(measured, sigma=model.sigma)
     members_ns = {i: float(max(1, sum(prim_alone.get(p.name, 0) for p in j.graph.prims))) for i, j in pending.items()}

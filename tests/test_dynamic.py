@@ -175,6 +175,9 @@ def test_one_executable_serves_the_whole_range(tmp_path):
                       db_path=str(tmp_path / "db.sqlite"), ranges=(("seq", 1, 512),))
     planned = pipeline.plan_model(str(path), options)
     assert planned.plan.meta["ranges"] == "seq=1..512"
+    # the weight GEMMs' packed micro-kernel tiles are built, checked and timed over the range too
+    tiles = {i: m for i, m in planned.measured.measurements.items() if i[2].startswith("t")}
+    assert tiles and all(m.ok for m in tiles.values()), [m.reason for m in tiles.values() if not m.ok][:2]
     assert any("seq" in str(planned.loaded.graph.type_of(k.outputs[0])) for k in planned.plan.kernels)
     compiled = pipeline.emit(planned.loaded.graph, planned.plan, options, planned.machine)
     assert compiled.ranges == {"seq": (1, 512)}
