@@ -65,6 +65,12 @@ def samples(ranges) -> tuple:
     return (((name, lo),), 0.25), (((name, mid),), 0.5), (((name, hi),), 0.25)
 
 
+def middle(ranges) -> dict[str, int]:
+    """The binding at a range's geometric middle: where sizes are read when one length must stand
+    for the range (tiles, estimates, timing a model over a range)."""
+    return dict(samples(ranges)[1][0])
+
+
 def parse_range(text: str) -> Range:
     """'seq=1..512' -> Range('seq', 1, 512)."""
     name, sep, span = text.partition("=")

@@ -30,6 +30,14 @@ class SymDim:
         c0, c1, c2 = self.coeffs
         return c0 + c1 * value + c2 * value * value
 
+    def solve(self, value: int, lo: int, hi: int) -> int | None:
+        """The symbol's value in lo..hi at which this dimension is `value` (None: there is none)."""
+        c0, c1, c2 = self.coeffs
+        if c2:
+            return next((v for v in range(lo, hi + 1) if self(v) == value), None)
+        v, r = divmod(value - c0, c1)
+        return v if r == 0 and lo <= v <= hi else None
+
     def subs(self, binding: Mapping[str, int]) -> int:
         if self.name not in binding:
             raise KernorchError(f"symbol {self.name!r} is not bound")

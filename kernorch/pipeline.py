@@ -131,8 +131,8 @@ def tile_jobs(graph: Graph, candidates, options: Options, machine: Machine) -> d
     out: dict[tuple, list[meas.KernelJob]] = {}
     sized = graph
     if options.ranges:  # over a range: tiles sized at the middle length, for static columns and depth only
-        from .dynamic import bind, samples
-        sized = bind(graph, dict(samples(options.ranges)[1][0]))
+        from .dynamic import bind, middle
+        sized = bind(graph, middle(options.ranges))
     for c in candidates:
         if len(c.members) == 1 and c.linear:
             prim = graph.by_name[c.linear]
@@ -271,9 +271,9 @@ def _with_pending(measured: Measured, pending: Mapping, options: Options, machin
     prim_alone = cm.prims_alone((j.graph for j in pending.values()), alone)
     sized = pending
     if options.ranges:  # sizes over a range: those of the middle length
-        from .dynamic import samples
-        middle = samples(options.ranges)[1][0]
-        sized = {i: j.at(middle) for i, j in pending.items()}
+        from .dynamic import middle
+        at = middle(options.ranges)
+        sized = {i: j.at(at) for i, j in pending.items()}
     bounds = {i: fused_estimate_ns(j.graph, cal["peak_gflops"], cal["bandwidth_gbs"], prim_alone, cheapest)
               for i, j in sized.items()}
     model = cm.shipped() if options.cost_model == "learned" else None

@@ -111,9 +111,8 @@ class CompiledModel:
             if isinstance(d, SymDim):
                 lo, hi = self.ranges[d.name]
                 if d.name not in binding:
-                    value = next((v for v in range(lo, hi + 1) if d(v) == got), None) if d.coeffs[2] else \
-                        (got - d.coeffs[0]) // d.coeffs[1] if (got - d.coeffs[0]) % d.coeffs[1] == 0 else None
-                    if value is None or not lo <= value <= hi:
+                    value = d.solve(got, lo, hi)
+                    if value is None:
                         raise KernorchError(f"input {name!r} has shape {shape}: {d.name} must be in {lo}..{hi} "
                                             f"(this executable serves {d.name}={lo}..{hi}; dimension {d} is {got})")
                     binding[d.name] = value

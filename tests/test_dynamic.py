@@ -50,6 +50,10 @@ def test_polynomials_fit_exactly_or_not_at_all():
     assert dynamic.fit("s", xs, [x ** 3 for x in xs]) is None  # fits three points, fails the fourth
     assert str(dynamic.SymDim("s", (1, 4, 0))) == "4*s+1" and str(dynamic.SymDim("s", (-2, 1, 1))) == "s^2+s-2"
     assert dynamic.SymDim("s", (0, 3, 0)).subs({"s": 5}) == 15
+    lin, sq = dynamic.SymDim("s", (1, 4, 0)), dynamic.SymDim("s", (0, 0, 1))
+    assert lin.solve(21, 1, 512) == 5 and lin.solve(22, 1, 512) is None and lin.solve(21, 6, 512) is None
+    assert sq.solve(49, 1, 512) == 7 and sq.solve(50, 1, 512) is None
+    assert dynamic.middle((("s", 1, 512),)) == {"s": 23}
 
 
 def test_ranges_and_their_errors():
