@@ -65,7 +65,7 @@ def bench(model, systems: Sequence[str] = ("kernorch", *DEFAULT_AGAINST), thread
     graph = pipeline.load(proto, options).graph
     if options.ranges:  # a model over a range of lengths is timed at the range's middle length
         from .dynamic import bind, middle
-        graph = bind(graph, middle(options.ranges))
+        graph = bind(graph, middle(options.ranges, options.lengths))
     feeds = executor.random_feeds(graph, seed)
     results: dict[str, Any] = {
         "model": path.stem, "source": str(path), "threads": threads, "seed": seed, "budget_trials": budget_trials,

@@ -90,6 +90,9 @@ def _tuning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--measure-all", action="store_true",
                    help="time every fused candidate up front, instead of only those the solver wants on an "
                         "optimistic estimate (slower; the plan is the same unless an estimate was too high)")
+    p.add_argument("--lengths", default=None, metavar="FILE",
+                   help="observed values of the --shape range's dimension (integers in a text file): the range is "
+                        "timed at their 10th, 50th and 90th percentiles instead of its ends and middle")
     p.add_argument("--cost-model", choices=("learned", "analytic"), default=None,
                    help="what an unmeasured fusion is estimated at: the analytic bound raised by the shipped "
                         "learned model where it is confident the fusion loses (learned, default), or the bound alone")
@@ -120,6 +123,11 @@ def options_from(args) -> Options:
         if ranges and getattr(args, "budget", None):
             raise KernorchError("--budget (MetaSchedule tuning) needs static shapes; it cannot tune over "
                                 f"{ranges[0].name}={ranges[0].lo}..{ranges[0].hi} yet")
+    if getattr(args, "lengths", None):
+        if not kw.get("ranges"):
+            raise KernorchError("--lengths weighs a range: give one with --shape NAME=LO..HI")
+        from .dynamic import parse_lengths
+        kw["lengths"] = parse_lengths(args.lengths)
     if args.threads:
         kw["threads"] = args.threads
     if args.db:

@@ -54,21 +54,53 @@ class Range:
         return sorted(out)
 
 
-def samples(ranges) -> tuple:
-    """Where a kernel over a range is timed, with weights: the ends and the geometric middle,
-    weighted 1/4, 1/2, 1/4 (the trapezoid rule over a log-uniform length: each octave of the range
-    counts the same). `ranges`: (name, lo, hi) triples; one symbol."""
+def points(ranges, lengths=()) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
+    """Three bindings that stand for a range (one symbol; `ranges`: (name, lo, hi) triples): its
+    ends and geometric middle, or with observed `lengths` (what users send) their 10th, 50th and
+    90th percentiles within the range."""
     if len(ranges) != 1:
         raise KernorchError(f"one symbolic dimension at a time, got {len(ranges)}")
     name, lo, hi = ranges[0]
-    mid = min(hi, max(lo, round(math.sqrt(lo * hi))))
-    return (((name, lo),), 0.25), (((name, mid),), 0.5), (((name, hi),), 0.25)
+    if lengths:
+        inside = sorted(v for v in lengths if lo <= v <= hi)
+        if not inside:
+            raise KernorchError(f"none of the observed lengths lies in {name}={lo}..{hi}")
+        pts = tuple(inside[min(len(inside) - 1, int(f * len(inside)))] for f in (0.1, 0.5, 0.9))
+    else:
+        pts = (lo, min(hi, max(lo, round(math.sqrt(lo * hi)))), hi)
+    return tuple({name: p} for p in pts)
 
 
-def middle(ranges) -> dict[str, int]:
-    """The binding at a range's geometric middle: where sizes are read when one length must stand
-    for the range (tiles, estimates, timing a model over a range)."""
-    return dict(samples(ranges)[1][0])
+def samples(ranges, lengths=()) -> tuple:
+    """Where a kernel over a range is timed, with weights: the three `points`, weighted 1/4, 1/2,
+    1/4 (without observed lengths, the trapezoid rule over a log-uniform length: each octave of the
+    range counts the same); a point met twice counts once with both weights."""
+    weights: dict[tuple, float] = {}
+    for binding, w in zip(points(ranges, lengths), (0.25, 0.5, 0.25)):
+        key = tuple(sorted(binding.items()))
+        weights[key] = weights.get(key, 0.0) + w
+    return tuple(weights.items())
+
+
+def middle(ranges, lengths=()) -> dict[str, int]:
+    """The binding that stands for the range when one length must (tiles, estimates, timing)."""
+    return points(ranges, lengths)[1]
+
+
+def parse_lengths(path) -> tuple[int, ...]:
+    """Observed lengths from a text file: integers separated by whitespace or commas."""
+    from pathlib import Path
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise KernorchError(f"{path}: cannot read the observed lengths ({e.strerror})") from None
+    try:
+        values = tuple(int(v) for v in text.replace(",", " ").split())
+    except ValueError:
+        raise KernorchError(f"{path}: observed lengths must be integers separated by spaces, commas or lines") from None
+    if not values:
+        raise KernorchError(f"{path}: no observed lengths in the file")
+    return values
 
 
 def parse_range(text: str) -> Range:

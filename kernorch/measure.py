@@ -313,9 +313,14 @@ def _history(jobs: Iterable[KernelJob], db: ProfileDB, target: str) -> dict[tupl
 
 def target_of(machine: Machine, options: Options) -> str:
     """The database namespace of a run's measurements: the machine and threads, and the range of a
-    symbolic dimension (a kernel over seq=1..512 costs its weighted time over that range)."""
+    symbolic dimension (a kernel over seq=1..512 costs its weighted time over that range), with
+    the sampled lengths and weights when observed lengths chose them."""
     fp = machine.fingerprint(options.threads)
-    return fp + "".join(f"|{n}={lo}..{hi}" for n, lo, hi in options.ranges)
+    if not options.ranges:
+        return fp
+    from .dynamic import samples
+    at = ",".join(f"{dict(b)}:{w:g}" for b, w in samples(options.ranges, options.lengths)) if options.lengths else ""
+    return fp + "".join(f"|{n}={lo}..{hi}" for n, lo, hi in options.ranges) + (f"@{at}" if at else "")
 
 
 def stored(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine: Machine) -> dict:
@@ -354,7 +359,7 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
     jobs = list({j.ident: j for j in jobs}.values())
     if options.ranges:
         from .dynamic import samples, symbols
-        jobs = [replace(j, samples=samples(options.ranges)) if symbols(j.graph) else j for j in jobs]
+        jobs = [replace(j, samples=samples(options.ranges, options.lengths)) if symbols(j.graph) else j for j in jobs]
     stats = MeasureStats(jobs=len(jobs))
     results: dict[tuple[str, str, str], Measurement] = {}
     todo: list[KernelJob] = []

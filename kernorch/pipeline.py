@@ -132,7 +132,7 @@ def tile_jobs(graph: Graph, candidates, options: Options, machine: Machine) -> d
     sized = graph
     if options.ranges:  # over a range: tiles sized at the middle length, for static columns and depth only
         from .dynamic import bind, middle
-        sized = bind(graph, middle(options.ranges))
+        sized = bind(graph, middle(options.ranges, options.lengths))
     for c in candidates:
         if len(c.members) == 1 and c.linear:
             prim = graph.by_name[c.linear]
@@ -272,7 +272,7 @@ def _with_pending(measured: Measured, pending: Mapping, options: Options, machin
     sized = pending
     if options.ranges:  # sizes over a range: those of the middle length
         from .dynamic import middle
-        at = middle(options.ranges)
+        at = middle(options.ranges, options.lengths)
         sized = {i: j.at(at) for i, j in pending.items()}
     bounds = {i: fused_estimate_ns(j.graph, cal["peak_gflops"], cal["bandwidth_gbs"], prim_alone, cheapest)
               for i, j in sized.items()}

@@ -89,10 +89,9 @@ class CompiledModel:
         middle first); a static model's graph alone."""
         if not self.ranges:
             return [self.graph]
-        from .dynamic import bind, samples
-        points = samples(tuple((n, lo, hi) for n, (lo, hi) in self.ranges.items()))
-        order = [points[1], points[0], points[2]]
-        return [bind(self.graph, dict(binding)) for binding, _ in order]
+        from .dynamic import bind, points
+        lo, mid, hi = points(tuple((n, lo, hi) for n, (lo, hi) in self.ranges.items()))
+        return [bind(self.graph, b) for b in (mid, lo, hi)]
 
     @property
     def example_graph(self) -> Graph:

@@ -226,3 +226,34 @@ def test_the_cli_optimizes_over_a_range_and_the_saved_model_serves_it(tmp_path, 
     assert "one symbolic dimension" in capsys.readouterr().err
     assert cli.main(cmd + ["--budget", "10t"]) == 2
     assert "needs static shapes" in capsys.readouterr().err
+
+
+def test_observed_lengths_choose_where_the_range_is_timed(tmp_path):
+    """Without observations: the ends and geometric middle, weighted 1/4, 1/2, 1/4. With observed
+    lengths: their 10th, 50th and 90th percentiles inside the range (a point met twice counts once
+    with both weights); the database namespace tells the two apart."""
+    from kernorch import cli
+    from kernorch.measure import target_of
+    from kernorch.options import Machine, Options
+    r = (("seq", 1, 512),)
+    assert dynamic.samples(r) == (((("seq", 1),), 0.25), ((("seq", 23),), 0.5), ((("seq", 512),), 0.25))
+    observed = [100] * 80 + [300] * 20 + [9999]
+    assert dynamic.points(r, observed) == ({"seq": 100}, {"seq": 100}, {"seq": 300})
+    assert dynamic.samples(r, observed) == (((("seq", 100),), 0.75), ((("seq", 300),), 0.25))
+    assert dynamic.middle(r, observed) == {"seq": 100}
+    with pytest.raises(KernorchError, match="none of the observed lengths"):
+        dynamic.points(r, [600, 700])
+    m = Machine.host()
+    plain, weighted = Options(ranges=r), Options(ranges=r, lengths=tuple(observed))
+    assert target_of(m, plain) != target_of(m, weighted) != target_of(m, Options())
+    f = tmp_path / "lengths.txt"
+    f.write_text("100, 100\n300\n")
+    args = cli.parser().parse_args(["plan", "m.onnx", "--shape", "seq=1..512", "--lengths", str(f)])
+    assert cli.options_from(args).lengths == (100, 100, 300)
+    f.write_text("a b")
+    with pytest.raises(KernorchError, match="must be integers"):
+        cli.options_from(args)
+    with pytest.raises(KernorchError, match="weighs a range"):
+        cli.options_from(cli.parser().parse_args(["plan", "m.onnx", "--lengths", str(f)]))
+    with pytest.raises(KernorchError, match="cannot read"):
+        dynamic.parse_lengths(tmp_path / "missing.txt")
