@@ -144,10 +144,12 @@ def tile_report(planned) -> list[dict]:
         p = g.by_name[prim]
         times = {sch: m.median_ns / 1e3 for (k, impl, sch), m in ms.items()
                  if m.ok and impl == "tvm" and sch.startswith("t") and k == _singleton_key(planned, prim)}
-        flops = 2.0 * p.type.size * g.type_of(p.inputs[0]).shape[-1]
+        # over a range (kernorch.dynamic) the time is a weighted one: no single FLOP count goes with it
+        flops = 2.0 * p.type.size * g.type_of(p.inputs[0]).shape[-1] if g.type_of(p.inputs[0]).static and p.type.static else None
         out.append({"prim": prim, "shape": f"{'x'.join(map(str, g.type_of(p.inputs[0]).shape))} @ "
                                           f"{'x'.join(map(str, g.type_of(p.inputs[1]).shape))}",
-                    "tiles_us": times, "kept": best, "gflops": flops / (times[best] * 1e3) if best in times else None})
+                    "tiles_us": times, "kept": best,
+                    "gflops": flops / (times[best] * 1e3) if flops and best in times else None})
     return out
 
 

@@ -112,7 +112,7 @@ class TensorType:
         n = 1
         for d in self.shape:
             if not isinstance(d, int):
-                raise KernorchError(f"shape {self.shape} has an unbound symbol {d!r}")
+                raise KernorchError(f"shape {self} has an unbound symbol {d}")
             n *= d
         return n
 

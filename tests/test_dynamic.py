@@ -211,6 +211,9 @@ def test_the_cli_optimizes_over_a_range_and_the_saved_model_serves_it(tmp_path, 
            "--shape", "seq=1..64", "--db", str(tmp_path / "db.sqlite"), "--max-kernel-size", "2"]
     assert cli.main(cmd) == 0
     assert "weighted over seq=1..64" in capsys.readouterr().out
+    common = [str(path), "--threads", "1", "--shape", "seq=1..64", "--db", str(tmp_path / "db.sqlite"),
+              "--max-kernel-size", "2"]
+    assert cli.main(["candidates", *common]) == 0 and cli.main(["plan", *common]) == 0  # from the database
     check = ("import kernorch, numpy as np, onnxruntime as ort, sys\n"
              f"m = kernorch.load({str(out)!r}); s = ort.InferenceSession({str(path)!r})\n"
              "for n in (1, 33, 64):\n"
