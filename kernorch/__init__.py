@@ -15,13 +15,18 @@ __version__ = "0.2.0"
 def optimize(model, target=None, *, runs: int = 20, **options):
     """Optimize an ONNX model (path or ModelProto) for this CPU; returns a verified CompiledModel.
 
-    `options` are fields of `kernorch.options.Options` (threads, shapes as a dict, db_path, ...).
+    `options` are fields of `kernorch.options.Options` (threads, shapes as a dict, db_path, ranges as
+    a dict such as {"seq": (1, 512)} for one executable over a symbolic dimension, ...).
     `target` is a `Machine` (default: this host); only the host CPU can be measured today.
     """
     from .options import Machine, Options
     from . import pipeline
     if "shapes" in options and isinstance(options["shapes"], dict):
         options["shapes"] = tuple((k, tuple(v)) for k, v in options["shapes"].items())
+    if "ranges" in options and isinstance(options["ranges"], dict):  # {"seq": (1, 512)}: one executable over the range
+        options["ranges"] = tuple((k, int(lo), int(hi)) for k, (lo, hi) in options["ranges"].items())
+    if "lengths" in options:
+        options["lengths"] = tuple(int(v) for v in options["lengths"])
     opts = Options().with_(**options)
     if target is not None and target != Machine.host():
         raise KernorchError("kernorch measures kernels on the machine it runs on: optimize on the target itself")

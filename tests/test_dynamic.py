@@ -260,3 +260,15 @@ def test_observed_lengths_choose_where_the_range_is_timed(tmp_path):
         cli.options_from(cli.parser().parse_args(["plan", "m.onnx", "--lengths", str(f)]))
     with pytest.raises(KernorchError, match="cannot read"):
         dynamic.parse_lengths(tmp_path / "missing.txt")
+
+
+def test_the_python_api_takes_a_range(tmp_path):
+    """kernorch.optimize(..., ranges={"seq": (lo, hi)}) returns the executable over the range."""
+    import kernorch
+    path = tmp_path / "block.onnx"
+    onnx.save(examples.transformer_block(seq="seq"), str(path))
+    compiled = kernorch.optimize(str(path), runs=0, threads=1, max_kernel_size=2, repeats=3, min_repeat_ms=1.0,
+                                 compare_untuned=0, db_path=str(tmp_path / "db.sqlite"), ranges={"seq": (1, 16)},
+                                 lengths=[3, 4, 12])
+    assert compiled.ranges == {"seq": (1, 16)}
+    assert compiled.run({"x": np.ones((1, 16, 64), np.float32)})["y"].shape == (1, 16, 64)
