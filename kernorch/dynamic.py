@@ -103,6 +103,13 @@ def parse_lengths(path) -> tuple[int, ...]:
     return values
 
 
+def plan_ranges(meta) -> dict[str, tuple[int, int]]:
+    """The ranges a plan serves, from its meta ("seq=1..512", written by `pipeline.plan_meta`):
+    {"seq": (1, 512)}; empty for a static plan."""
+    rs = [parse_range(r) for r in meta.get("ranges", "").split(",") if r]
+    return {r.name: (r.lo, r.hi) for r in rs}
+
+
 def parse_range(text: str) -> Range:
     """'seq=1..512' -> Range('seq', 1, 512)."""
     name, sep, span = text.partition("=")

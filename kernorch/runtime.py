@@ -28,6 +28,7 @@ from typing import Mapping
 import numpy as np
 
 from . import __version__
+from .dynamic import plan_ranges
 from .ir import Graph, KernorchError, SymDim
 from .options import Machine
 from .plan import Plan
@@ -49,6 +50,7 @@ class CompiledModel:
         self.machine = machine
         self.report = dict(report or {})
         self.input_names = [n for n, _ in graph.inputs]
+        self.ranges = plan_ranges(plan.meta)  # the symbolic dimensions it serves: {"seq": (1, 512)}
         self.output_names = list(graph.outputs)
 
     # -- inputs --------------------------------------------------------------------------------
@@ -76,13 +78,6 @@ class CompiledModel:
                 x = x.astype(t.dtype)
             feeds[n] = x
         return feeds
-
-    @property
-    def ranges(self) -> dict[str, tuple[int, int]]:
-        """The symbolic dimensions this executable serves: {"seq": (1, 512)} (empty: static)."""
-        from .dynamic import parse_range
-        rs = [parse_range(r) for r in self.plan.meta.get("ranges", "").split(",") if r]
-        return {r.name: (r.lo, r.hi) for r in rs}
 
     def sample_graphs(self) -> list[Graph]:
         """The graph at the lengths a range is checked at (its ends and geometric middle; the

@@ -23,7 +23,7 @@ from ...layouts import kernel_io
 from ...timing import time_calls
 from .. import registry
 from .build import check_bounds, register_packed, relax_func
-from ...dynamic import parse_range
+from ...dynamic import plan_ranges
 from .lower import Symbols, lower
 from .schedule import schedule
 from .target import make_target, set_threads
@@ -88,7 +88,7 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
     VM plans its buffers for it); the kernels bind their own variables from their arguments."""
     bb = relax.BlockBuilder()
     sym = Symbols()
-    bounds = {r.name: r.hi for r in map(parse_range, filter(None, plan.meta.get("ranges", "").split(",")))}
+    bounds = {name: hi for name, (_, hi) in plan_ranges(plan.meta).items()}
 
     def _tensor_type(t) -> relax.TensorType:
         return relax.TensorType([sym.expr(d) for d in t.shape], t.dtype)
