@@ -189,8 +189,9 @@ def test_one_executable_serves_the_whole_range(tmp_path):
     # every kernel keeps its noalias parameters beside the VM's own shape function (without them
     # LLVM stores a micro-kernel's accumulators to memory on every step: 2x slower)
     ll = compiled.executable.ex.mod.imports[0].inspect_source("ll")
-    for i in range(len(planned.plan.kernels)):
-        assert re.search(rf"define internal fastcc i32 @k{i}_compute_\([^)]*noalias", ll), f"kernel k{i} lost noalias"
+    for i in range(len(planned.plan.kernels)):  # (a kernel LLVM inlined into its wrapper keeps it as alias scopes)
+        assert (re.search(rf"define internal fastcc [^@]*@k{i}_compute_\([^)]*noalias", ll)
+                or (f"k{i}_compute_.exit" in ll and "!alias.scope" in ll)), f"kernel k{i} lost noalias"
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     lengths = [1, 512] + random.Random(1).sample(range(2, 512), 18)  # 20 lengths, both ends included
     for s in lengths:

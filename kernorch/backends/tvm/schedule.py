@@ -563,8 +563,9 @@ def _schedule_block(sch, blk, lanes: int) -> None:
             return
         _parallel(sch, loops[:nsp], min_work=red_work)
         return
-    outer = _vectorize_inner(sch, blk, lanes)
-    if len(outer) > 1 and outer[-1] == loops[-1] and _extent(sch, loops[-1]) is None:
+    symbolic_inner = _extent(sch, loops[-1]) is None
+    outer = _vectorize_inner(sch, blk, lanes)  # (returns every loop when the innermost is symbolic)
+    if symbolic_inner and len(outer) > 1:
         outer = outer[:-1]  # a symbolic innermost loop stays a plain loop inside the parallel ones
     _parallel(sch, outer, min_work=lanes)
 
