@@ -129,12 +129,32 @@ def _run_symbolic(kg, names_in, out, ex, s):
     return got.numpy(), want
 
 
-@pytest.mark.parametrize("fused", [False, True])
+def _row_kernels(generic):
+    """The prims of each normalization node (LayerNormalization, Softmax) as one kernel: the row
+    rule's reductions over a symbolic extent (softmax rows of seq keys)."""
+    groups: dict[str, list] = {}
+    for p in generic.prims:
+        if "/" in p.name:
+            groups.setdefault(p.name.split("/")[0], []).append(p)
+    out = []
+    for members in groups.values():
+        names = {m.name for m in members}
+        members = members + [p for p in generic.prims if p.name not in names and sum(t in names for t in p.inputs) >= 2]
+        names = {m.name for m in members}
+        escaping = [m for m in members if any(c.name not in names for c in generic.consumers.get(m.name, []))]
+        if len(escaping) == 1 and escaping[0] is members[-1]:
+            out.append(members)
+    return out
+
+
+@pytest.mark.parametrize("fused", ["single", "epilogue", "rows"])
 def test_symbolic_kernels_compile_once_and_are_right_at_every_length(block, fused):
-    """Every distinct single-prim kernel of the generic block (and, fused, each matmul with its bias
-    add) lowers with a TIR variable for seq, is scheduled by the default rules (a contraction over
-    symbolic rows is padded to its tile) and compiled once; it then matches the numpy reference at
-    lengths 1, 7 and 37 (no multiple of the row tile), and writes nothing outside its output."""
+    """Every distinct single-prim kernel of the generic block (`epilogue`: each matmul with its bias
+    add; `rows`: each layer norm and softmax whole, reductions over seq included) lowers with a TIR
+    variable for seq, is scheduled by the default rules (a contraction over symbolic rows is padded
+    to its tile, a reduction over seq split by the lanes under a guard) and compiled once; it then
+    matches the numpy reference at lengths 1, 7 and 37 (shorter than a vector, no multiple of the
+    row tile), and writes nothing outside its output."""
     import tvm
     from kernorch.backends.tvm.lower import lower
     from kernorch.backends.tvm.schedule import schedule
@@ -143,9 +163,9 @@ def test_symbolic_kernels_compile_once_and_are_right_at_every_length(block, fuse
     _, generic = block
     target = make_target(1)
     kernels, seen = [], set()
-    for p in generic.prims:
-        members = [p]
-        if fused:
+    for members in (_row_kernels(generic) if fused == "rows" else [[p] for p in generic.prims]):
+        p = members[0]
+        if fused == "epilogue":
             if p.op != "matmul":
                 continue
             nxt = generic.consumers.get(p.name, [])
@@ -159,7 +179,7 @@ def test_symbolic_kernels_compile_once_and_are_right_at_every_length(block, fuse
         if key not in seen:
             seen.add(key)
             kernels.append((kg, ins, members[-1].name))
-    assert len(kernels) >= (2 if fused else 10)
+    assert len(kernels) >= {"single": 10, "epilogue": 2, "rows": 2}[fused]
     for kg, ins, out in kernels:
         ex = tvm.compile(schedule(lower(kg, kg.prims, ins, [out]), target), target=target)
         for s in (1, 7, 37):

@@ -560,6 +560,7 @@ def _schedule_block(sch, blk, lanes: int) -> None:
             for b in (rf_blk, blk):
                 bl = sch.get_loops(b)
                 _parallel(sch, list(bl[:nsp]), min_work=red_work)
+            _init_every_lane(sch, rf_blk, sch.get_loops(rf_blk)[-2])
             return
         _parallel(sch, loops[:nsp], min_work=red_work)
         return
@@ -650,7 +651,7 @@ def _rule_row(func, lanes: int) -> s_tir.Schedule:
             n = min(n, 1)
     if n == 0:
         raise _NotApplicable("the reduction covers the leading axis")
-    if int(np.prod([e or 1 for e in ext[:n]])) < _MIN_ROWS:
+    if int(np.prod([e or _MIN_ROWS for e in ext[:n]])) < _MIN_ROWS:  # (a symbolic extent counts as enough)
         # e.g. a LayerNorm whose output is reshaped to (1, H, W, C): the "rows" are one row
         raise _NotApplicable("too few rows to run in parallel")
     # vectorize the reductions by rfactor *before* compute_at (rfactor needs the block to be the
@@ -674,6 +675,7 @@ def _rule_row(func, lanes: int) -> s_tir.Schedule:
     for name in names:
         if _work(sch, sch.get_sblock(name)) > 1.01 * before[name]:
             raise _NotApplicable(f"compute_at would recompute {name}")
+    lane_inits = []
     for name in names:
         blk = sch.get_sblock(name)
         stmt = sch.get(blk)
@@ -688,11 +690,14 @@ def _rule_row(func, lanes: int) -> s_tir.Schedule:
                 red = [lp for lp, k in zip(loops, kinds) if k == _COMM_REDUCE]
                 sch.reorder(*red, loops[lane])
                 sch.vectorize(loops[lane])
+                lane_inits.append((blk, red[0]))
             continue
         if _is_reduction(stmt):
             continue  # short or non-divisible reductions stay serial inside the row
         _vectorize_inner(sch, blk, lanes, skip_outer=1)
     sch.parallel(row)
+    for blk, red in lane_inits:
+        _init_every_lane(sch, blk, red)
     return sch
 
 
@@ -704,11 +709,25 @@ def _rfactor_lanes(sch, block, lanes: int):
     if len(loops) != len(stmt.iter_vars) or int(stmt.iter_vars[-1].iter_type) != _COMM_REDUCE:
         return None
     ext = _extent(sch, loops[-1])
-    if ext is None or ext < 4 * lanes or ext % lanes:
+    if ext is not None and (ext < 4 * lanes or ext % lanes):
         return None
     _, li = sch.split(loops[-1], factors=[None, lanes])
     nsp = sum(1 for iv in stmt.iter_vars if int(iv.iter_type) == _DATA_PAR)
     return sch.rfactor(li, factor_axis=nsp)
+
+
+def _init_every_lane(sch, rf_blk, red_loop) -> None:
+    """A reduction over a symbolic extent (kernorch.dynamic) was split by the lanes under a guard
+    (`lo * lanes + li < n`); the rf block's init sits under the same guard and would leave the lanes
+    past a short row (n < lanes) uninitialised. Its init moves out of the reduction loop
+    `red_loop` (the outermost reduction loop of the rf block), for every lane. Call it last:
+    vectorize and parallel refuse a block whose init was decomposed."""
+    if all(_extent(sch, lp) is not None for lp in sch.get_loops(rf_blk)):
+        return
+    init = sch.decompose_reduction(rf_blk, red_loop)
+    init_loops = sch.get_loops(init)
+    if _extent(sch, init_loops[-1]) is not None:
+        sch.vectorize(init_loops[-1])
 
 
 # -- rule: generic per block ---------------------------------------------------------------------
