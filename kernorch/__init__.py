@@ -16,7 +16,8 @@ def optimize(model, target=None, *, runs: int = 20, **options):
     """Optimize an ONNX model (path or ModelProto) for this CPU; returns a verified CompiledModel.
 
     `options` are fields of `kernorch.options.Options` (threads, shapes as a dict, db_path, ranges as
-    a dict such as {"seq": (1, 512)} for one executable over a symbolic dimension, ...).
+    a dict such as {"seq": (1, 512)} for one executable over a symbolic dimension, buckets such as
+    [8, 64] for a plan per bucket of that range with dispatch at run time, ...).
     `target` is a `Machine` (default: this host); only the host CPU can be measured today.
     """
     from .options import Machine, Options
@@ -27,6 +28,8 @@ def optimize(model, target=None, *, runs: int = 20, **options):
         options["ranges"] = tuple((k, int(lo), int(hi)) for k, (lo, hi) in options["ranges"].items())
     if "lengths" in options:
         options["lengths"] = tuple(int(v) for v in options["lengths"])
+    if "buckets" in options:  # [8, 64]: a plan per bucket of the range (1..8, 9..64, 65..hi), dispatched at run time
+        options["bucket_edges"] = tuple(int(v) for v in options.pop("buckets"))
     opts = Options().with_(**options)
     if target is not None and target != Machine.host():
         raise KernorchError("kernorch measures kernels on the machine it runs on: optimize on the target itself")

@@ -93,6 +93,9 @@ def _tuning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", default=None, metavar="FILE",
                    help="observed values of the --shape range's dimension (integers in a text file): the range is "
                         "timed at their 10th, 50th and 90th percentiles instead of its ends and middle")
+    p.add_argument("--buckets", default=None, metavar="E1,E2",
+                   help="cut the --shape range after these lengths (8,64 over 1..512: 1..8, 9..64, 65..512); each "
+                        "bucket gets its own plan and the executable dispatches on the length at run time")
     p.add_argument("--cost-model", choices=("learned", "analytic"), default=None,
                    help="what an unmeasured fusion is estimated at: the analytic bound raised by the shipped "
                         "learned model where it is confident the fusion loses (learned, default), or the bound alone")
@@ -128,6 +131,15 @@ def options_from(args) -> Options:
             raise KernorchError("--lengths weighs a range: give one with --shape NAME=LO..HI")
         from .dynamic import parse_lengths
         kw["lengths"] = parse_lengths(args.lengths)
+    if getattr(args, "buckets", None):
+        if not kw.get("ranges"):
+            raise KernorchError("--buckets cuts a range: give one with --shape NAME=LO..HI")
+        from .dynamic import buckets
+        try:
+            kw["bucket_edges"] = tuple(int(v) for v in args.buckets.split(",") if v.strip())
+        except ValueError:
+            raise KernorchError(f"--buckets {args.buckets!r}: expected lengths separated by commas, e.g. 8,64") from None
+        buckets(kw["ranges"][0], kw["bucket_edges"])  # refuses bad edges now, with the range named
     if args.threads:
         kw["threads"] = args.threads
     if args.db:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from . import pipeline, primitives
 from .database import ProfileDB
+from .dynamic import plan_buckets
 from .ir import KernorchError
 from .options import Machine, Options
 
@@ -219,9 +220,15 @@ def describe_kernel(graph, k) -> str:
 def _print_plan(planned) -> None:
     plan, g = planned.plan, planned.loaded.graph
     rows = []
+    buckets = plan_buckets(plan.meta)
     for i, k in enumerate(plan.kernels):
-        rows.append([i, describe_kernel(g, k)[:60], k.impl, k.schedule, f"{k.cost_ns / 1e3:.1f}", len(k.outputs)])
-    _table(f"Plan for {planned.loaded.source}", ["#", "primitives", "impl", "schedule", "cost µs", "outputs"], rows)
+        rows.append([i, *([f"{buckets[k.bucket][0]}..{buckets[k.bucket][1]}"] if buckets else []),
+                     describe_kernel(g, k)[:60], k.impl, k.schedule, f"{k.cost_ns / 1e3:.1f}", len(k.outputs)])
+    _table(f"Plan for {planned.loaded.source}", ["#", *(["bucket"] if buckets else []), "primitives", "impl", "schedule",
+                                                 "cost µs", "outputs"], rows)
+    for b, ((lo, hi), w) in enumerate(zip(buckets, plan.weights)):
+        part = plan.bucket(b)
+        print(f"bucket {lo}..{hi} (weight {w:.2f}): {len(part.kernels)} kernels, predicted {part.predicted_ns / 1e6:.3f} ms")
     n_conv = sum(1 for k in plan.kernels if not k.members)
     n_blocked = sum(1 for k in plan.kernels if k.members and k.schedule.startswith("b"))
     if n_conv or n_blocked:
@@ -258,8 +265,10 @@ def _print_optimize(rep: dict, outdir) -> None:
     plan = rep["plan"]
     ctx = rep.get("context") or {}
     ranges = plan.get("meta", {}).get("ranges")
-    basis = (f"the kernels' times measured alone, weighted over {ranges}; timing below at the middle length"
-             if ranges else "sum of the kernels measured alone")
+    buckets = plan.get("meta", {}).get("buckets")
+    basis = (f"the kernels' times measured alone, weighted over {ranges}"
+             + (f" in buckets {buckets}, one plan each, dispatched at run time" if buckets else "")
+             + "; timing below at the middle length" if ranges else "sum of the kernels measured alone")
     print(f"predicted {rep['predicted_ms']:.3f} ms ({basis}); inside the executable "
           f"the kernels take {ctx.get('in_model_ms', float('nan')):.3f} ms, end to end "
           f"{t.get('kernorch_ms', float('nan')):.3f} ms; "

@@ -103,6 +103,64 @@ def parse_lengths(path) -> tuple[int, ...]:
     return values
 
 
+def buckets(rng: tuple[str, int, int], edges: tuple[int, ...]) -> tuple[tuple[str, int, int], ...]:
+    """The range `rng` ("seq", lo, hi) cut after each edge: edges (8, 64) over 1..512 give 1..8,
+    9..64, 65..512. Each bucket gets a plan of its own; the executable dispatches on the length.
+    Every bucket needs PROBES values (its graph is fitted from probes inside it)."""
+    name, lo, hi = rng
+    cuts = sorted(set(edges))
+    if any(not lo <= e < hi for e in cuts):
+        raise KernorchError(f"--buckets {','.join(map(str, edges))}: every edge must lie in {lo}..{hi - 1} "
+                            f"(the last length of a bucket of {name}={lo}..{hi})")
+    out, start = [], lo
+    for e in (*cuts, hi):
+        if e - start + 1 < PROBES:
+            raise KernorchError(f"bucket {name}={start}..{e} holds fewer than {PROBES} lengths; "
+                                "choose edges further apart")
+        out.append((name, start, e))
+        start = e + 1
+    return tuple(out)
+
+
+def bucket_of(parts, value: int) -> int | None:
+    """The index of the bucket (name, lo, hi) that holds `value`, None outside every bucket."""
+    return next((i for i, (_, lo, hi) in enumerate(parts) if lo <= value <= hi), None)
+
+
+def bucket_weights(parts, lengths=()) -> list[float]:
+    """Each bucket's share of its range: of the observed `lengths` when given (a bucket none falls
+    in keeps a share of 0), else of the log-uniform length (each octave counts the same, as in
+    `samples`)."""
+    if lengths:
+        inside = [sum(1 for v in lengths if lo <= v <= hi) for _, lo, hi in parts]
+        if sum(inside):
+            return [n / sum(inside) for n in inside]
+    logs = [math.log(hi + 1) - math.log(lo) for _, lo, hi in parts]
+    return [x / sum(logs) for x in logs]
+
+
+def plan_buckets(meta) -> list[tuple[int, int]]:
+    """The buckets of a plan that dispatches on its symbol (meta["buckets"]: "1..8,9..64,65..512"),
+    as (lo, hi) pairs; [] for a plan that serves its range with one set of kernels."""
+    out = []
+    for part in meta.get("buckets", "").split(","):
+        if part:
+            lo, _, hi = part.partition("..")
+            out.append((int(lo), int(hi)))
+    return out
+
+
+def example_bucket(meta) -> int:
+    """The bucket of a dispatching plan that serves the middle of its range (where a model over a
+    range is timed and profiled); 0 for a plan without buckets."""
+    parts = plan_buckets(meta)
+    if not parts:
+        return 0
+    (name, (lo, hi)), = plan_ranges(meta).items()
+    value = middle(((name, lo, hi),))[name]
+    return next(b for b, (blo, bhi) in enumerate(parts) if blo <= value <= bhi)
+
+
 def plan_ranges(meta) -> dict[str, tuple[int, int]]:
     """The ranges a plan serves, from its meta ("seq=1..512", written by `pipeline.plan_meta`):
     {"seq": (1, 512)}; empty for a static plan."""

@@ -129,6 +129,7 @@ class Options:
     shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
     ranges: tuple[tuple[str, int, int], ...] = ()   # a symbolic dimension over a range: ("seq", 1, 512)
     lengths: tuple[int, ...] = ()                     # observed values of that dimension (weights the range)
+    bucket_edges: tuple[int, ...] = ()                # cut the range after these values: a plan per bucket
     db_path: str | None = None          # None: the user's cache directory
     max_partition: int = 48             # prims per partition (automatic cuts)
     max_kernel_size: int = 8            # prims per candidate kernel (a LayerNorm is 9, a softmax 5)

@@ -32,6 +32,7 @@ from .kernels import blocked, has_blocked_variant, prim_tiles, split
 from .kernels.variants import CONVERSIONS
 from .layouts import candidate_io, conversion, conversion_key, conversions
 from .options import Machine, Options
+from .plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -485,55 +486,85 @@ class Planned:
 
 def plan_model(model, options: Options, db: ProfileDB | None = None, machine: Machine | None = None,
                clock: Clock | None = None) -> Planned:
-    """load → enumerate → measure → orchestrate (→ tune within the budget)."""
+    """load → enumerate → measure → orchestrate (→ tune within the budget). With buckets over a
+    symbolic range (`options.bucket_edges`): a plan per bucket, joined into one that dispatches."""
     machine = machine or Machine.host()
     clock = clock or Clock()
     own = db is None
     db = db or ProfileDB(options.resolved_db())
     try:
-        loaded = load(model, options, clock)
-        with clock("enumerate"):
-            enumeration = enumerate_candidates(loaded.graph, options)
-        meta = plan_meta(loaded.source, machine, options)
-        with meas.Workers(options) as workers:
-            with clock("measure"):
-                measured = measure_candidates(loaded.graph, enumeration, db, options, machine, workers)
-
-            def solve(m: Measured, previous=None) -> tuple:
-                """Solve; while the plan holds kernels known only by their estimates, measure them
-                (and the most promising others) and solve again, within REFINE_GAP of the optimum;
-                the last solve is exact. Returns (plan, measured)."""
-                gap = REFINE_GAP if m.pending else 0.0
-                while True:
-                    t0 = time.perf_counter()
-                    with clock("orchestrate"):
-                        plan = orchestrate(loaded.graph, enumeration, m, options, meta, previous, gap)
-                    previous = plan
-                    if not plan.estimated:
-                        if gap == 0.0:
-                            return plan, replace(m, stats=replace(m.stats, estimated=len(m.pending)))
-                        gap = 0.0  # every kernel of the plan is measured: prove it optimal
-                        continue
-                    rounds = m.stats.rounds + 1
-                    batch = promising(m, plan.estimated, time.perf_counter() - t0)
-                    log.info("refine %d: measuring %d kernels the plan wants and %d promising ones (%d unmeasured)",
-                             rounds, len(plan.estimated), len(batch) - len(plan.estimated), len(m.pending))
-                    with clock("measure"):
-                        m = refine(m, batch, db, options, machine, workers)
-                    m = replace(m, stats=replace(m.stats, rounds=rounds))
-                    gap = REFINE_GAP if m.pending else 0.0
-
-            plan, measured = solve(measured)
-            tuning = None
-            if options.budget:
-                from . import tune
-                with clock("tune"):
-                    plan, measured, tuning = tune.tune_loop(loaded.graph, enumeration, measured, plan, db, options,
-                                                            machine, solve)
-        return Planned(loaded, enumeration, measured, plan, tuning, clock.seconds, machine)
+        if options.ranges and options.bucket_edges:
+            return _plan_buckets(model, options, db, machine, clock)
+        return _plan_range(model, options, db, machine, clock)
     finally:
         if own:
             db.close()
+
+
+def _plan_buckets(model, options: Options, db: ProfileDB, machine: Machine, clock: Clock) -> Planned:
+    """Each bucket of the range planned over its own lengths (its kernels measured there, in its own
+    database namespace); the plans joined, each bucket weighted by its share of the range."""
+    from .dynamic import bucket_of, bucket_weights, buckets
+    parts = buckets(options.ranges[0], options.bucket_edges)
+    planned = []
+    for i, part in enumerate(parts):
+        log.info("bucket %d of %d: %s=%d..%d", i + 1, len(parts), *part)
+        lengths = tuple(v for v in options.lengths if bucket_of(parts, v) == i)  # none inside: its ends and middle
+        planned.append(_plan_range(model, options.with_(ranges=(part,), lengths=lengths, bucket_edges=()), db,
+                                   machine, clock))
+    meta = {**plan_meta(planned[0].loaded.source, machine, options),
+            "buckets": ",".join(f"{lo}..{hi}" for _, lo, hi in parts)}
+    plan = Plan.dispatch([p.plan for p in planned], bucket_weights(parts, options.lengths), meta)
+    first = planned[0].measured
+    stats = first.stats
+    for p in planned[1:]:
+        stats = stats.merged(p.measured.stats)
+    measured = replace(first, stats=stats, measurements={k: v for p in planned for k, v in p.measured.measurements.items()})
+    return Planned(planned[0].loaded, planned[0].enumeration, measured, plan, None, clock.seconds, machine)
+
+
+def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock: Clock) -> Planned:
+    """One plan over the range (or the static shapes) of `options`."""
+    loaded = load(model, options, clock)
+    with clock("enumerate"):
+        enumeration = enumerate_candidates(loaded.graph, options)
+    meta = plan_meta(loaded.source, machine, options)
+    with meas.Workers(options) as workers:
+        with clock("measure"):
+            measured = measure_candidates(loaded.graph, enumeration, db, options, machine, workers)
+
+        def solve(m: Measured, previous=None) -> tuple:
+            """Solve; while the plan holds kernels known only by their estimates, measure them
+            (and the most promising others) and solve again, within REFINE_GAP of the optimum;
+            the last solve is exact. Returns (plan, measured)."""
+            gap = REFINE_GAP if m.pending else 0.0
+            while True:
+                t0 = time.perf_counter()
+                with clock("orchestrate"):
+                    plan = orchestrate(loaded.graph, enumeration, m, options, meta, previous, gap)
+                previous = plan
+                if not plan.estimated:
+                    if gap == 0.0:
+                        return plan, replace(m, stats=replace(m.stats, estimated=len(m.pending)))
+                    gap = 0.0  # every kernel of the plan is measured: prove it optimal
+                    continue
+                rounds = m.stats.rounds + 1
+                batch = promising(m, plan.estimated, time.perf_counter() - t0)
+                log.info("refine %d: measuring %d kernels the plan wants and %d promising ones (%d unmeasured)",
+                         rounds, len(plan.estimated), len(batch) - len(plan.estimated), len(m.pending))
+                with clock("measure"):
+                    m = refine(m, batch, db, options, machine, workers)
+                m = replace(m, stats=replace(m.stats, rounds=rounds))
+                gap = REFINE_GAP if m.pending else 0.0
+
+        plan, measured = solve(measured)
+        tuning = None
+        if options.budget:
+            from . import tune
+            with clock("tune"):
+                plan, measured, tuning = tune.tune_loop(loaded.graph, enumeration, measured, plan, db, options,
+                                                        machine, solve)
+    return Planned(loaded, enumeration, measured, plan, tuning, clock.seconds, machine)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -573,12 +604,13 @@ def in_context(compiled, seed: int = 0, runs: int = 5) -> dict:
     """Each plan kernel's time inside the executable (median over `runs`), beside its isolated cost:
     where the end-to-end time goes that the additive cost model does not see."""
     from . import executor
-    prof = compiled.profile(executor.random_feeds(compiled.example_graph, seed), runs=runs)
+    feeds = executor.random_feeds(compiled.example_graph, seed)
+    prof = compiled.profile(feeds, runs=runs)
     kernel_ms = [0.0] * len(compiled.plan.kernels)
     for p in prof:
         if p["kernel"] is not None:
             kernel_ms[p["kernel"]] += p["ms"]
-    alone = sum(k.cost_ns for k in compiled.plan.kernels) / 1e6
+    alone = sum(k.cost_ns for k in compiled.plan_for(feeds).kernels) / 1e6  # (with buckets: the one that ran)
     inside = sum(kernel_ms)
     return {"runs": runs, "kernel_ms": kernel_ms, "other_ms": sum(p["ms"] for p in prof if p["kernel"] is None),
             "alone_ms": alone, "in_model_ms": inside, "by_impl": _sum_by_impl(compiled.plan, kernel_ms)}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
 
@@ -42,6 +42,7 @@ class Kernel:
     cost_ns: int                   # measured alone, in this schedule
     alternatives: tuple[Alternative, ...] = ()
     schedule: str = "default"      # "default" rules, a micro-kernel tile ("t14x32p"), a tuning record
+    bucket: int = 0                # a plan that dispatches on a symbolic length: the bucket it runs in
 
 
 @dataclass(frozen=True)
@@ -77,11 +78,45 @@ class Plan:
     meta: Mapping[str, str] = field(default_factory=dict)
     # measurements (key, impl, schedule) of kernels chosen, or close to it, on an estimate only
     estimated: tuple = field(default=(), compare=False)
+    # a plan per bucket of a symbolic length (meta["buckets"]): each bucket's share of the range
+    weights: tuple[float, ...] = ()
 
     @property
     def predicted_ns(self) -> int:
-        """The additive cost model's prediction: the sum of the kernels' measured latencies."""
-        return sum(k.cost_ns for k in self.kernels)
+        """The additive cost model's prediction: the sum of the kernels' measured latencies (with
+        buckets: each bucket's sum, weighted by its share of the range)."""
+        if not self.weights:
+            return sum(k.cost_ns for k in self.kernels)
+        return round(sum(w * sum(k.cost_ns for k in self.kernels if k.bucket == b) for b, w in enumerate(self.weights)))
+
+    def bucket(self, b: int) -> "Plan":
+        """The plan of bucket `b` alone (a plan without buckets is its own bucket 0)."""
+        if not self.weights:
+            return self
+        return replace(self, kernels=tuple(k for k in self.kernels if k.bucket == b), weights=())
+
+    @staticmethod
+    def dispatch(plans: "list[Plan]", weights: list[float], meta: Mapping[str, str]) -> "Plan":
+        """One plan of the per-bucket `plans` (in bucket order, each solved over its bucket): the
+        kernels of bucket b tagged `bucket=b` (ids prefixed "b{b}."), solver figures weighted by
+        the buckets' shares `weights` (the gap is the worst bucket's)."""
+        kernels, buffers, offset = [], [], 0
+        for b, p in enumerate(plans):
+            kernels += [replace(k, id=f"b{b}.{k.id}", bucket=b) for k in p.kernels]
+            buffers += [replace(x, produced_at=x.produced_at + offset, last_use=x.last_use + offset) for x in p.buffers]
+            offset += len(p.kernels)
+
+        def weighted(values):
+            return None if any(v is None for v in values) else round(sum(w * v for w, v in zip(weights, values)))
+        st = [p.stats for p in plans]
+        gaps = [x.gap for x in st]
+        stats = SolverStats(next((x.status for x in st if x.status != "optimal"), "optimal"),
+                            weighted([x.objective_ns for x in st]), weighted([x.bound_ns for x in st]),
+                            None if any(g is None for g in gaps) else max(gaps), sum(x.solve_seconds for x in st),
+                            sum(x.n_cuts for x in st), sum(x.n_rows for x in st), sum(x.n_cols for x in st),
+                            sum(x.n_nonzeros for x in st))
+        return Plan(tuple(kernels), tuple(buffers), plans[0].outputs, stats, weighted([p.unfused_ns for p in plans]),
+                    weighted([p.greedy_ns for p in plans]), dict(meta), weights=tuple(weights))
 
     # -- construction ------------------------------------------------------------------------
     @staticmethod
@@ -140,11 +175,11 @@ class Plan:
         kernels = tuple(Kernel(k["id"], k["key"], k["impl"], tuple(k["members"]), tuple(k["inputs"]), tuple(k["outputs"]),
                                k["cost_ns"], tuple(Alternative(a["id"], a["impl"], tuple(a["members"]), a["cost_ns"],
                                                                a["schedule"]) for a in k["alternatives"]),
-                               k["schedule"])
+                               k["schedule"], k.get("bucket", 0))
                         for k in d["kernels"])
         buffers = tuple(Buffer(**b) for b in d["buffers"])
         return Plan(kernels, buffers, tuple(d["outputs"]), SolverStats(**d["stats"]), d.get("unfused_ns"),
-                    d.get("greedy_ns"), dict(d.get("meta", {})))
+                    d.get("greedy_ns"), dict(d.get("meta", {})), weights=tuple(d.get("weights", ())))
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1))
@@ -161,6 +196,8 @@ class Plan:
         """A plain-text table of the kernels and the totals against the baselines."""
         lines = [f"{'#':>3}  {'kernel':<24} {'impl':<10} {'schedule':<10} {'cost_ns':>10}  members"]
         for i, k in enumerate(self.kernels):
+            if self.weights and (i == 0 or self.kernels[i - 1].bucket != k.bucket):
+                lines.append(f"bucket {k.bucket} (weight {self.weights[k.bucket]:.2f})")
             lines.append(f"{i:>3}  {k.id[:24]:<24} {k.impl[:10]:<10} {k.schedule[:10]:<10} {k.cost_ns:>10}  "
                          f"{', '.join(k.members)}")
         st = self.stats

@@ -19,6 +19,8 @@ import logging
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from .dynamic import example_bucket
+
 log = logging.getLogger(__name__)
 
 NODE_W, NODE_H, GAP_X, GAP_Y, MARGIN = 104, 22, 14, 34, 20
@@ -110,8 +112,9 @@ def graph_svg(graph, plan=None) -> str:
     height = 2 * MARGIN + len(widths) * (NODE_H + GAP_Y)
     kernel_of: dict[str, int] = {}
     kernels = list(plan.kernels) if plan is not None else []
+    shown = example_bucket(plan.meta) if plan is not None else 0  # a plan with buckets: the middle length's
     for i, k in enumerate(kernels):
-        for m in k.members:
+        for m in k.members if k.bucket == shown else ():
             kernel_of[m] = i
 
     def xy(n: str) -> tuple[float, float]:
@@ -446,8 +449,11 @@ def write_report(outdir, path=None) -> Path:
     if series:
         parts.append("<h2>Tuning</h2>" + line_chart_svg(series, "seconds", "predicted ms"))
     if graph is not None:
-        n_k = len(plan.kernels) if plan else 0
-        parts.append(f"<h2>Primitive graph</h2><p class=\"muted\">{len(graph.prims)} primitives in {n_k} kernels; a colour "
+        shown = plan.bucket(example_bucket(plan.meta)) if plan else None
+        n_k = len(shown.kernels) if plan else 0
+        bucket = (f" (the plan of the bucket that serves the middle length; buckets {_e(plan.meta['buckets'])})"
+                  if plan and plan.weights else "")
+        parts.append(f"<h2>Primitive graph</h2><p class=\"muted\">{len(graph.prims)} primitives in {n_k} kernels{bucket}; a colour "
                      "is a kernel; thick coloured edges stay inside a kernel, thin grey ones go through memory; "
                      "bold border: graph output; * an ONNX operator kept whole. Hover a node for details.</p>"
                      f'<div class="graph">{graph_svg(graph, plan)}</div>')

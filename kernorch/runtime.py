@@ -28,7 +28,7 @@ from typing import Mapping
 import numpy as np
 
 from . import __version__
-from .dynamic import plan_ranges
+from .dynamic import plan_buckets, plan_ranges
 from .ir import Graph, KernorchError, SymDim
 from .options import Machine
 from .plan import Plan
@@ -56,6 +56,18 @@ class CompiledModel:
     # -- inputs --------------------------------------------------------------------------------
     def check_feeds(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Validate names, shapes and dtypes; a clear error naming the input otherwise."""
+        return self._checked(inputs)[0]
+
+    def plan_for(self, inputs: Mapping[str, np.ndarray]) -> Plan:
+        """The kernels that run on `inputs`: with buckets, the plan of the bucket their length falls
+        in (what the executable dispatches to); otherwise the whole plan."""
+        buckets = plan_buckets(self.plan.meta)
+        if not buckets:
+            return self.plan
+        (value,) = self._checked(inputs)[1].values()
+        return self.plan.bucket(next(b for b, (lo, hi) in enumerate(buckets) if lo <= value <= hi))
+
+    def _checked(self, inputs: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, int]]:
         if not isinstance(inputs, Mapping):
             raise KernorchError(f"inputs must be a mapping of input name to array; the model takes {self.input_names}")
         unknown = sorted(set(inputs) - set(self.input_names))
@@ -77,16 +89,18 @@ class CompiledModel:
                     raise KernorchError(f"input {n!r} has dtype {x.dtype}, the model takes {t.dtype}")
                 x = x.astype(t.dtype)
             feeds[n] = x
-        return feeds
+        return feeds, binding
 
     def sample_graphs(self) -> list[Graph]:
-        """The graph at the lengths a range is checked at (its ends and geometric middle; the
-        middle first); a static model's graph alone."""
+        """The graph at the lengths a range is checked at (its ends and geometric middle, the
+        middle first; with buckets, also each bucket's ends and middle); a static model's graph alone."""
         if not self.ranges:
             return [self.graph]
         from .dynamic import bind, points
-        lo, mid, hi = points(tuple((n, lo, hi) for n, (lo, hi) in self.ranges.items()))
-        return [bind(self.graph, b) for b in (mid, lo, hi)]
+        (name, (lo, hi)), = self.ranges.items()
+        first, middle, last = points(((name, lo, hi),))
+        at = [middle, first, last] + [b for blo, bhi in plan_buckets(self.plan.meta) for b in points(((name, blo, bhi),))]
+        return [bind(self.graph, b) for b in {tuple(b.items()): b for b in at}.values()]
 
     @property
     def example_graph(self) -> Graph:

@@ -53,7 +53,7 @@ def bisect(compiled, feeds, tol: float, graph=None) -> str | None:
     from .backends.tvm.relax import kernel_module
     from .kernels import pack_args, unpack_outputs
     from .layouts import kernel_io
-    graph, plan = graph or compiled.graph, compiled.plan
+    graph, plan = graph or compiled.graph, compiled.plan_for(feeds)
     values = executor.run(graph, feeds, keep_all=True)
     target = tb.make_target(compiled.threads, compiled.machine)
     for k in plan.kernels:

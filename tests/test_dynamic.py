@@ -299,3 +299,67 @@ def test_the_python_api_takes_a_range(tmp_path):
                                  lengths=[3, 4, 12])
     assert compiled.ranges == {"seq": (1, 16)}
     assert compiled.run({"x": np.ones((1, 16, 64), np.float32)})["y"].shape == (1, 16, 64)
+
+
+def test_buckets_cut_a_range_and_weigh_it():
+    """--buckets 8,64 over 1..512: 1..8, 9..64, 65..512, weighted by their share of the log-uniform
+    length (or of the observed lengths); edges outside the range or buckets too small are refused."""
+    r = ("seq", 1, 512)
+    parts = dynamic.buckets(r, (64, 8))
+    assert parts == (("seq", 1, 8), ("seq", 9, 64), ("seq", 65, 512))
+    w = dynamic.bucket_weights(parts)
+    assert abs(sum(w) - 1) < 1e-12 and w[0] == pytest.approx(np.log(9) / np.log(513))
+    assert dynamic.bucket_weights(parts, [3, 3, 100, 9999]) == [2 / 3, 0, 1 / 3]
+    assert [dynamic.bucket_of(parts, v) for v in (1, 8, 9, 64, 65, 512, 513)] == [0, 0, 1, 1, 2, 2, None]
+    for bad, why in (((512,), "must lie in 1..511"), ((0,), "must lie in"), ((8, 10), "fewer than 4 lengths")):
+        with pytest.raises(KernorchError, match=why):
+            dynamic.buckets(r, bad)
+    meta = {"ranges": "seq=1..512", "buckets": "1..8,9..64,65..512"}
+    assert dynamic.plan_buckets(meta) == [(1, 8), (9, 64), (65, 512)] and dynamic.plan_buckets({}) == []
+    assert dynamic.example_bucket(meta) == 1  # the middle length, 23
+
+
+def test_a_plan_per_bucket_dispatched_inside_one_executable(tmp_path, capsys):
+    """optimize over seq=1..64 with buckets 1..8 and 9..64: each bucket has its own plan, measured
+    over its lengths; the one executable runs bucket 0's kernels at length 5 and bucket 1's at 30
+    (the VM's own calls show it, so the dispatch is inside the compiled module), is right against
+    ONNX Runtime at every length of the range, and survives save/load; the CLI prints the buckets."""
+    import onnxruntime as ort
+    from kernorch import cli, pipeline, runtime
+    from kernorch.options import Options
+    path = tmp_path / "block.onnx"
+    onnx.save(examples.transformer_block(seq="seq"), str(path))
+    options = Options(threads=1, max_kernel_size=2, repeats=3, min_repeat_ms=1.0, workers=2, compare_untuned=0,
+                      db_path=str(tmp_path / "db.sqlite"), ranges=(("seq", 1, 64),), bucket_edges=(8,))
+    compiled, planned = pipeline.optimize(str(path), options, runs=0)
+    plan = compiled.plan
+    assert plan.meta["buckets"] == "1..8,9..64" and len(plan.weights) == 2
+    assert {k.bucket for k in plan.kernels} == {0, 1}
+    assert plan.predicted_ns == round(sum(w * plan.bucket(b).predicted_ns for b, w in enumerate(plan.weights)))
+    assert compiled.report["verify"]["ok"] and len(compiled.report["verify"]["shapes"]) >= 5  # each bucket's points
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for s in range(1, 65):
+        x = np.random.default_rng(s).standard_normal((1, s, 64)).astype(np.float32)
+        np.testing.assert_allclose(compiled.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=1e-4, atol=1e-4)
+    for s, b in ((5, 0), (30, 1)):
+        feeds = {"x": np.zeros((1, s, 64), np.float32)}
+        ran = {plan.kernels[p["kernel"]].bucket for p in compiled.profile(feeds, runs=1) if p["kernel"] is not None}
+        assert ran == {b} and compiled.plan_for(feeds) == plan.bucket(b)
+    compiled.save(tmp_path / "out")
+    loaded = runtime.load(tmp_path / "out")
+    assert loaded.plan == plan
+    from kernorch.report import write_report
+    assert "buckets 1..8,9..64" in write_report(tmp_path / "out").read_text()
+    for s in (8, 9):
+        x = np.random.default_rng(s).standard_normal((1, s, 64)).astype(np.float32)
+        np.testing.assert_allclose(loaded.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=1e-4, atol=1e-4)
+    common = [str(path), "--threads", "1", "--shape", "seq=1..64", "--db", str(tmp_path / "db.sqlite"),
+              "--max-kernel-size", "2"]
+    capsys.readouterr()
+    assert cli.main(["plan", *common, "--buckets", "8"]) == 0  # from the database
+    out = capsys.readouterr().out
+    assert "bucket 1..8 (weight" in out and "bucket 9..64 (weight" in out
+    assert cli.main(["plan", *common, "--buckets", "64"]) == 2
+    assert "must lie in 1..63" in capsys.readouterr().err
+    assert cli.main(["plan", str(path), "--buckets", "8"]) == 2
+    assert "cuts a range" in capsys.readouterr().err

@@ -23,7 +23,7 @@ from ...layouts import kernel_io
 from ...timing import time_calls
 from .. import registry
 from .build import check_bounds, register_packed, relax_func
-from ...dynamic import plan_ranges
+from ...dynamic import plan_buckets, plan_ranges
 from .lower import Symbols, lower
 from .schedule import schedule
 from .target import make_target, set_threads
@@ -85,55 +85,87 @@ def register_python_kernels(graph: Graph, plan) -> None:
 def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, str, np.ndarray]]) -> tvm.IRModule:
     """The Relax IRModule of the plan. Over a symbolic dimension (plan.meta["ranges"]: "seq=1..512")
     the function's shapes use one int64 variable per symbol, bounded by the range's upper end (the
-    VM plans its buffers for it); the kernels bind their own variables from their arguments."""
+    VM plans its buffers for it); the kernels bind their own variables from their arguments. A plan
+    with buckets (plan.meta["buckets"]) gets one function per bucket, and `main` dispatches on the
+    symbol's value: `if seq <= 8: b0(...) elif seq <= 64: b1(...) else: b2(...)`."""
     bb = relax.BlockBuilder()
     sym = Symbols()
     bounds = {name: hi for name, (_, hi) in plan_ranges(plan.meta).items()}
+    attrs = {"tir_var_upper_bound": bounds} if bounds else None
 
+    def params():
+        inputs = [relax.Var(n, relax.TensorType([sym.expr(d) for d in t.shape], t.dtype)) for n, t in graph.inputs]
+        return inputs, [relax.Var(f"w_{i}", relax.TensorType(list(a.shape), str(a.dtype)))
+                        for i, (_, _, a) in enumerate(weight_params)]
+
+    parts = plan_buckets(plan.meta)
+    if not parts:
+        inputs, wvars = params()
+        with bb.function("main", inputs + wvars, attrs=attrs):
+            bb.emit_func_output(_emit_kernels(bb, graph, plan, range(len(plan.kernels)), target, inputs, wvars,
+                                              weight_params, sym))
+        return bb.get()
+    funcs = []
+    for b in range(len(parts)):
+        inputs, wvars = params()
+        with bb.function(f"bucket{b}", inputs + wvars, attrs=attrs, private=True):
+            kernels = [i for i, k in enumerate(plan.kernels) if k.bucket == b]
+            funcs.append(bb.emit_func_output(_emit_kernels(bb, graph, plan, kernels, target, inputs, wvars,
+                                                           weight_params, sym)))
+    inputs, wvars = params()
+    (name, _), = plan_ranges(plan.meta).items()
+    with bb.function("main", inputs + wvars, attrs=attrs):
+        call = relax.Call(funcs[-1], inputs + wvars)
+        for b in reversed(range(len(parts) - 1)):  # built inside out: the last bucket is the innermost else
+            call = relax.If(relax.prim_value(sym.vars[name] <= parts[b][1]),
+                            relax.SeqExpr([], relax.Call(funcs[b], inputs + wvars)), relax.SeqExpr([], call))
+        bb.emit_func_output(bb.emit(call))
+    return bb.get()
+
+
+def _emit_kernels(bb, graph: Graph, plan, indices, target, inputs, wvars, weight_params, sym) -> relax.Expr:
+    """The plan kernels `indices` (global plan indices: kernel i is PrimFunc `k{i}`) called in order
+    inside one dataflow block of the function being built; returns its output tuple."""
     def _tensor_type(t) -> relax.TensorType:
         return relax.TensorType([sym.expr(d) for d in t.shape], t.dtype)
-    inputs = [relax.Var(n, _tensor_type(t)) for n, t in graph.inputs]
-    wvars = [relax.Var(f"w_{i}", relax.TensorType(list(a.shape), str(a.dtype))) for i, (_, _, a) in enumerate(weight_params)]
     wvar = {(t, layout): v for (t, layout, _), v in zip(weight_params, wvars)}
     env = {n: v for (n, _), v in zip(graph.inputs, inputs)}
     tune_dir = plan.meta.get("tune_dir")
-    with bb.function("main", inputs + wvars, attrs={"tir_var_upper_bound": bounds} if bounds else None):
-        with bb.dataflow():
-            for i, k in enumerate(plan.kernels):
-                native = registry.native(k.impl)
-                io = kernel_io(graph, k)
-                packs = variant_packs(io.graph, io.inputs, k.schedule) if native else {}
-                out_packs = variant_out_packs(io.graph, io.outputs, k.schedule) if native else {}
-                args = []
-                for j, (t, q) in enumerate(zip(io.inputs, io.reads)):
-                    if t in graph.constants:
-                        args.append(wvar[(t, packs[j].layout if j in packs else "plain")])
-                    elif q not in env:
-                        raise KernorchError(f"kernel {k.id} reads {q} before any kernel writes it")
-                    else:
-                        args.append(env[q])
-                out_ty = [relax.TensorType(list(out_packs[j].packed_shape), "float32") if j in out_packs
-                          else _tensor_type(io.graph.type_of(t)) for j, t in enumerate(io.outputs)]
-                ty = out_ty if len(out_ty) > 1 else out_ty[0]
-                name = call_name(i, k)
-                if native:
-                    mod = kernel_module(graph, k, target, tune_dir)
-                    check_bounds(mod)
-                    call = relax.call_tir(bb.add_func(relax_func(mod, name), name), relax.Tuple(args), ty)
+    with bb.dataflow():
+        for i in indices:
+            k = plan.kernels[i]
+            native = registry.native(k.impl)
+            io = kernel_io(graph, k)
+            packs = variant_packs(io.graph, io.inputs, k.schedule) if native else {}
+            out_packs = variant_out_packs(io.graph, io.outputs, k.schedule) if native else {}
+            args = []
+            for j, (t, q) in enumerate(zip(io.inputs, io.reads)):
+                if t in graph.constants:
+                    args.append(wvar[(t, packs[j].layout if j in packs else "plain")])
+                elif q not in env:
+                    raise KernorchError(f"kernel {k.id} reads {q} before any kernel writes it")
                 else:
-                    call = relax.call_dps_packed(name, relax.Tuple(args), ty)
-                res = bb.emit(call)
-                if len(io.writes) == 1:
-                    env[io.writes[0]] = res
-                else:
-                    for j, q in enumerate(io.writes):
-                        env[q] = bb.emit(relax.TupleGetItem(res, j))
-            missing = [o for o in graph.outputs if o not in env]
-            if missing:
-                raise KernorchError(f"the plan does not produce graph outputs {missing}")
-            out = bb.emit_output(relax.Tuple([env[o] for o in graph.outputs]))
-        bb.emit_func_output(out)
-    return bb.get()
+                    args.append(env[q])
+            out_ty = [relax.TensorType(list(out_packs[j].packed_shape), "float32") if j in out_packs
+                      else _tensor_type(io.graph.type_of(t)) for j, t in enumerate(io.outputs)]
+            ty = out_ty if len(out_ty) > 1 else out_ty[0]
+            name = call_name(i, k)
+            if native:
+                mod = kernel_module(graph, k, target, tune_dir)
+                check_bounds(mod)
+                call = relax.call_tir(bb.add_func(relax_func(mod, name), name), relax.Tuple(args), ty)
+            else:
+                call = relax.call_dps_packed(name, relax.Tuple(args), ty)
+            res = bb.emit(call)
+            if len(io.writes) == 1:
+                env[io.writes[0]] = res
+            else:
+                for j, q in enumerate(io.writes):
+                    env[q] = bb.emit(relax.TupleGetItem(res, j))
+        missing = [o for o in graph.outputs if o not in env]
+        if missing:
+            raise KernorchError(f"the plan does not produce graph outputs {missing}")
+        return bb.emit_output(relax.Tuple([env[o] for o in graph.outputs]))
 
 
 @tvm.transform.module_pass(opt_level=0, name="kernorch.NoaliasHostFuncs")
