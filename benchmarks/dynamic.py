@@ -8,7 +8,8 @@ The model is kernorch's transformer block (pre-norm attention + GELU MLP) export
 sequence axis (`examples.transformer_block(seq="seq")`). Built with the CLI, each on a cold profile
 database of its own, wall time recorded:
 
-* dynamic: `kernorch optimize --shape seq=LO..HI` (one executable);
+* dynamic: `kernorch optimize --shape seq=LO..HI` (one executable, one plan);
+* dispatched: the same with `--buckets 8,64` (one executable, a plan per bucket, dispatch inside);
 * static: `kernorch optimize --shape x=1xSx{dim}` for every length S of the list;
 * pad-to-bucket: the static executables of the buckets (32, 128, 512 by default), each length
   running in the smallest bucket that holds it (the padding copy itself is not counted).
@@ -37,13 +38,13 @@ from kernorch import examples  # noqa: E402
 from kernorch.peers import Timer, load_state  # noqa: E402
 
 
-def optimize(model: Path, out: Path, shape: str, args) -> float:
+def optimize(model: Path, out: Path, shape: str, args, extra=()) -> float:
     """`kernorch optimize` on a cold database of its own; returns the wall seconds."""
     db = out.with_suffix(".sqlite")
     db.unlink(missing_ok=True)
     cmd = [sys.executable, "-c", "import sys; from kernorch.cli import main; sys.exit(main(sys.argv[1:]))",
            "optimize", str(model), "-o", str(out), "--force", "--threads", str(args.threads), "--db", str(db),
-           "--shape", shape, "--max-kernel-size", str(args.max_kernel_size)]
+           "--shape", shape, "--max-kernel-size", str(args.max_kernel_size), *extra]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -69,7 +70,9 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--range", default="1..512")
     ap.add_argument("--lengths", default="1,7,32,128,300,512")
-    ap.add_argument("--buckets", default="32,128,512")
+    ap.add_argument("--buckets", default="32,128,512", help="pad-to-bucket: the static lengths padded to")
+    ap.add_argument("--dispatch", default="8,64",
+                    help="bucket edges of the dispatching executable (kernorch optimize --buckets); '' to skip it")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--max-kernel-size", type=int, default=8)
@@ -85,6 +88,9 @@ def main(argv=None) -> int:
     buckets = [int(x) for x in args.buckets.split(",")]
     builds = {"dynamic": optimize(model, work / "dynamic", f"seq={args.range}", args)}
     print(f"dynamic: optimized in {builds['dynamic']:.0f} s", flush=True)
+    if args.dispatch:
+        builds["dispatch"] = optimize(model, work / "dispatch", f"seq={args.range}", args, ["--buckets", args.dispatch])
+        print(f"dispatch ({args.dispatch}): optimized in {builds['dispatch']:.0f} s", flush=True)
     for s in sorted(set(lengths) | set(buckets)):
         builds[s] = optimize(model, work / f"static{s}", f"x=1x{s}x{args.dim}", args)
         print(f"static {s}: optimized in {builds[s]:.0f} s", flush=True)
@@ -93,6 +99,7 @@ def main(argv=None) -> int:
         bucket = next((b for b in sorted(buckets) if b >= s), None)
         row = {"length": s, "bucket": bucket,
                "dynamic": timed(work / "dynamic", s, model, s, args.dim, args),
+               "dispatch": timed(work / "dispatch", s, model, s, args.dim, args) if args.dispatch else None,
                "static": timed(work / f"static{s}", s, model, s, args.dim, args),
                "padded": timed(work / f"static{bucket}", bucket, model, s, args.dim, args) if bucket else None}
         rows.append(row)
@@ -101,10 +108,18 @@ def main(argv=None) -> int:
     static_sum = sum(builds[s] for s in lengths)
     vs_static = [r["dynamic"]["ratio_to_ort"] / r["static"]["ratio_to_ort"] for r in rows]
     vs_pad = [r["padded"]["ratio_to_ort"] / r["dynamic"]["ratio_to_ort"] for r in rows if r["padded"]]
+    disp_static = [r["dispatch"]["ratio_to_ort"] / r["static"]["ratio_to_ort"] for r in rows if r["dispatch"]]
+    disp_pad = [r["padded"]["ratio_to_ort"] / r["dispatch"]["ratio_to_ort"] for r in rows if r["dispatch"] and r["padded"]]
+
+    def geomean(xs):
+        return float(np.exp(np.mean(np.log(xs)))) if xs else None
     summary = {"dynamic_vs_static_max": max(vs_static), "dynamic_vs_static_geomean": float(np.exp(np.mean(np.log(vs_static)))),
                "pad_over_dynamic_geomean": float(np.exp(np.mean(np.log(vs_pad)))) if vs_pad else None,
                "optimize_dynamic_s": builds["dynamic"], "optimize_static_sum_s": static_sum,
-               "optimize_ratio": builds["dynamic"] / static_sum}
+               "optimize_ratio": builds["dynamic"] / static_sum,
+               **({"dispatch_vs_static_max": max(disp_static), "dispatch_vs_static_geomean": geomean(disp_static),
+                   "pad_over_dispatch_geomean": geomean(disp_pad), "optimize_dispatch_s": builds["dispatch"],
+                   "optimize_dispatch_ratio": builds["dispatch"] / static_sum} if disp_static else {})}
     result = {"args": vars(args), "builds_s": {str(k): v for k, v in builds.items()}, "rows": rows, "summary": summary}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -113,17 +128,27 @@ def main(argv=None) -> int:
              f"max kernel size {args.max_kernel_size})", "",
              "Time relative to ONNX Runtime on the same dynamic model, measured beside it in turns (each system in "
              f"its own process, {args.rounds} rounds of 3 runs, medians); < 1: faster than ORT.", "",
-             "| seq | dynamic / ORT | static plan / ORT | padded to bucket / ORT | ORT ms | dynamic vs static |",
-             "|---|---|---|---|---|---|"]
+             f"One plan over the range (dynamic) and a plan per bucket ({args.dispatch}) dispatched inside the "
+             "executable (dispatched).", "",
+             "| seq | dynamic / ORT | dispatched / ORT | static plan / ORT | padded to bucket / ORT | ORT ms | "
+             "dynamic vs static | dispatched vs static |",
+             "|---|---|---|---|---|---|---|---|"]
     for r, v in zip(rows, vs_static):
         pad = f"{r['padded']['ratio_to_ort']:.2f} ({r['bucket']})" if r["padded"] else "-"
-        lines.append(f"| {r['length']} | {r['dynamic']['ratio_to_ort']:.2f} | {r['static']['ratio_to_ort']:.2f} | {pad} | "
-                     f"{r['dynamic']['ort_ms']:.3f} | {v:.2f}x |")
+        disp = (f"{r['dispatch']['ratio_to_ort']:.2f}", f"{r['dispatch']['ratio_to_ort'] / r['static']['ratio_to_ort']:.2f}x") \
+            if r["dispatch"] else ("-", "-")
+        lines.append(f"| {r['length']} | {r['dynamic']['ratio_to_ort']:.2f} | {disp[0]} | {r['static']['ratio_to_ort']:.2f} | "
+                     f"{pad} | {r['dynamic']['ort_ms']:.3f} | {v:.2f}x | {disp[1]} |")
     s = summary
     lines += ["", f"Dynamic vs per-length static plans: worst {s['dynamic_vs_static_max']:.2f}x, geomean "
               f"{s['dynamic_vs_static_geomean']:.2f}x; pad-to-bucket over dynamic: geomean "
               f"{s['pad_over_dynamic_geomean'] or float('nan'):.2f}x. Optimize time: dynamic {s['optimize_dynamic_s']:.0f} s, "
               f"the static lengths together {s['optimize_static_sum_s']:.0f} s (ratio {s['optimize_ratio']:.2f})."]
+    if "dispatch_vs_static_max" in s:
+        lines += ["", f"Dispatched vs per-length static plans: worst {s['dispatch_vs_static_max']:.2f}x, geomean "
+                  f"{s['dispatch_vs_static_geomean']:.2f}x; pad-to-bucket over dispatched: geomean "
+                  f"{s['pad_over_dispatch_geomean'] or float('nan'):.2f}x. Optimize time: {s['optimize_dispatch_s']:.0f} s "
+                  f"(ratio to the static lengths {s['optimize_dispatch_ratio']:.2f})."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -57,11 +57,12 @@ class KernelJob:
     # a kernel over a symbolic dimension (kernorch.dynamic): the (binding, weight) pairs it is
     # checked and timed at; its time is the weighted sum
     samples: tuple[tuple[tuple[tuple[str, int], ...], float], ...] = ()
+    bounds: tuple[tuple[str, int], ...] = ()   # and the largest value of each symbol it serves
 
     def at(self, binding) -> "KernelJob":
         """This kernel's static instance at `binding`."""
         from .dynamic import bind
-        return replace(self, graph=bind(self.graph, dict(binding)), samples=())
+        return replace(self, graph=bind(self.graph, dict(binding)), samples=(), bounds=())
 
     @property
     def ident(self) -> tuple[str, str, str]:
@@ -165,7 +166,7 @@ def _build_task(job: KernelJob, threads: int, out_dir: str, verify: bool, tune_d
             raise KernorchError(f"no valid tuning record in {tune_dir}")
     else:
         mod = tb.lower(job.graph, job.graph.prims, job.inputs, job.outputs, job.schedule)
-        mod = tb.schedule(mod, target, job.schedule)
+        mod = tb.schedule(mod, target, job.schedule, dict(job.bounds))
     kernel = tb.build(mod, target)
     build_s = time.perf_counter() - t0
     err = None
@@ -359,7 +360,8 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
     jobs = list({j.ident: j for j in jobs}.values())
     if options.ranges:
         from .dynamic import samples, symbols
-        jobs = [replace(j, samples=samples(options.ranges, options.lengths)) if symbols(j.graph) else j for j in jobs]
+        at, bounds = samples(options.ranges, options.lengths), tuple((n, hi) for n, _, hi in options.ranges)
+        jobs = [replace(j, samples=at, bounds=bounds) if symbols(j.graph) else j for j in jobs]
     stats = MeasureStats(jobs=len(jobs))
     results: dict[tuple[str, str, str], Measurement] = {}
     todo: list[KernelJob] = []

@@ -38,8 +38,10 @@ def call_name(i: int, k) -> str:
     return f"k{i}" if registry.native(k.impl) else f"kernorch.py.k{i}_{k.impl}_{k.key}"
 
 
-def kernel_module(graph: Graph, k, target, tune_dir: str | None = None) -> tvm.IRModule:
-    """The scheduled PrimFunc module of one generated plan kernel, exactly as it was measured."""
+def kernel_module(graph: Graph, k, target, tune_dir: str | None = None,
+                  bounds: dict[str, int] | None = None) -> tvm.IRModule:
+    """The scheduled PrimFunc module of one generated plan kernel, exactly as it was measured
+    (`bounds`: over a range, the largest value of each symbol, as kernorch.measure gave it)."""
     io = kernel_io(graph, k)
     kg = io.graph
     if k.impl == "tvm-tuned":  # the best MetaSchedule record
@@ -50,7 +52,7 @@ def kernel_module(graph: Graph, k, target, tune_dir: str | None = None) -> tvm.I
             raise KernorchError(f"kernel {k.id} ({'+'.join(p.op for p in kg.prims)}) was chosen tuned, but its "
                                 f"tuning record is gone from {tune_dir}; optimize again")
         return best
-    return schedule(lower(kg, kg.prims, io.inputs, io.outputs, k.schedule), target, k.schedule)
+    return schedule(lower(kg, kg.prims, io.inputs, io.outputs, k.schedule), target, k.schedule, bounds)
 
 
 def weights(graph: Graph, plan) -> list[tuple[str, str, np.ndarray]]:
@@ -131,6 +133,7 @@ def _emit_kernels(bb, graph: Graph, plan, indices, target, inputs, wvars, weight
     wvar = {(t, layout): v for (t, layout, _), v in zip(weight_params, wvars)}
     env = {n: v for (n, _), v in zip(graph.inputs, inputs)}
     tune_dir = plan.meta.get("tune_dir")
+    ranges, parts = plan_ranges(plan.meta), plan_buckets(plan.meta)
     with bb.dataflow():
         for i in indices:
             k = plan.kernels[i]
@@ -150,8 +153,9 @@ def _emit_kernels(bb, graph: Graph, plan, indices, target, inputs, wvars, weight
                       else _tensor_type(io.graph.type_of(t)) for j, t in enumerate(io.outputs)]
             ty = out_ty if len(out_ty) > 1 else out_ty[0]
             name = call_name(i, k)
-            if native:
-                mod = kernel_module(graph, k, target, tune_dir)
+            if native:  # over a range, each kernel was measured bounded by its bucket's (or the range's) end
+                bounds = {n: (parts[k.bucket][1] if parts else hi) for n, (_, hi) in ranges.items()}
+                mod = kernel_module(graph, k, target, tune_dir, bounds)
                 check_bounds(mod)
                 call = relax.call_tir(bb.add_func(relax_func(mod, name), name), relax.Tuple(args), ty)
             else:

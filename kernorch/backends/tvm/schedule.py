@@ -35,8 +35,17 @@ class _NotApplicable(Exception):
     """A schedule rule does not fit this PrimFunc (not an error)."""
 
 
-def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default") -> tvm.IRModule:
+BOUNDS_ATTR = "kernorch.bounds"  # a kernel over a range: {symbol: the largest value it serves}
+PARALLEL_MIN_WORK = 2048          # iterations x work each below which a loop stays serial
+
+
+def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default",
+             bounds: dict[str, int] | None = None) -> tvm.IRModule:
     """Schedule `mod["main"]` for the CPU without tuning.
+
+    `bounds` ({"seq": 8}): the largest value of each symbol the kernel serves (kernorch.dynamic; a
+    bucket's upper end). A loop over a symbolic extent stays serial when even that largest value
+    is too little work to share among threads (a parallel launch costs ~2 us, a row of work less).
 
     mode "none": return `mod` unchanged (naive single-threaded loops: the measurement baseline).
     mode "default": inline injective stages, then the first rule that applies and does not throw:
@@ -56,6 +65,8 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
     if mode == "none":
         return mod
     func = mod["main"]
+    if bounds:
+        func = func.with_attr(BOUNDS_ATTR, {k: int(v) for k, v in bounds.items()})
     lanes = max(vector_bits(target) // 32, 4)
     inner = split(mode)[1]
     tile = Tile.parse(inner)
@@ -241,10 +252,30 @@ def _parallel(sch, loops, min_work: int = 0) -> object | None:
         return None
     fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
     ext = _extent(sch, fused)
-    if ext is None or ext > 1:  # a symbolic extent (kernorch.dynamic) counts as large
-        if min_work <= 0 or ext is None or ext * min_work >= 2048:
+    if ext is None:  # a symbolic extent (kernorch.dynamic): large, unless bounded small
+        ext = _upper_bound(sch, sch.get(fused).extent)
+        if ext is None:
             sch.parallel(fused)
+            return fused
+    if ext > 1 and (min_work <= 0 or ext * min_work >= PARALLEL_MIN_WORK):
+        sch.parallel(fused)
     return fused
+
+
+def _upper_bound(sch, expr) -> int | None:
+    """The largest value of a symbolic extent under the function's BOUNDS_ATTR (None: unbounded)."""
+    attrs = sch.mod["main"].attrs
+    if attrs is None or BOUNDS_ATTR not in attrs:
+        return None
+    bounds = attrs[BOUNDS_ATTR]
+    from tvm.sym.analyzer import Analyzer
+    ana = Analyzer()
+    for v in tirx.analysis.undefined_vars(expr):
+        if v.name not in bounds:
+            return None
+        ana.bind(v, tvm.ir.Range.from_min_extent(1, int(bounds[v.name])))
+    top = ana.const_int_bound(expr).max_value
+    return int(top) if top < 2 ** 62 else None
 
 
 def _vectorize_inner(sch, block, lanes: int, skip_outer: int = 0):
