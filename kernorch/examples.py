@@ -3,7 +3,8 @@
 They mirror the benchmark workloads at a size where a test runs in a second: `candy_like` is a fast
 style-transfer network (reflect-padded convs, instance norm, residual blocks, nearest upsampling),
 `transformer_block` a pre-norm encoder block (LayerNormalization, scaled multi-head attention, an
-Erf-GELU MLP) written the way torch exports it.
+Erf-GELU MLP) written the way torch exports it, `bert_like` a BERT-architecture encoder with a
+symbolic sequence axis (token ids, attention mask, embeddings, pooler).
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ class _Net:
         return outs[0] if n_out == 1 else outs
 
     def model(self, inputs, outputs):
-        """`outputs` are (tensor, public name, shape): the tensor is renamed so the model reads well."""
+        """`inputs` are (name, shape) or (name, shape, onnx element type); `outputs` are (tensor,
+        public name, shape): the tensor is renamed so the model reads well."""
         from onnx import TensorProto
         h = self.h
         for tensor, public, _ in outputs:
@@ -63,7 +65,8 @@ class _Net:
                         nd.input[i] = public
         outputs = [(public, shape) for _, public, shape in outputs]
         g = h.make_graph(self.nodes, self.name,
-                         [h.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in inputs],
+                         [h.make_tensor_value_info(i[0], i[2] if len(i) > 2 else TensorProto.FLOAT, i[1])
+                          for i in inputs],
                          [h.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in outputs], self.inits)
         m = h.make_model(g, opset_imports=[h.make_opsetid("", OPSET)], producer_name="kernorch.examples")
         m.ir_version = 8
@@ -133,6 +136,55 @@ def transformer_block(seq: int | str = 32, dim: int = 64, heads: int = 4, hidden
                        n.init(np.array(0.5, np.float32), "half")])
     x = n.node("Add", [x, linear(g, hidden, dim)])
     return n.model([("x", [1, seq, dim])], [(x, "y", [1, seq, dim])])
+
+
+def bert_like(seq: int | str = "seq", vocab: int = 512, dim: int = 64, heads: int = 4, hidden: int = 256,
+              layers: int = 2, max_positions: int = 512, seed: int = 2):
+    """A BERT-architecture encoder written the way torch exports it, with a symbolic sequence axis by
+    default: token ids, position ids (int64) and an attention mask in, word and position embeddings
+    gathered by id, post-norm layers whose attention adds the extended mask (1 - mask) * -10000, the
+    hidden states and a tanh pooler over the first token out. The position ids are an input (as
+    transformers' BERT accepts): computed inside from the length (a slice of a buffer), they fold to
+    a constant that changes with the length, which kernorch.dynamic refuses. Weights are random
+    (deterministic): the architecture, not BERT's."""
+    from onnx import TensorProto
+    n = _Net("bert_like", seed)
+    hd = dim // heads
+    length = -1 if isinstance(seq, str) else seq
+
+    def const(values, dtype=np.int64, tag="c"):
+        return n.init(np.array(values, dtype), tag)
+
+    def linear(x, cin, cout):
+        return n.node("Add", [n.node("MatMul", [x, n.weight((cin, cout), cin)]), n.vec(cout)])
+
+    def ln(x):
+        return n.node("LayerNormalization", [x, n.vec(dim, 1.0), n.vec(dim)], axis=-1, epsilon=1e-12)
+
+    words = n.node("Gather", [n.weight((vocab, dim), 1, "word_embeddings"), "input_ids"], axis=0)
+    positions = n.node("Gather", [n.weight((max_positions, dim), 1, "position_embeddings"), "position_ids"], axis=0)
+    x = ln(n.node("Add", [words, positions]))
+    mask = n.node("Mul", [n.node("Sub", [const(1.0, np.float32), "attention_mask"]), const(-10000.0, np.float32)])
+    mask = n.node("Unsqueeze", [mask, const([1, 2])])          # (1, 1, 1, seq)
+    for _ in range(layers):
+        q, k, v = (n.node("Reshape", [linear(x, dim, dim), const([1, length, heads, hd])]) for _ in range(3))
+        q = n.node("Transpose", [q], perm=[0, 2, 1, 3])
+        k = n.node("Transpose", [k], perm=[0, 2, 3, 1])
+        v = n.node("Transpose", [v], perm=[0, 2, 1, 3])
+        s = n.node("Div", [n.node("MatMul", [q, k]), const(math.sqrt(hd), np.float32)])
+        p = n.node("Softmax", [n.node("Add", [s, mask])], axis=-1)
+        a = n.node("Transpose", [n.node("MatMul", [p, v])], perm=[0, 2, 1, 3])
+        a = linear(n.node("Reshape", [a, const([1, length, dim])]), dim, dim)
+        x = ln(n.node("Add", [x, a]))
+        f = linear(x, dim, hidden)
+        erf = n.node("Erf", [n.node("Div", [f, const(math.sqrt(2.0), np.float32)])])
+        g = n.node("Mul", [n.node("Mul", [f, n.node("Add", [erf, const(1.0, np.float32)])]), const(0.5, np.float32)])
+        x = ln(n.node("Add", [x, linear(g, hidden, dim)]))
+    first = n.node("Gather", [x, const(0)], axis=1)            # (1, dim): the first token
+    pooled = n.node("Tanh", [linear(first, dim, dim)])
+    return n.model([("input_ids", [1, seq], TensorProto.INT64), ("position_ids", [1, seq], TensorProto.INT64),
+                    ("attention_mask", [1, seq])],
+                   [(x, "last_hidden_state", [1, seq, dim]), (pooled, "pooler_output", [1, dim])])
 
 
 EXAMPLES: dict[str, Callable] = {"candy_like": candy_like, "transformer_block": transformer_block}

@@ -108,7 +108,29 @@ def build(mod: tvm.IRModule, target: tvm.target.Target) -> BuiltKernel:
     return BuiltKernel(ex.jit(), params, int(n_in), ex)
 
 
+SYMBOLIC_PROBES = (1, 2, 7, 64)  # lengths a kernel over a symbolic dimension is bounds-checked at (and its end)
+
+
 def check_bounds(mod: tvm.IRModule) -> None:
+    """`_check_bounds`; a kernel over a symbolic dimension (kernorch.dynamic) is checked at a few
+    concrete lengths and the largest it serves (its `kernorch.bounds`), since the interval
+    analysis cannot relate a fused index to a symbolic extent (`f // 4 < seq` from `f < 4 * seq`)."""
+    func = mod["main"]
+    syms = {d.name: d for buf in func.params for d in buf.shape if isinstance(d, tirx.Var)}
+    if not syms:
+        return _check_bounds(mod)
+    bounds = dict(func.attrs["kernorch.bounds"]) if func.attrs is not None and "kernorch.bounds" in func.attrs else {}
+    from tvm.sym.analyzer import Analyzer
+    for value in SYMBOLIC_PROBES + tuple(int(v) for v in bounds.values()):
+        ana = Analyzer()
+        for v in syms.values():
+            ana.bind(v, tirx.IntImm("int64", value))  # (kernorch.backends.tvm.lower: int64 symbols)
+        params = {buf: tirx.decl_buffer([ana.simplify(d) for d in buf.shape], buf.dtype, buf.name)
+                  for buf in func.params if any(isinstance(d, tirx.Var) for d in buf.shape)}
+        _check_bounds(tvm.IRModule({"main": func.specialize(params)}))
+
+
+def _check_bounds(mod: tvm.IRModule) -> None:
     """Refuse a kernel with a load under a `Select` that may fall outside its buffer.
 
     `Select` evaluates both sides, and the simplifier uses its condition to drop index clamps, so
