@@ -8,10 +8,14 @@ on one more probe. The result is one generic graph whose dimensions are `SymDim`
 back into the static graph of any value in the range, the same graph fission would give there
 (the tests check exactly that on values that were not probes).
 
+A folded constant whose values change with the value (position ids from `Range`, a causal mask
+from the shape) becomes a `slice` prim of its value at the range's largest value, when every
+probe's value is the leading part of that one along the axes that grow.
+
 What is refused, with the node named: a graph whose structure changes with the value (a different
 set of prims, different wiring, an attribute that is not an integer changing), an integer that
-follows no integer polynomial of degree <= 2 (e.g. seq // 2), and a folded constant whose values
-change with the value (a causal mask or position ids computed from the shape). One symbol at a time.
+follows no integer polynomial of degree <= 2 (e.g. seq // 2), and a folded constant that changes
+with the value in another way. One symbol at a time.
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ import math
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any, Callable, Mapping
+
+import numpy as np
 
 from .ir import Graph, KernorchError, Prim, SymDim, TensorType
 
@@ -248,8 +254,38 @@ def _shape_of(value: Any) -> Any:
     return type(value).__name__ if not _is_slot(value) else "int"
 
 
-def generalize(graphs: Mapping[int, Graph], name: str) -> Graph:
-    """One generic graph from the static graphs fissioned at each probe value of `name`."""
+def _sliced_constant(c: str, name: str, probes: list[int], arrays: list, largest: tuple[int, Graph] | None):
+    """A folded constant that changes with the length, as a slice of its value at the largest length
+    (positions from `Range`, a causal mask from the shape: each probe's value is the leading part of
+    the largest one). Returns (the largest value, its slice prim) or None when it is no such thing."""
+    if largest is None or c not in largest[1].constants:
+        return None
+    hi, big = largest[0], np.asarray(largest[1].constants[c])
+    if any(np.ndim(a) != big.ndim or np.asarray(a).dtype != big.dtype for a in arrays):
+        return None
+    axes, ends = [], []
+    for ax in range(big.ndim):
+        sizes = [np.shape(a)[ax] for a in arrays]
+        if len(set(sizes)) == 1 and sizes[0] == big.shape[ax]:
+            continue
+        f = fit(name, probes, sizes)
+        if not isinstance(f, SymDim) or f(hi) != big.shape[ax]:
+            return None
+        axes.append(ax)
+        ends.append(f)
+    if not axes or any(not np.array_equal(a, big[tuple(slice(0, np.shape(a)[ax]) for ax in range(big.ndim))])
+                       for a in arrays):
+        return None
+    shape = tuple(ends[axes.index(ax)] if ax in axes else big.shape[ax] for ax in range(big.ndim))
+    attrs = (("axes", tuple(axes)), ("begins", (0,) * len(axes)), ("ends", tuple(ends)), ("steps", (1,) * len(axes)))
+    return big, Prim(c, "slice", (f"{c}.whole",), attrs, TensorType(shape, str(big.dtype)),
+                     f"constant {c} sliced to the length")
+
+
+def generalize(graphs: Mapping[int, Graph], name: str, largest: tuple[int, Graph] | None = None) -> Graph:
+    """One generic graph from the static graphs fissioned at each probe value of `name`.
+    `largest`: (the range's largest value, the graph fissioned there): a folded constant that
+    changes with the length becomes a slice of its value there, when it is one (see `_sliced_constant`)."""
     probes = sorted(graphs)
     gs = [graphs[p] for p in probes]
     first = gs[0]
@@ -262,13 +298,19 @@ def generalize(graphs: Mapping[int, Graph], name: str) -> Graph:
                                 f"{name}={probes[0]} vs {name}={p}): not one graph over the range")
         if first.outputs != g.outputs or [n for n, _ in first.inputs] != [n for n, _ in g.inputs]:
             raise KernorchError(f"the graph's inputs or outputs change with {name}")
+    constants, prims = dict(first.constants), []
     for c in first.constants:
         arrays = [g.constants.get(c) for g in gs]
         if any(a is None or a.shape != arrays[0].shape or a.dtype != arrays[0].dtype or not (a == arrays[0]).all()
                for a in arrays):
-            raise KernorchError(f"constant {c!r} changes with {name} (a mask or positions computed from the "
-                                "shape?): not supported with a symbolic dimension yet")
-    prims = []
+            sliced = None if any(a is None for a in arrays) else _sliced_constant(c, name, probes, arrays, largest)
+            if sliced is None:
+                raise KernorchError(f"constant {c!r} changes with {name} and is no leading slice of one constant "
+                                    "(a mask or positions computed from the shape in another way?): not supported "
+                                    "with a symbolic dimension")
+            del constants[c]
+            constants[f"{c}.whole"] = sliced[0]
+            prims.append(sliced[1])
     for i, p in enumerate(first.prims):
         others = [g.prims[i] for g in gs]
 
@@ -283,7 +325,7 @@ def generalize(graphs: Mapping[int, Graph], name: str) -> Graph:
     inputs = tuple((n, TensorType(_generalize_value(name, probes, [dict(g.inputs)[n].shape for g in gs],
                                                     lambda n=n: f"input {n!r}"), t.dtype))
                    for n, t in first.inputs)
-    return Graph(inputs, first.outputs, tuple(prims), dict(first.constants), first.name)
+    return Graph(inputs, first.outputs, tuple(prims), constants, first.name)
 
 
 # -- binding ---------------------------------------------------------------------------------
@@ -337,9 +379,15 @@ def generic_graph(model, rng: Range, shapes: Mapping[str, tuple] | None = None) 
     if others:
         raise KernorchError(f"{og.source}: symbolic dimension(s) {', '.join(others)} are not bound: one symbol "
                             "may vary, bind the others with --shape INPUT=DIMS")
-    graphs = {}
-    for p in rng.probes():
+    def at(p: int) -> Graph:
         bound = {n: tuple(p if d == rng.name else d for d in t.shape) for n, t in og.inputs
                  if any(d == rng.name for d in t.shape)}
-        graphs[p] = fission.fission(frontend.load(model, {**dict(shapes or {}), **bound}))
-    return generalize(graphs, rng.name)
+        return fission.fission(frontend.load(model, {**dict(shapes or {}), **bound}))
+    graphs = {p: at(p) for p in rng.probes()}
+    try:
+        return generalize(graphs, rng.name)
+    except KernorchError as e:
+        if "constant" not in str(e):
+            raise
+    # a constant changes with the length: the largest length tells whether it is a slice of one
+    return generalize(graphs, rng.name, (rng.hi, graphs.get(rng.hi) or at(rng.hi)))

@@ -3,8 +3,8 @@
 They mirror the benchmark workloads at a size where a test runs in a second: `candy_like` is a fast
 style-transfer network (reflect-padded convs, instance norm, residual blocks, nearest upsampling),
 `transformer_block` a pre-norm encoder block (LayerNormalization, scaled multi-head attention, an
-Erf-GELU MLP) written the way torch exports it, `bert_like` a BERT-architecture encoder with a
-symbolic sequence axis (token ids, attention mask, embeddings, pooler).
+Erf-GELU MLP) written the way torch exports it; `bert_like` and `gpt_like` are BERT- and
+GPT-2-architecture models with a symbolic sequence axis (token ids, masks, embeddings).
 """
 from __future__ import annotations
 
@@ -185,6 +185,53 @@ def bert_like(seq: int | str = "seq", vocab: int = 512, dim: int = 64, heads: in
     return n.model([("input_ids", [1, seq], TensorProto.INT64), ("position_ids", [1, seq], TensorProto.INT64),
                     ("attention_mask", [1, seq])],
                    [(x, "last_hidden_state", [1, seq, dim]), (pooled, "pooler_output", [1, dim])])
+
+
+def gpt_like(seq: int | str = "seq", vocab: int = 512, dim: int = 64, heads: int = 4, hidden: int = 256,
+             layers: int = 1, max_positions: int = 1024, seed: int = 3):
+    """A GPT-2-architecture decoder written the way torch exports it, with a symbolic sequence axis:
+    token ids in; the positions (`Range` over the length taken from `Shape`) and the causal mask
+    (`Trilu` of ones of shape length x length) computed inside the model, so they fold to constants
+    that change with the length (kernorch.dynamic makes them slices of their values at the range's
+    end); pre-norm layers, tied output embedding, logits out. Random weights (deterministic)."""
+    from onnx import TensorProto
+    n = _Net("gpt_like", seed)
+    hd = dim // heads
+    length = -1 if isinstance(seq, str) else seq
+
+    def const(values, dtype=np.int64, tag="c"):
+        return n.init(np.array(values, dtype), tag)
+
+    def linear(x, cin, cout):
+        return n.node("Add", [n.node("MatMul", [x, n.weight((cin, cout), cin)]), n.vec(cout)])
+
+    def ln(x):
+        return n.node("LayerNormalization", [x, n.vec(dim, 1.0), n.vec(dim)], axis=-1, epsilon=1e-5)
+
+    wte = n.weight((vocab, dim), 1, "wte")
+    count = n.node("Gather", [n.node("Shape", ["input_ids"]), const(1)], axis=0)      # the length, a scalar
+    positions = n.node("Range", [const(0), count, const(1)])
+    x = n.node("Add", [n.node("Gather", [wte, "input_ids"], axis=0),
+                       n.node("Gather", [n.weight((max_positions, dim), 1, "wpe"), positions], axis=0)])
+    square = n.node("Concat", [n.node("Unsqueeze", [count, const([0])])] * 2, axis=0)
+    lower = n.node("Trilu", [n.node("ConstantOfShape", [square], value=n.nh.from_array(np.array([1.0], np.float32)))],
+                   upper=0)
+    bias = n.node("Mul", [n.node("Sub", [const(1.0, np.float32), lower]), const(-10000.0, np.float32)])
+    for _ in range(layers):
+        h = ln(x)
+        q, k, v = (n.node("Reshape", [linear(h, dim, dim), const([1, length, heads, hd])]) for _ in range(3))
+        q = n.node("Transpose", [q], perm=[0, 2, 1, 3])
+        k = n.node("Transpose", [k], perm=[0, 2, 3, 1])
+        v = n.node("Transpose", [v], perm=[0, 2, 1, 3])
+        s = n.node("Add", [n.node("Div", [n.node("MatMul", [q, k]), const(math.sqrt(hd), np.float32)]), bias])
+        a = n.node("Transpose", [n.node("MatMul", [n.node("Softmax", [s], axis=-1), v])], perm=[0, 2, 1, 3])
+        x = n.node("Add", [x, linear(n.node("Reshape", [a, const([1, length, dim])]), dim, dim)])
+        f = linear(ln(x), dim, hidden)
+        erf = n.node("Erf", [n.node("Div", [f, const(math.sqrt(2.0), np.float32)])])
+        g = n.node("Mul", [n.node("Mul", [f, n.node("Add", [erf, const(1.0, np.float32)])]), const(0.5, np.float32)])
+        x = n.node("Add", [x, linear(g, hidden, dim)])
+    logits = n.node("MatMul", [ln(x), n.node("Transpose", [wte], perm=[1, 0])])
+    return n.model([("input_ids", [1, seq], TensorProto.INT64)], [(logits, "logits", [1, seq, vocab])])
 
 
 EXAMPLES: dict[str, Callable] = {"candy_like": candy_like, "transformer_block": transformer_block}

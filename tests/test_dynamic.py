@@ -90,16 +90,17 @@ def test_an_integer_that_is_no_polynomial_is_refused_with_its_node():
 
 
 def test_a_constant_that_changes_with_the_length_is_refused():
-    """Position ids folded from the shape (Range over seq) are a different constant at each length."""
+    """Position ids counted down from the length (Range(seq, 0, -1)) are a different constant at each
+    length and no leading slice of the longest one (counting up is: see the GPT-like test)."""
     i64 = lambda v, n: numpy_helper.from_array(np.array(v, np.int64), n)  # noqa: E731
     nodes = [helper.make_node("Shape", ["x"], ["shp"], name="shape"),
              helper.make_node("Gather", ["shp", "one"], ["len"], name="len", axis=0),
-             helper.make_node("Range", ["zero", "len", "one"], ["pos"], name="positions"),
+             helper.make_node("Range", ["len", "zero", "minus_one"], ["pos"], name="positions"),
              helper.make_node("Cast", ["pos"], ["posf"], name="cast", to=TensorProto.FLOAT),
              helper.make_node("Unsqueeze", ["posf", "axes"], ["pos3"], name="unsq"),
              helper.make_node("Add", ["x", "pos3"], ["y"], name="add")]
-    m = _model(nodes, [i64(1, "one"), i64(0, "zero"), i64([0, 2], "axes")], [1, "seq", 8])
-    with pytest.raises(KernorchError, match="constant .* changes with seq"):
+    m = _model(nodes, [i64(1, "one"), i64(0, "zero"), i64(-1, "minus_one"), i64([0, 2], "axes")], [1, "seq", 8])
+    with pytest.raises(KernorchError, match="constant .* changes with seq and is no leading slice"):
         dynamic.generic_graph(m, dynamic.parse_range("seq=1..512"))
 
 
@@ -387,3 +388,42 @@ def test_a_bert_like_encoder_over_a_range_matches_onnx_runtime(tmp_path):
         got = compiled.run(feeds)
         for name, want in zip(["last_hidden_state", "pooler_output"], session.run(None, feeds)):
             np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=1e-4, err_msg=f"{name} at seq={s}")
+
+
+def test_positions_and_a_causal_mask_computed_from_the_length_become_slices(tmp_path):
+    """The GPT-2-architecture example computes its positions (Range over Shape) and causal mask
+    (Trilu of ones, length x length) inside the model; fission folds them to constants that change
+    with the length. The generic graph keeps each as a slice of its value at the range's end
+    (positions: rows; the mask: rows and columns), the numpy reference of the generic graph bound
+    at lengths that were no probes matches ONNX Runtime, and the optimized executable over
+    seq=1..64 does too. A constant that changes otherwise is still refused by name."""
+    import onnxruntime as ort
+    from kernorch import executor, pipeline
+    from kernorch.options import Options
+    path = tmp_path / "gpt.onnx"
+    onnx.save(examples.gpt_like(), str(path))
+    generic = dynamic.generic_graph(onnx.load(str(path)), dynamic.parse_range("seq=1..64"))
+    slices = {p.name: p for p in generic.prims if p.op == "slice" and p.inputs[0].endswith(".whole")}
+    assert sorted(len(p.attr("axes")) for p in slices.values()) == [1, 2]
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for s in (1, 3, 50, 64):
+        feeds = {"input_ids": np.random.default_rng(s).integers(0, 512, (1, s)).astype(np.int64)}
+        got = executor.run(dynamic.bind(generic, {"seq": s}), feeds)["logits"]
+        np.testing.assert_allclose(got, session.run(None, feeds)[0], rtol=1e-4, atol=1e-4)
+    options = Options(threads=1, max_kernel_size=2, repeats=3, min_repeat_ms=1.0, workers=2, compare_untuned=0,
+                      db_path=str(tmp_path / "db.sqlite"), ranges=(("seq", 1, 64),))
+    compiled, _ = pipeline.optimize(str(path), options, runs=0)
+    for s in (1, 2, 33, 64):
+        feeds = {"input_ids": np.random.default_rng(s).integers(0, 512, (1, s)).astype(np.int64)}
+        np.testing.assert_allclose(compiled.run(feeds)["logits"], session.run(None, feeds)[0], rtol=1e-4, atol=1e-4,
+                                   err_msg=f"seq={s}")
+    # a constant that changes but is no leading slice of its largest value (the mask flipped
+    # upside down): refused, named
+    from dataclasses import replace
+    mask = next(n for n, p in slices.items() if len(p.attr("axes")) == 2)
+
+    def flipped(s):
+        g = fission.fission(frontend.load(examples.gpt_like(seq=s)))
+        return replace(g, constants={**g.constants, mask: np.asarray(g.constants[mask])[::-1].copy()})
+    with pytest.raises(KernorchError, match=f"constant '{mask}' changes with seq and is no leading slice"):
+        dynamic.generalize({s: flipped(s) for s in (61, 67, 71, 73)}, "seq", (80, flipped(80)))
