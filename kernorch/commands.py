@@ -272,7 +272,9 @@ def _print_optimize(rep: dict, outdir) -> None:
     print(f"predicted {rep['predicted_ms']:.3f} ms ({basis}); inside the executable "
           f"the kernels take {ctx.get('in_model_ms', float('nan')):.3f} ms, end to end "
           f"{t.get('kernorch_ms', float('nan')):.3f} ms; "
-          f"{len(plan['kernels'])} kernels chosen from {rep['candidates']} candidates ({rep['distinct_keys']} distinct)")
+          f"{len(plan['kernels'])} kernels chosen"
+          + (f" ({len(buckets.split(','))} buckets)" if buckets else "")
+          + f" from {rep['candidates']} candidates ({rep['distinct_keys']} distinct)")
     by_sched: dict[str, int] = {}
     for k in plan["kernels"]:
         layout, _, inner = k["schedule"].rpartition("/")

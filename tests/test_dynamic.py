@@ -360,6 +360,9 @@ def test_a_plan_per_bucket_dispatched_inside_one_executable(tmp_path, capsys):
     assert cli.main(["plan", *common, "--buckets", "8"]) == 0  # from the database
     out = capsys.readouterr().out
     assert "bucket 1..8 (weight" in out and "bucket 9..64 (weight" in out
+    out = tmp_path / "cli"
+    assert cli.main(["optimize", *common, "--buckets", "8", "-o", str(out)]) == 0  # measured already
+    assert "(2 buckets)" in capsys.readouterr().out and runtime.load(out).plan.meta["buckets"] == "1..8,9..64"
     assert cli.main(["plan", *common, "--buckets", "64"]) == 2
     assert "must lie in 1..63" in capsys.readouterr().err
     assert cli.main(["plan", str(path), "--buckets", "8"]) == 2
