@@ -129,8 +129,9 @@ def buckets(rng: tuple[str, int, int], edges: tuple[int, ...]) -> tuple[tuple[st
 
 
 def bucket_of(parts, value: int) -> int | None:
-    """The index of the bucket (name, lo, hi) that holds `value`, None outside every bucket."""
-    return next((i for i, (_, lo, hi) in enumerate(parts) if lo <= value <= hi), None)
+    """The index of the bucket that holds `value` (None outside every bucket); a bucket is
+    (name, lo, hi) as `buckets` makes it or (lo, hi) as `plan_buckets` reads it."""
+    return next((i for i, part in enumerate(parts) if part[-2] <= value <= part[-1]), None)
 
 
 def bucket_weights(parts, lengths=()) -> list[float]:
@@ -163,8 +164,7 @@ def example_bucket(meta) -> int:
     if not parts:
         return 0
     (name, (lo, hi)), = plan_ranges(meta).items()
-    value = middle(((name, lo, hi),))[name]
-    return next(b for b, (blo, bhi) in enumerate(parts) if blo <= value <= bhi)
+    return bucket_of(parts, middle(((name, lo, hi),))[name])
 
 
 def plan_ranges(meta) -> dict[str, tuple[int, int]]:

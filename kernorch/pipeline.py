@@ -504,7 +504,7 @@ def plan_model(model, options: Options, db: ProfileDB | None = None, machine: Ma
 def _plan_buckets(model, options: Options, db: ProfileDB, machine: Machine, clock: Clock) -> Planned:
     """Each bucket of the range planned over its own lengths (its kernels measured there, in its own
     database namespace); the plans joined, each bucket weighted by its share of the range."""
-    from .dynamic import bucket_of, bucket_weights, buckets
+    from .dynamic import bucket_of, bucket_weights, buckets, example_bucket
     parts = buckets(options.ranges[0], options.bucket_edges)
     planned = []
     for i, part in enumerate(parts):
@@ -515,12 +515,14 @@ def _plan_buckets(model, options: Options, db: ProfileDB, machine: Machine, cloc
     meta = {**plan_meta(planned[0].loaded.source, machine, options),
             "buckets": ",".join(f"{lo}..{hi}" for _, lo, hi in parts)}
     plan = Plan.dispatch([p.plan for p in planned], bucket_weights(parts, options.lengths), meta)
-    first = planned[0].measured
-    stats = first.stats
+    # what the report shows of measurements: the bucket that serves the middle length (a kernel
+    # measured in several buckets has a time in each); the counts of every bucket
+    shown = planned[example_bucket(meta)]
+    stats = planned[0].measured.stats
     for p in planned[1:]:
         stats = stats.merged(p.measured.stats)
-    measured = replace(first, stats=stats, measurements={k: v for p in planned for k, v in p.measured.measurements.items()})
-    return Planned(planned[0].loaded, planned[0].enumeration, measured, plan, None, clock.seconds, machine)
+    return Planned(shown.loaded, shown.enumeration, replace(shown.measured, stats=stats), plan, None, clock.seconds,
+                   machine)
 
 
 def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock: Clock) -> Planned:

@@ -28,7 +28,7 @@ from typing import Mapping
 import numpy as np
 
 from . import __version__
-from .dynamic import plan_buckets, plan_ranges
+from .dynamic import bucket_of, plan_buckets, plan_ranges
 from .ir import Graph, KernorchError, SymDim
 from .options import Machine
 from .plan import Plan
@@ -65,7 +65,7 @@ class CompiledModel:
         if not buckets:
             return self.plan
         (value,) = self._checked(inputs)[1].values()
-        return self.plan.bucket(next(b for b, (lo, hi) in enumerate(buckets) if lo <= value <= hi))
+        return self.plan.bucket(bucket_of(buckets, value))
 
     def _checked(self, inputs: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, int]]:
         if not isinstance(inputs, Mapping):
