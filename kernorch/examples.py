@@ -45,6 +45,38 @@ class _Net:
     def vec(self, n: int, mean: float = 0.0, std: float = 0.1, tag: str = "b") -> str:
         return self.init((mean + std * self.rng.standard_normal(n)).astype(np.float32), tag)
 
+    def const(self, values, dtype=np.int64, tag: str = "c") -> str:
+        return self.init(np.array(values, dtype), tag)
+
+    def linear(self, x: str, cin: int, cout: int) -> str:
+        return self.node("Add", [self.node("MatMul", [x, self.weight((cin, cout), cin)]), self.vec(cout)])
+
+    def layer_norm(self, x: str, dim: int, eps: float = 1e-5) -> str:
+        return self.node("LayerNormalization", [x, self.vec(dim, 1.0), self.vec(dim)], axis=-1, epsilon=eps)
+
+    def attention(self, x: str, dim: int, heads: int, length: int, bias: str | None = None) -> str:
+        """Multi-head self-attention as torch exports it (q, k, v projections reshaped to heads,
+        scores scaled, `bias` added before the softmax when given, the output projection);
+        `length` -1 for a symbolic sequence axis."""
+        hd = dim // heads
+        q, k, v = (self.node("Reshape", [self.linear(x, dim, dim), self.const([1, length, heads, hd])]) for _ in range(3))
+        q = self.node("Transpose", [q], perm=[0, 2, 1, 3])
+        k = self.node("Transpose", [k], perm=[0, 2, 3, 1])
+        v = self.node("Transpose", [v], perm=[0, 2, 1, 3])
+        s = self.node("Div", [self.node("MatMul", [q, k]), self.const(math.sqrt(hd), np.float32)])
+        if bias is not None:
+            s = self.node("Add", [s, bias])
+        a = self.node("Transpose", [self.node("MatMul", [self.node("Softmax", [s], axis=-1), v])], perm=[0, 2, 1, 3])
+        return self.linear(self.node("Reshape", [a, self.const([1, length, dim])]), dim, dim)
+
+    def gelu_mlp(self, x: str, dim: int, hidden: int) -> str:
+        """dim -> hidden, GELU in the Erf pattern torch exports, hidden -> dim."""
+        f = self.linear(x, dim, hidden)
+        erf = self.node("Erf", [self.node("Div", [f, self.const(math.sqrt(2.0), np.float32)])])
+        g = self.node("Mul", [self.node("Mul", [f, self.node("Add", [erf, self.const(1.0, np.float32)])]),
+                              self.const(0.5, np.float32)])
+        return self.linear(g, hidden, dim)
+
     def node(self, op: str, inputs, n_out: int = 1, **attrs):
         outs = [self.fresh(op.lower()) for _ in range(n_out)]
         self.nodes.append(self.h.make_node(op, list(inputs), outs, name=self.fresh(op), **attrs))
@@ -107,34 +139,9 @@ def transformer_block(seq: int | str = 32, dim: int = 64, heads: int = 4, hidden
     """Pre-norm encoder block: x + Attn(LN(x)), then + MLP(LN(.)) with the Erf-GELU export pattern.
     `seq` a name (e.g. "seq"): the sequence axis is symbolic (an ONNX dim_param; reshapes infer it)."""
     n = _Net("transformer_block", seed)
-    hd = dim // heads
     length = -1 if isinstance(seq, str) else seq
-
-    def shape(*dims):
-        return n.init(np.array(dims, np.int64), "shape")
-
-    def linear(x, cin, cout):
-        return n.node("Add", [n.node("MatMul", [x, n.weight((cin, cout), cin)]), n.vec(cout)])
-
-    def ln(x):
-        return n.node("LayerNormalization", [x, n.vec(dim, 1.0), n.vec(dim)], axis=-1, epsilon=1e-5)
-
-    x = "x"
-    h = ln(x)
-    q, k, v = (n.node("Reshape", [linear(h, dim, dim), shape(1, length, heads, hd)]) for _ in range(3))
-    q = n.node("Transpose", [q], perm=[0, 2, 1, 3])
-    k = n.node("Transpose", [k], perm=[0, 2, 3, 1])
-    v = n.node("Transpose", [v], perm=[0, 2, 1, 3])
-    s = n.node("Div", [n.node("MatMul", [q, k]), n.init(np.array(math.sqrt(hd), np.float32), "scale")])
-    p = n.node("Softmax", [s], axis=-1)
-    a = n.node("Transpose", [n.node("MatMul", [p, v])], perm=[0, 2, 1, 3])
-    a = linear(n.node("Reshape", [a, shape(1, length, dim)]), dim, dim)
-    x = n.node("Add", [x, a])
-    f = linear(ln(x), dim, hidden)
-    erf = n.node("Erf", [n.node("Div", [f, n.init(np.array(math.sqrt(2.0), np.float32), "sqrt2")])])
-    g = n.node("Mul", [n.node("Mul", [f, n.node("Add", [erf, n.init(np.array(1.0, np.float32), "one")])]),
-                       n.init(np.array(0.5, np.float32), "half")])
-    x = n.node("Add", [x, linear(g, hidden, dim)])
+    x = n.node("Add", ["x", n.attention(n.layer_norm("x", dim), dim, heads, length)])
+    x = n.node("Add", [x, n.gelu_mlp(n.layer_norm(x, dim), dim, hidden)])
     return n.model([("x", [1, seq, dim])], [(x, "y", [1, seq, dim])])
 
 
@@ -149,39 +156,17 @@ def bert_like(seq: int | str = "seq", vocab: int = 512, dim: int = 64, heads: in
     (deterministic): the architecture, not BERT's."""
     from onnx import TensorProto
     n = _Net("bert_like", seed)
-    hd = dim // heads
     length = -1 if isinstance(seq, str) else seq
-
-    def const(values, dtype=np.int64, tag="c"):
-        return n.init(np.array(values, dtype), tag)
-
-    def linear(x, cin, cout):
-        return n.node("Add", [n.node("MatMul", [x, n.weight((cin, cout), cin)]), n.vec(cout)])
-
-    def ln(x):
-        return n.node("LayerNormalization", [x, n.vec(dim, 1.0), n.vec(dim)], axis=-1, epsilon=1e-12)
-
     words = n.node("Gather", [n.weight((vocab, dim), 1, "word_embeddings"), "input_ids"], axis=0)
     positions = n.node("Gather", [n.weight((max_positions, dim), 1, "position_embeddings"), "position_ids"], axis=0)
-    x = ln(n.node("Add", [words, positions]))
-    mask = n.node("Mul", [n.node("Sub", [const(1.0, np.float32), "attention_mask"]), const(-10000.0, np.float32)])
-    mask = n.node("Unsqueeze", [mask, const([1, 2])])          # (1, 1, 1, seq)
+    x = n.layer_norm(n.node("Add", [words, positions]), dim, 1e-12)
+    mask = n.node("Mul", [n.node("Sub", [n.const(1.0, np.float32), "attention_mask"]), n.const(-10000.0, np.float32)])
+    mask = n.node("Unsqueeze", [mask, n.const([1, 2])])          # (1, 1, 1, seq)
     for _ in range(layers):
-        q, k, v = (n.node("Reshape", [linear(x, dim, dim), const([1, length, heads, hd])]) for _ in range(3))
-        q = n.node("Transpose", [q], perm=[0, 2, 1, 3])
-        k = n.node("Transpose", [k], perm=[0, 2, 3, 1])
-        v = n.node("Transpose", [v], perm=[0, 2, 1, 3])
-        s = n.node("Div", [n.node("MatMul", [q, k]), const(math.sqrt(hd), np.float32)])
-        p = n.node("Softmax", [n.node("Add", [s, mask])], axis=-1)
-        a = n.node("Transpose", [n.node("MatMul", [p, v])], perm=[0, 2, 1, 3])
-        a = linear(n.node("Reshape", [a, const([1, length, dim])]), dim, dim)
-        x = ln(n.node("Add", [x, a]))
-        f = linear(x, dim, hidden)
-        erf = n.node("Erf", [n.node("Div", [f, const(math.sqrt(2.0), np.float32)])])
-        g = n.node("Mul", [n.node("Mul", [f, n.node("Add", [erf, const(1.0, np.float32)])]), const(0.5, np.float32)])
-        x = ln(n.node("Add", [x, linear(g, hidden, dim)]))
-    first = n.node("Gather", [x, const(0)], axis=1)            # (1, dim): the first token
-    pooled = n.node("Tanh", [linear(first, dim, dim)])
+        x = n.layer_norm(n.node("Add", [x, n.attention(x, dim, heads, length, mask)]), dim, 1e-12)
+        x = n.layer_norm(n.node("Add", [x, n.gelu_mlp(x, dim, hidden)]), dim, 1e-12)
+    first = n.node("Gather", [x, n.const(0)], axis=1)            # (1, dim): the first token
+    pooled = n.node("Tanh", [n.linear(first, dim, dim)])
     return n.model([("input_ids", [1, seq], TensorProto.INT64), ("position_ids", [1, seq], TensorProto.INT64),
                     ("attention_mask", [1, seq])],
                    [(x, "last_hidden_state", [1, seq, dim]), (pooled, "pooler_output", [1, dim])])
@@ -196,41 +181,20 @@ def gpt_like(seq: int | str = "seq", vocab: int = 512, dim: int = 64, heads: int
     end); pre-norm layers, tied output embedding, logits out. Random weights (deterministic)."""
     from onnx import TensorProto
     n = _Net("gpt_like", seed)
-    hd = dim // heads
     length = -1 if isinstance(seq, str) else seq
-
-    def const(values, dtype=np.int64, tag="c"):
-        return n.init(np.array(values, dtype), tag)
-
-    def linear(x, cin, cout):
-        return n.node("Add", [n.node("MatMul", [x, n.weight((cin, cout), cin)]), n.vec(cout)])
-
-    def ln(x):
-        return n.node("LayerNormalization", [x, n.vec(dim, 1.0), n.vec(dim)], axis=-1, epsilon=1e-5)
-
     wte = n.weight((vocab, dim), 1, "wte")
-    count = n.node("Gather", [n.node("Shape", ["input_ids"]), const(1)], axis=0)      # the length, a scalar
-    positions = n.node("Range", [const(0), count, const(1)])
+    count = n.node("Gather", [n.node("Shape", ["input_ids"]), n.const(1)], axis=0)      # the length, a scalar
+    positions = n.node("Range", [n.const(0), count, n.const(1)])
     x = n.node("Add", [n.node("Gather", [wte, "input_ids"], axis=0),
                        n.node("Gather", [n.weight((max_positions, dim), 1, "wpe"), positions], axis=0)])
-    square = n.node("Concat", [n.node("Unsqueeze", [count, const([0])])] * 2, axis=0)
+    square = n.node("Concat", [n.node("Unsqueeze", [count, n.const([0])])] * 2, axis=0)
     lower = n.node("Trilu", [n.node("ConstantOfShape", [square], value=n.nh.from_array(np.array([1.0], np.float32)))],
                    upper=0)
-    bias = n.node("Mul", [n.node("Sub", [const(1.0, np.float32), lower]), const(-10000.0, np.float32)])
+    bias = n.node("Mul", [n.node("Sub", [n.const(1.0, np.float32), lower]), n.const(-10000.0, np.float32)])
     for _ in range(layers):
-        h = ln(x)
-        q, k, v = (n.node("Reshape", [linear(h, dim, dim), const([1, length, heads, hd])]) for _ in range(3))
-        q = n.node("Transpose", [q], perm=[0, 2, 1, 3])
-        k = n.node("Transpose", [k], perm=[0, 2, 3, 1])
-        v = n.node("Transpose", [v], perm=[0, 2, 1, 3])
-        s = n.node("Add", [n.node("Div", [n.node("MatMul", [q, k]), const(math.sqrt(hd), np.float32)]), bias])
-        a = n.node("Transpose", [n.node("MatMul", [n.node("Softmax", [s], axis=-1), v])], perm=[0, 2, 1, 3])
-        x = n.node("Add", [x, linear(n.node("Reshape", [a, const([1, length, dim])]), dim, dim)])
-        f = linear(ln(x), dim, hidden)
-        erf = n.node("Erf", [n.node("Div", [f, const(math.sqrt(2.0), np.float32)])])
-        g = n.node("Mul", [n.node("Mul", [f, n.node("Add", [erf, const(1.0, np.float32)])]), const(0.5, np.float32)])
-        x = n.node("Add", [x, linear(g, hidden, dim)])
-    logits = n.node("MatMul", [ln(x), n.node("Transpose", [wte], perm=[1, 0])])
+        x = n.node("Add", [x, n.attention(n.layer_norm(x, dim), dim, heads, length, bias)])
+        x = n.node("Add", [x, n.gelu_mlp(n.layer_norm(x, dim), dim, hidden)])
+    logits = n.node("MatMul", [n.layer_norm(x, dim), n.node("Transpose", [wte], perm=[1, 0])])
     return n.model([("input_ids", [1, seq], TensorProto.INT64)], [(logits, "logits", [1, seq, vocab])])
 
 
