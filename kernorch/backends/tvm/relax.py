@@ -96,7 +96,7 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
     attrs = {"tir_var_upper_bound": bounds} if bounds else None
 
     def params():
-        inputs = [relax.Var(n, relax.TensorType([sym.expr(d) for d in t.shape], t.dtype)) for n, t in graph.inputs]
+        inputs = [relax.Var(n, _tensor_type(t, sym)) for n, t in graph.inputs]
         return inputs, [relax.Var(f"w_{i}", relax.TensorType(list(a.shape), str(a.dtype)))
                         for i, (_, _, a) in enumerate(weight_params)]
 
@@ -105,15 +105,15 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
         inputs, wvars = params()
         with bb.function("main", inputs + wvars, attrs=attrs):
             bb.emit_func_output(_emit_kernels(bb, graph, plan, range(len(plan.kernels)), target, inputs, wvars,
-                                              weight_params, sym))
+                                              weight_params, sym, bounds))
         return bb.get()
     funcs = []
-    for b in range(len(parts)):
+    for b, (_, hi) in enumerate(parts):
         inputs, wvars = params()
         with bb.function(f"bucket{b}", inputs + wvars, attrs=attrs, private=True):
             kernels = [i for i, k in enumerate(plan.kernels) if k.bucket == b]
             funcs.append(bb.emit_func_output(_emit_kernels(bb, graph, plan, kernels, target, inputs, wvars,
-                                                           weight_params, sym)))
+                                                           weight_params, sym, {n: hi for n in bounds})))
     inputs, wvars = params()
     (name, _), = plan_ranges(plan.meta).items()
     with bb.function("main", inputs + wvars, attrs=attrs):
@@ -125,15 +125,19 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
     return bb.get()
 
 
-def _emit_kernels(bb, graph: Graph, plan, indices, target, inputs, wvars, weight_params, sym) -> relax.Expr:
+def _tensor_type(t, sym: Symbols) -> relax.TensorType:
+    return relax.TensorType([sym.expr(d) for d in t.shape], t.dtype)
+
+
+def _emit_kernels(bb, graph: Graph, plan, indices, target, inputs, wvars, weight_params, sym,
+                  bounds: dict[str, int]) -> relax.Expr:
     """The plan kernels `indices` (global plan indices: kernel i is PrimFunc `k{i}`) called in order
-    inside one dataflow block of the function being built; returns its output tuple."""
-    def _tensor_type(t) -> relax.TensorType:
-        return relax.TensorType([sym.expr(d) for d in t.shape], t.dtype)
+    inside one dataflow block of the function being built; returns its output tuple. `bounds`: the
+    largest value of each symbol these kernels serve (their bucket's or the range's end), with which
+    they were measured."""
     wvar = {(t, layout): v for (t, layout, _), v in zip(weight_params, wvars)}
     env = {n: v for (n, _), v in zip(graph.inputs, inputs)}
     tune_dir = plan.meta.get("tune_dir")
-    ranges, parts = plan_ranges(plan.meta), plan_buckets(plan.meta)
     with bb.dataflow():
         for i in indices:
             k = plan.kernels[i]
@@ -150,11 +154,10 @@ def _emit_kernels(bb, graph: Graph, plan, indices, target, inputs, wvars, weight
                 else:
                     args.append(env[q])
             out_ty = [relax.TensorType(list(out_packs[j].packed_shape), "float32") if j in out_packs
-                      else _tensor_type(io.graph.type_of(t)) for j, t in enumerate(io.outputs)]
+                      else _tensor_type(io.graph.type_of(t), sym) for j, t in enumerate(io.outputs)]
             ty = out_ty if len(out_ty) > 1 else out_ty[0]
             name = call_name(i, k)
-            if native:  # over a range, each kernel was measured bounded by its bucket's (or the range's) end
-                bounds = {n: (parts[k.bucket][1] if parts else hi) for n, (_, hi) in ranges.items()}
+            if native:
                 mod = kernel_module(graph, k, target, tune_dir, bounds)
                 check_bounds(mod)
                 call = relax.call_tir(bb.add_func(relax_func(mod, name), name), relax.Tuple(args), ty)
