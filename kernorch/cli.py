@@ -26,6 +26,8 @@ def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
         p.add_argument("--shape", action="append", default=[], metavar="NAME=D1xD2...|SYM=LO..HI",
                        help="bind an input's symbolic dimensions, e.g. input=1x3x224x224; or let one symbolic "
                             "dimension range over LO..HI, e.g. seq=1..512 (one executable for every length)")
+        p.add_argument("--no-rewrites", action="store_true",
+                       help="keep the model's arithmetic as exported (no algebraic rewrites before fission)")
     p.add_argument("--threads", type=int, default=None, help="threads for kernorch's kernels and for every peer")
     p.add_argument("--db", default=None, help="profile database (default: in the user's cache directory)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
@@ -150,6 +152,8 @@ def options_from(args) -> Options:
             kw[name] = v
     if getattr(args, "allow_python_kernels", False):
         kw["python_kernels"] = True
+    if getattr(args, "no_rewrites", False):
+        kw["rewrites"] = False
     if getattr(args, "measure_all", False):
         kw["prune"] = False
     if getattr(args, "cost_model", None):

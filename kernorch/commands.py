@@ -9,6 +9,7 @@ from .database import ProfileDB
 from .dynamic import plan_buckets
 from .ir import KernorchError
 from .options import Machine, Options
+from .rewrite import summary as rewrite_summary
 
 # max error relative to the output's scale (max |reference|) accepted as "matches ONNX Runtime"
 VERIFY_TOL = 1e-4
@@ -49,7 +50,8 @@ def inspect_report(model, options: Options, verify: bool = False) -> dict:
         "inputs": {n: str(t) for n, t in run.onnx.inputs},
         "outputs": list(run.onnx.outputs),
         "onnx_nodes_in_file": run.onnx.n_nodes_in_file,
-        "onnx_nodes_after_folding": len(run.onnx.nodes),
+        "onnx_nodes_after_folding": len(run.onnx.nodes),   # and after the algebraic rewrites
+        **({"rewrites": run.rewrites.to_json()} if run.rewrites else {}),
         "onnx_ops": run.onnx.histogram(),
         "primitives": len(g.prims),
         "primitive_ops": g.histogram(),
@@ -73,6 +75,8 @@ def cmd_inspect(args, options: Options) -> int:
         c = _console()
         c.print(f"[bold]{rep['model']}[/] opset {rep['opset']}: {rep['onnx_nodes_in_file']} ONNX nodes "
                 f"({rep['onnx_nodes_after_folding']} after constant folding) → {rep['primitives']} primitives")
+        if "rewrites" in rep:
+            c.print(f"rewrites: {rewrite_summary(rep['rewrites'])}")
         _table("ONNX operators", ["op", "count"], [[k, v] for k, v in rep["onnx_ops"].items()])
         _table("Primitive kinds", ["kind", "count"], [[k, v] for k, v in rep["primitive_kinds"].items()])
         _table("Primitives", ["op", "count"], [[k, v] for k, v in rep["primitive_ops"].items()])
@@ -229,6 +233,8 @@ def _print_plan(planned) -> None:
     for b, ((lo, hi), w) in enumerate(zip(buckets, plan.weights)):
         part = plan.bucket(b)
         print(f"bucket {lo}..{hi} (weight {w:.2f}): {len(part.kernels)} kernels, predicted {part.predicted_ns / 1e6:.3f} ms")
+    if planned.loaded.rewrites is not None:
+        print(f"rewrites: {rewrite_summary(planned.loaded.rewrites.to_json())}")
     n_conv = sum(1 for k in plan.kernels if not k.members)
     n_blocked = sum(1 for k in plan.kernels if k.members and k.schedule.startswith("b"))
     if n_conv or n_blocked:

@@ -365,11 +365,13 @@ def symbols(graph: Graph) -> set[str]:
     return out
 
 
-def generic_graph(model, rng: Range, shapes: Mapping[str, tuple] | None = None) -> Graph:
+def generic_graph(model, rng: Range, shapes: Mapping[str, tuple] | None = None, rewrites: bool = True) -> Graph:
     """Load `model` (a path or ModelProto whose inputs use the dim_param `rng.name`) at each probe
-    value, fission it, and generalize (see the module docstring)."""
+    value, rewrite it (kernorch.rewrite) when `rewrites`, fission it, and generalize (see the
+    module docstring)."""
     from . import fission
     from .frontend import onnx as frontend
+    from .rewrite import rewrite
     og = frontend.load(model, shapes)
     if rng.name not in og.symbols:
         known = ", ".join(sorted(og.symbols)) or "none"
@@ -382,7 +384,8 @@ def generic_graph(model, rng: Range, shapes: Mapping[str, tuple] | None = None) 
     def at(p: int) -> Graph:
         bound = {n: tuple(p if d == rng.name else d for d in t.shape) for n, t in og.inputs
                  if any(d == rng.name for d in t.shape)}
-        return fission.fission(frontend.load(model, {**dict(shapes or {}), **bound}))
+        og = frontend.load(model, {**dict(shapes or {}), **bound})
+        return fission.fission(rewrite(og).graph if rewrites else og)
     graphs = {p: at(p) for p in rng.probes()}
     try:
         return generalize(graphs, rng.name)

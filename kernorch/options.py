@@ -142,6 +142,7 @@ class Options:
     min_repeat_ms: float = 10.0
     solver_time_limit: float = 60.0
     python_kernels: bool = False        # allow operators kept whole to run as Python callbacks (backends.registry)
+    rewrites: bool = True               # algebraic rewrites that remove FLOPs before fission (kernorch.rewrite)
     layouts: bool = True                # offer blocked-layout (nChw16c) variants and conversions to the solver
     prune: bool = True                  # measure a fused kernel only when the solver wants it (estimate first)
     cost_model: str = "learned"         # pruning's estimates: "learned" (kernorch.costmodel) or "analytic" (kernorch.estimate)

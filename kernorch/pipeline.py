@@ -33,6 +33,7 @@ from .kernels.variants import CONVERSIONS
 from .layouts import candidate_io, conversion, conversion_key, conversions
 from .options import Machine, Options
 from .plan import Plan
+from .rewrite import rewrite
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +56,9 @@ class Clock:
 @dataclass(frozen=True)
 class Loaded:
     source: str
-    onnx: Any            # frontend.onnx.OnnxGraph
+    onnx: Any            # frontend.onnx.OnnxGraph (after the algebraic rewrites)
     graph: Graph
+    rewrites: Any = None  # kernorch.rewrite.Rewritten (None: rewrites off)
 
 
 @dataclass(frozen=True)
@@ -83,17 +85,19 @@ class Measured:
 
 
 def load(model, options: Options, clock: Clock | None = None) -> Loaded:
-    """Frontend + fission."""
+    """Frontend, algebraic rewrites (kernorch.rewrite, unless options.rewrites is off), fission."""
     clock = clock or Clock()
     with clock("load"):
         og = frontend.load(model, options.shape_dict)
+        rewritten = rewrite(og) if options.rewrites else None
+        og = rewritten.graph if rewritten else og
     with clock("fission"):
         if options.ranges:  # one graph over the range of a symbolic dimension (kernorch.dynamic)
             from .dynamic import Range, generic_graph
-            graph = generic_graph(model, Range(*options.ranges[0]), options.shape_dict)
+            graph = generic_graph(model, Range(*options.ranges[0]), options.shape_dict, options.rewrites)
         else:
             graph = fis.fission(og)
-    return Loaded(og.source, og, graph)
+    return Loaded(og.source, og, graph, rewritten)
 
 
 def enum_options(options: Options) -> cands.EnumOptions:
@@ -638,6 +642,7 @@ def report_dict(planned: Planned, check: dict, timing: dict, profile: dict | Non
         "distinct_keys": len({c.key for c in en.candidates}), "measure": ms.stats.__dict__,
         "tiles": dict(ms.tiles), "plan": plan.to_json(), "predicted_ms": plan.predicted_ns / 1e6,
         "verify": check, "timing": timing, "seconds": dict(seconds),
+        **({"rewrites": planned.loaded.rewrites.to_json()} if planned.loaded.rewrites else {}),
         **({"tuning": planned.tuning} if planned.tuning else {}),
         **({"context": profile} if profile else {}),
     }

@@ -324,6 +324,9 @@ def _summary_section(report: Mapping, plan, bench: Mapping | None) -> str:
             ["primitives / partitions / candidates", f"{report.get('primitives', '–')} / {report.get('partitions', '–')}"
                                                      f" / {report.get('candidates', '–')}"],
             ["kernels in the plan", str(len(plan.kernels)) if plan else "–"]]
+    if report.get("rewrites"):
+        from .rewrite import summary
+        rows.append(["algebraic rewrites", _e(summary(report["rewrites"]))])
     if verify:
         ok = verify.get("ok")
         rows.append(["matches ONNX Runtime", f'<span class="{"ok" if ok else "bad"}">{"yes" if ok else "NO"}</span> '
