@@ -384,8 +384,8 @@ def generic_graph(model, rng: Range, shapes: Mapping[str, tuple] | None = None, 
     def at(p: int) -> Graph:
         bound = {n: tuple(p if d == rng.name else d for d in t.shape) for n, t in og.inputs
                  if any(d == rng.name for d in t.shape)}
-        og = frontend.load(model, {**dict(shapes or {}), **bound})
-        return fission.fission(rewrite(og).graph if rewrites else og)
+        probe = frontend.load(model, {**dict(shapes or {}), **bound})
+        return fission.fission(rewrite(probe).graph if rewrites else probe)
     graphs = {p: at(p) for p in rng.probes()}
     try:
         return generalize(graphs, rng.name)
