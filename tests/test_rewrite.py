@@ -29,15 +29,21 @@ def _model(nodes, inputs, outputs, inits):
 
 
 def decode_head(sizes=((16, 16, 8), (8, 8, 16), (4, 4, 24)), width=32, out=12, seed=0, mode="linear",
-                use_scales=False, conv_kernel=1, extra_reader=False):
+                use_scales=False, conv_kernel=1, extra_reader=False, images=False):
     """Per stage: tokens [1, H*W, C] -> MatMul + bias -> Transpose -> Reshape [1, width, H, W] ->
-    Resize to the first stage's size; Concat; Conv (bias); Relu. The SegFormer decode head, small."""
+    Resize to the first stage's size; Concat; Conv (bias); Relu. The SegFormer decode head, small.
+    `images`: each stage comes channels-first [1, C, H*W] and is transposed to tokens first (as
+    SegFormer's export does)."""
     rng = np.random.default_rng(seed)
     h0, w0 = sizes[0][:2]
     nodes, inputs, inits, parts = [], [], {}, []
     for i, (h, w, c) in enumerate(sizes):
         x = f"x{i}"
-        inputs.append(helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, h * w, c]))
+        if images:
+            inputs.append(helper.make_tensor_value_info(f"img{i}", TensorProto.FLOAT, [1, c, h * w]))
+            nodes.append(helper.make_node("Transpose", [f"img{i}"], [x], perm=[0, 2, 1]))
+        else:
+            inputs.append(helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, h * w, c]))
         inits[f"m{i}"] = (rng.standard_normal((c, width)) / np.sqrt(c)).astype(np.float32)
         inits[f"c{i}"] = rng.standard_normal(width).astype(np.float32)
         inits[f"shape{i}"] = np.array([1, width, h, w], np.int64)
@@ -88,15 +94,40 @@ def test_decode_head_contracts_before_upsampling_and_folds_projections():
 @settings(max_examples=12, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from([2, 3, 4, 6]), st.sampled_from([4, 8, 20])), min_size=1, max_size=4),
        st.sampled_from([8, 16]), st.sampled_from([1, 5, 16]), st.sampled_from(["linear", "nearest"]),
-       st.booleans(), st.integers(0, 1000))
-def test_random_heads_match_ort(stages, width, out, mode, use_scales, seed):
+       st.booleans(), st.booleans(), st.integers(0, 1000))
+def test_random_heads_match_ort(stages, width, out, mode, use_scales, images, seed):
     """Random stage sizes (the first the largest), channel counts, resize modes and inputs: the
     rewritten graph matches ONNX Runtime on the original, and never costs more FLOPs."""
     sizes = [(12, 12, stages[0][1])] + [(12 // f, 12 // f, c) for f, c in stages[1:]]
-    m = decode_head(tuple(sizes), width, out, seed, mode, use_scales)
+    m = decode_head(tuple(sizes), width, out, seed, mode, use_scales, images=images)
     r = rewrite(load(m))
     assert r.applied and r.flops_after < r.flops_before
     assert executor.compare_with_ort(m, fission(r.graph), seed=seed)["y"]["rel"] < 1e-5
+
+
+def test_channels_first_projection_loses_its_transposes():
+    m = decode_head(images=True)
+    r = rewrite(load(m))
+    assert [a.rule for a in r.applied].count("channels_first") == 3
+    assert [n.op_type for n in r.graph.nodes].count("Transpose") == 0
+    assert executor.compare_with_ort(m, fission(r.graph), seed=4)["y"]["rel"] < 1e-5
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_channels_first_alone(bias):
+    """Transpose -> MatMul (+ bias) -> Transpose, nothing else: MatMul(M^T, x) (+ a column)."""
+    rng = np.random.default_rng(5)
+    inits = {"m": rng.standard_normal((6, 10)).astype(np.float32), "c": rng.standard_normal(10).astype(np.float32)}
+    nodes = [helper.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["t", "m"], ["mm"])]
+    nodes += [helper.make_node("Add", ["mm", "c"], ["p"])] if bias else []
+    nodes += [helper.make_node("Transpose", ["p" if bias else "mm"], ["y"], perm=[0, 2, 1])]
+    m = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6, 35])],
+               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 10, 35])], inits if bias else {"m": inits["m"]})
+    r = rewrite(load(m))
+    assert [a.rule for a in r.applied] == ["channels_first"]
+    assert [n.op_type for n in r.graph.nodes] == ["MatMul"] + (["Add"] if bias else [])
+    assert executor.compare_with_ort(m, fission(r.graph), seed=5)["y"]["rel"] < 1e-5
 
 
 def test_projection_not_folded_through_a_bottleneck():
