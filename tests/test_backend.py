@@ -8,6 +8,7 @@ Timings are never asserted (see benchmarks/schedule_speedup.py for them).
 from __future__ import annotations
 
 import os
+import re
 
 from dataclasses import replace
 
@@ -491,3 +492,22 @@ def test_blocked_pooling_is_vectorized_across_channels(target):
     mod = _run_variant(graph, ["x"], f"b{lanes}/default", target)
     text = mod.script()
     assert text.count(f"T.vectorized({lanes})") >= 3
+
+
+@pytest.mark.parametrize("shape,perm", [((1, 40, 64), (0, 2, 1)), ((1, 64, 48), (0, 2, 1)), ((3, 32, 5, 48), (0, 3, 2, 1)),
+                                        ((1, 33, 64), (0, 2, 1))])
+def test_transposes_are_tiled_both_ways(shape, perm, target):
+    """A transpose reads its input across the innermost output loop: the default schedule tiles
+    both axes by the vector lanes (so each cache line of the input is used whole) when both are
+    multiples of them; the result is the reference either way."""
+    lanes = Machine.host().lanes
+    xs = f32(*shape)
+    a = {"perm": perm}
+    graph = Graph((("x", xs),), ("y",), (make_prim("y", "transpose", ["x"], P.infer("transpose", [xs], a), **a),))
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    (got,), mod = run_kernel(graph, graph.prims, ["x"], ["y"], target, "default", [x])
+    np.testing.assert_array_equal(got, x.transpose(perm))
+    text = mod.script()
+    tiled = all(shape[i] % lanes == 0 for i in (perm[-1], list(perm).index(len(shape) - 1)))
+    # tiled: a serial loop of `lanes` right around the vectorized one
+    assert bool(re.search(rf"in range\({lanes}\):\s+for \w+ in T\.vectorized\({lanes}\)", text)) == tiled
