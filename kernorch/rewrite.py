@@ -156,6 +156,37 @@ def _conv1x1(v: _View, n: OnnxNode) -> _Conv1x1 | None:
     return _Conv1x1(n, w[:, :, 0, 0], bias)
 
 
+@dataclass(frozen=True)
+class _Projection:
+    """t = x @ M (+ c): a MatMul by a constant 2-D float32 weight, and a constant bias of its
+    columns or none, every intermediate read only here."""
+    matmul: OnnxNode
+    add: OnnxNode | None
+    weight: np.ndarray       # [K, C]
+    shift: np.ndarray | None  # [C]
+
+
+def _projection(v: _View, t: str) -> _Projection | None:
+    if not v.only_reader(t):
+        return None
+    add, shift, mm_out = v.made_by(t, "Add"), None, t
+    if add is not None:
+        consts = [i for i in add.inputs if i in v.constants]
+        others = [i for i in add.inputs if i not in v.constants]
+        if len(consts) != 1 or len(others) != 1 or not v.only_reader(others[0]):
+            return None
+        shift, mm_out = v.constants[consts[0]], others[0]
+    mm = v.made_by(mm_out, "MatMul")
+    if mm is None or mm.inputs[1] not in v.constants:
+        return None
+    m = v.constants[mm.inputs[1]]
+    if m.ndim != 2 or m.dtype != np.float32:
+        return None
+    if shift is not None and (shift.ndim != 1 or shift.size != m.shape[1] or shift.dtype != np.float32):
+        return None
+    return _Projection(mm, add, m, shift)
+
+
 def _pixels(shape: tuple[int, ...]) -> int:
     return int(np.prod(shape[2:])) * shape[0]
 
@@ -254,29 +285,17 @@ def fold_projection(v: _View, n: OnnxNode) -> Rewrite | None:
     tr = v.made_by(reshape.inputs[0], "Transpose")
     if tr is None or not v.only_reader(reshape.inputs[0]) or list(tr.attrs.get("perm", [])) != [0, 2, 1]:
         return None
-    proj_out, c_in = tr.inputs[0], None
-    if not v.only_reader(proj_out):
+    proj_out = tr.inputs[0]
+    pr = _projection(v, proj_out)
+    if pr is None:
         return None
-    add = v.made_by(proj_out, "Add")
-    shift = None
-    mm_out = proj_out
-    if add is not None:
-        consts = [t for t in add.inputs if t in v.constants]
-        others = [t for t in add.inputs if t not in v.constants]
-        if len(consts) != 1 or len(others) != 1 or not v.only_reader(others[0]):
-            return None
-        shift, mm_out = v.constants[consts[0]], others[0]
-    mm = v.made_by(mm_out, "MatMul")
-    if mm is None or mm.inputs[1] not in v.constants:
-        return None
-    m = v.constants[mm.inputs[1]]
-    xs, ps, ys = v.shape(mm.inputs[0]), v.shape(proj_out), v.shape(n.inputs[0])
-    if m.ndim != 2 or m.dtype != np.float32 or xs is None or ps is None or ys is None or len(ps) != 3:
+    mm, m, shift = pr.matmul, pr.weight, pr.shift
+    mm_out = mm.outputs[0]
+    ps, ys = v.shape(proj_out), v.shape(n.inputs[0])
+    if ps is None or ys is None or len(ps) != 3:
         return None
     c_in, c_mid = m.shape
     c_out = c.weight.shape[0]
-    if shift is not None and (shift.size != c_mid or shift.shape[-1:] != (c_mid,) or shift.ndim > 1):
-        return None
     # the Reshape only splits the token axis into the image: [N, Cmid, T] -> [N, Cmid, H, W]
     if ys[:2] != (ps[0], c_mid) or int(np.prod(ys[2:])) != ps[1] or len(ys) != 4:
         return None
@@ -310,30 +329,18 @@ def channels_first(v: _View, n: OnnxNode) -> Rewrite | None:
     channels, broadcast from the constant; columns: the P pixels, contiguous vectors): no transposes."""
     if n.op_type != "Transpose" or list(n.attrs.get("perm", [])) != [0, 2, 1]:
         return None
-    inner = n.inputs[0]
-    if not v.only_reader(inner):
+    pr = _projection(v, n.inputs[0])
+    if pr is None or not v.only_reader(pr.matmul.inputs[0]):
         return None
-    add = v.made_by(inner, "Add")
-    shift, mm_out = None, inner
-    if add is not None:
-        consts = [t for t in add.inputs if t in v.constants]
-        others = [t for t in add.inputs if t not in v.constants]
-        if len(consts) != 1 or len(others) != 1 or not v.only_reader(others[0]):
-            return None
-        shift, mm_out = v.constants[consts[0]], others[0]
-    mm = v.made_by(mm_out, "MatMul")
-    if mm is None or mm.inputs[1] not in v.constants or not v.only_reader(mm.inputs[0]):
-        return None
+    mm, m, shift, add = pr.matmul, pr.weight, pr.shift, pr.add
+    mm_out = mm.outputs[0]
     tr = v.made_by(mm.inputs[0], "Transpose")
     if tr is None or list(tr.attrs.get("perm", [])) != [0, 2, 1]:
         return None
-    m = v.constants[mm.inputs[1]]
     xs, ys = v.shape(tr.inputs[0]), v.shape(n.outputs[0])
-    if m.ndim != 2 or m.dtype != np.float32 or xs is None or ys is None or len(xs) != 3:
+    if xs is None or ys is None or len(xs) != 3:
         return None
     k, c = m.shape
-    if shift is not None and (shift.ndim != 1 or shift.size != c or shift.dtype != np.float32):
-        return None
     mid = v.tensor(f"{mm_out}/channels_first", ys) if shift is not None else n.outputs[0]
     nodes = [OnnxNode(v.name(f"{mm.name}/channels_first"), "MatMul",
                       (v.const(f"{mm.inputs[1]}/T", np.ascontiguousarray(m.T)), tr.inputs[0]), (mid,), {})]
