@@ -81,6 +81,8 @@ def saved_dir(tmp_path_factory) -> Path:
               "timing": {"runs": 3, "kernorch_ms": 0.8, "ort_ms": 1.0},
               "seconds": {"load": 0.1, "fission": 0.05, "measure": 3.0, "orchestrate": 0.02},
               "tuning": [[0, 1.2], [5, 0.9], [10, 0.85]],
+              "rewrites": {"applied": [{"rule": "before_resize", "node": "c", "flops_before": 8, "flops_after": 2}],
+                           "flops_before": 3.2e9, "flops_after": 1.1e9},
               "context": {"runs": 3, "kernel_ms": [0.01 * (i + 1) for i in range(len(plan.kernels))], "other_ms": 0.01,
                           "in_model_ms": 0.123, "alone_ms": 0.1}}
     (d / "report.json").write_text(json.dumps(report))
@@ -112,7 +114,8 @@ def test_report_contents(saved_dir):
     assert len(root.findall(f"{ns}g")) == n_prims
     for needle in ('class="bench"', "in model / alone", "0.123", "t8x32p", "vs best peer", "<circle",
                    "Optimal vs greedy", "Time per stage", "Tuning", "1.25", "&lt;boom &amp; co&gt;",
-                   "PyTorch is not installed", "<polyline", "1024x1024x1024 t14x32p"):
+                   "PyTorch is not installed", "<polyline", "1024x1024x1024 t14x32p",
+                   "before_resize x1: contractions 3.20 -&gt; 1.10 GFLOP"):
         assert needle in doc, needle
     assert "http://" not in doc.replace('xmlns="http://www.w3.org/2000/svg"', "")  # nothing fetched from outside
 
