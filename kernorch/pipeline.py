@@ -147,9 +147,12 @@ def tile_jobs(graph: Graph, candidates, options: Options, machine: Machine) -> d
             for cls in _variant_classes(graph, c, options, machine):
                 if (c.linear, cls) in out:
                     continue
-                tiles = prim_tiles(machine, sized, sized.by_name[c.linear], blocked_layout=cls is not None)
+                prim = sized.by_name[c.linear]
+                tiles = prim_tiles(machine, sized, prim, blocked_layout=cls is not None)
                 if tiles:
                     out[(c.linear, cls)] = [_job(graph, c, "tvm", _in_class(cls, t.name)) for t in tiles]
+                    if cls is None and prim.op == "conv":  # its plain tiles are new: the default competes
+                        out[(c.linear, cls)].append(_job(graph, c, "tvm", "default"))
     return out
 
 

@@ -511,3 +511,21 @@ def test_transposes_are_tiled_both_ways(shape, perm, target):
     tiled = all(shape[i] % lanes == 0 for i in (perm[-1], list(perm).index(len(shape) - 1)))
     # tiled: a serial loop of `lanes` right around the vectorized one
     assert bool(re.search(rf"in range\({lanes}\):\s+for \w+ in T\.vectorized\({lanes}\)", text)) == tiled
+
+
+@pytest.mark.parametrize("shape", [dict(cout=10, hw=32), dict(cout=3, hw=16, k=9, pad=4), dict(cout=150 // 5, k=1, pad=0, hw=32),
+                                   dict(cout=12, hw=32, residual=True), dict(cout=32, hw=32), dict(cout=10, group=2, hw=32)])
+def test_plain_conv_tiles_compute_the_reference(shape, target):
+    """A convolution whose output channels are no multiple of the lanes gets plain-layout tiles with
+    the output channels as rows (a guarded tail: 10, 3, 30 channels) and the width as columns;
+    others (32 channels: they have blocked tiles) and grouped convolutions get none."""
+    from kernorch.kernels import prim_tiles
+    m = Machine.host()
+    graph, inputs = conv_epilogue_graph(**shape)
+    tiles = prim_tiles(m, graph, graph.prims[0])
+    wanted = shape["cout"] % m.lanes != 0 and shape.get("group", 1) == 1
+    assert bool(tiles) == wanted
+    assert all(not t.pack and shape["hw"] % t.nb == 0 for t in tiles)
+    for tile in tiles:
+        mod = _run_variant(graph, inputs, tile.name, target)
+        assert mod["main"].attrs["kernorch.rule"] == f"contraction {tile.name}"

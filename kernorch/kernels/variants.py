@@ -130,6 +130,12 @@ def prim_tiles(machine, graph, prim, blocked_layout: bool = False) -> tuple[Tile
     output channels, depth C/g x kh x kw; the constant weight is packed OIHW>O{nb}. When the packed
     weight fits in half of L2, each tile also comes with rows outside the channel tiles (`r`: an
     input row stays in cache while every channel tile passes over it).
+
+    A convolution in the plain layout whose output channels are no multiple of the vector lanes
+    (a 150-class classifier, a 3-channel image output) has no blocked tile; it gets tiles of the
+    GEMM it is in NCHW: rows are the output channels (unrolled, broadcast from the weight, a
+    guarded tail), columns the output width (vectors of the input and output rows), depth
+    C/g x kh x kw; not packed. Its default schedule is timed beside them (see pipeline.tile_jobs).
     """
     if not prim.type.static:
         return ()
@@ -145,7 +151,17 @@ def prim_tiles(machine, graph, prim, blocked_layout: bool = False) -> tuple[Tile
         if any(t.rows_outer for t in tiles):  # the weight fits in half of L2: rows outside the channel tiles too
             out += tuple(Tile(t.mr, t.nb, True, True) for t in tiles)
         return out
+    if prim.op == "conv" and not blocked_layout and plain_conv_tiles(machine, graph, prim):
+        o, ow = int(prim.type.shape[1]), int(prim.type.shape[3])
+        w = np.shape(graph.constants[prim.inputs[1]])
+        return contraction_tiles(machine, o, ow, int(np.prod(w[1:])))
     return ()
+
+
+def plain_conv_tiles(machine, graph, prim) -> bool:
+    """Does conv `prim` get the plain-layout tiles (channels as rows; see prim_tiles)?"""
+    return (prim.type.rank == 4 and prim.inputs[1] in graph.constants and prim.attr("group", 1) == 1
+            and int(prim.type.shape[1]) % machine.lanes != 0)
 
 
 def packable(graph, prim) -> bool:

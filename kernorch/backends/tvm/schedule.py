@@ -73,7 +73,10 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
     if tile is not None:  # a micro-kernel variant: exactly this tile, or a refusal (never another rule)
         try:
             base = _inline_pass(_pad_symbolic(func, lanes, tile))
-            rule = _rule_conv if _contraction_name(base).startswith("conv") else _rule_contraction
+            # a convolution's tile in a blocked variant: the conv micro-kernel (output channels
+            # as vectors); in the plain layout: the GEMM over output channels x output width
+            conv_kernel = _contraction_name(base).startswith("conv") and split(mode)[0] is not None
+            rule = _rule_conv if conv_kernel else _rule_contraction
             sch = rule(base, lanes, tile)
         except Exception as e:  # noqa: BLE001 - the variant does not apply to this kernel
             raise KernorchError(f"tile {mode} does not apply: {type(e).__name__}: {_first_line(e)}") from None
