@@ -3,7 +3,7 @@ kernels, micro-kernel tiles with packed weights (host ISA and an AVX2-only targe
 module mixing a TIR and a Python kernel.
 
 CPU only; the whole file runs in well under two minutes (each build takes ~0.05-0.3 s).
-Timings are never asserted (see benchmarks/schedule_speedup.py for them).
+Timings are never asserted (benchmarks/kernels.py and benchmarks/coldcache.py measure them).
 """
 from __future__ import annotations
 
