@@ -89,7 +89,8 @@ def load(model, options: Options, clock: Clock | None = None) -> Loaded:
     clock = clock or Clock()
     with clock("load"):
         og = frontend.load(model, options.shape_dict)
-        rewritten = rewrite(og) if options.rewrites else None
+        # over a range the rewrites run on each probe's bound graph (kernorch.dynamic.generic_graph)
+        rewritten = rewrite(og) if options.rewrites and not options.ranges else None
         og = rewritten.graph if rewritten else og
     with clock("fission"):
         if options.ranges:  # one graph over the range of a symbolic dimension (kernorch.dynamic)

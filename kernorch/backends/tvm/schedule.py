@@ -612,7 +612,8 @@ def _tile_transpose(sch, blk, lanes: int) -> bool:
     out[.., a, b] = x[.., b, a]) walks that input with a stride, and row by row each cache line of
     it is fetched `lanes` times (a [16384, 128] -> [128, 16384] copy ran at 3 GB/s). Tiled by
     `lanes` on both axes (.., a_outer, b_outer, a_inner, b_inner vectorized) every line is used
-    whole while it is in L1 (the shorter axis's tiles innermost). Returns False (and changes nothing) when no read is strided that way."""
+    whole while it is in L1 (the shorter axis's tiles innermost). Returns False (and changes
+    nothing) when no read is strided that way."""
     stmt = sch.get(blk)
     loops = list(sch.get_loops(blk))
     ivs = list(stmt.iter_vars)
