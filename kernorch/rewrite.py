@@ -100,6 +100,8 @@ class _View:
         return n if n is not None and n.op_type == op else None
 
     def shape(self, t: str) -> tuple[int, ...] | None:
+        if t in self.constants:
+            return tuple(int(d) for d in self.constants[t].shape)
         ty = self.types.get(t)
         return ty.shape if ty is not None and ty.static else None
 
@@ -303,22 +305,23 @@ def fold_projection(v: _View, n: OnnxNode) -> Rewrite | None:
         return None
     w = c.weight.astype(np.float64)
     folded = (m.astype(np.float64) @ w.T).astype(np.float32)
-    offset = np.zeros(c_out) if shift is None else w @ shift.astype(np.float64)
+    offset = None if shift is None else w @ shift.astype(np.float64)
     if c.bias is not None:
-        offset = offset + c.bias
+        offset = c.bias if offset is None else offset + c.bias
     tokens = ps[1] * ps[0]
-    mm2 = v.tensor(f"{mm_out}/folded", (*ps[:2], c_out))
     add2 = v.tensor(f"{proj_out}/folded", (*ps[:2], c_out))
+    mm2 = add2 if offset is None else v.tensor(f"{mm_out}/folded", (*ps[:2], c_out))
     tr2 = v.tensor(f"{tr.outputs[0]}/folded", (ps[0], c_out, ps[1]))
     out_shape = (ps[0], c_out, *ys[2:])
     nodes = [OnnxNode(v.name(f"{mm.name}/folded"), "MatMul", (mm.inputs[0], v.const(f"{mm.inputs[1]}/folded", folded)),
-                      (mm2,), {}),
-             OnnxNode(v.name(f"{n.name}/folded_bias"), "Add", (mm2, v.const(f"{n.name}/folded_bias",
-                                                                         offset.astype(np.float32))), (add2,), {}),
-             replace(tr, name=v.name(f"{tr.name}/folded"), inputs=(add2,), outputs=(tr2,)),
-             replace(reshape, name=v.name(f"{reshape.name}/folded"),
-                     inputs=(tr2, v.const(f"{reshape.inputs[1]}/folded", np.asarray(out_shape, np.int64))),
-                     outputs=(n.outputs[0],))]
+                      (mm2,), {})]
+    if offset is not None:   # the projection's bias through the conv, and the conv's own
+        nodes.append(OnnxNode(v.name(f"{n.name}/folded_bias"), "Add",
+                              (mm2, v.const(f"{n.name}/folded_bias", np.asarray(offset, np.float32))), (add2,), {}))
+    nodes += [replace(tr, name=v.name(f"{tr.name}/folded"), inputs=(add2,), outputs=(tr2,)),
+              replace(reshape, name=v.name(f"{reshape.name}/folded"),
+                      inputs=(tr2, v.const(f"{reshape.inputs[1]}/folded", np.asarray(out_shape, np.int64))),
+                      outputs=(n.outputs[0],))]
     return nodes, 2 * tokens * (c_in * c_mid + c_mid * c_out), 2 * tokens * c_in * c_out
 
 
@@ -360,6 +363,7 @@ PHASES: tuple[tuple[Callable[[_View, OnnxNode], Rewrite | None], ...], ...] = (
 def rewrite(og: OnnxGraph) -> Rewritten:
     """Apply the rules until none applies; the nodes and constants only the replaced nodes used go."""
     v = _View(og)
+    flops = _contraction_flops(v)
     applied: list[Applied] = []
     for rules in PHASES:
         changed = True
@@ -375,27 +379,21 @@ def rewrite(og: OnnxGraph) -> Rewritten:
                 applied.append(Applied(rule.__name__, n.name, before, after))
                 changed = True
                 break
-    before = contraction_flops(og.nodes, og.types, og.constants)
     if not applied:
-        return Rewritten(og, (), before, before)
+        return Rewritten(og, (), flops, flops)
     used = {t for n in v.nodes for t in n.inputs} | set(og.outputs)
     constants = {k: a for k, a in v.constants.items() if k in used}
     new = replace(og, nodes=v.nodes, constants=constants, types=v.types)
-    return Rewritten(new, tuple(applied), before, contraction_flops(new.nodes, new.types, new.constants))
+    return Rewritten(new, tuple(applied), flops, _contraction_flops(v))
 
 
-def contraction_flops(nodes, types, constants) -> int:
-    """2 x multiply-adds of the MatMul and Conv nodes whose shapes are known."""
-    def shape(t):
-        if t in constants:
-            return constants[t].shape
-        ty = types.get(t)
-        return ty.shape if ty is not None and ty.static else None
+def _contraction_flops(v: _View) -> int:
+    """2 x multiply-adds of the MatMul and Conv nodes of `v` whose shapes are known."""
     total = 0
-    for n in nodes:
+    for n in v.nodes:
         if n.op_type not in ("MatMul", "Conv"):
             continue
-        x, w, y = shape(n.inputs[0]), shape(n.inputs[1]), shape(n.outputs[0])
+        x, w, y = v.shape(n.inputs[0]), v.shape(n.inputs[1]), v.shape(n.outputs[0])
         if x is None or w is None or y is None:
             continue
         per_output = x[-1] if n.op_type == "MatMul" else int(np.prod(w[1:]))
