@@ -254,11 +254,11 @@ def _shape_of(value: Any) -> Any:
     return type(value).__name__ if not _is_slot(value) else "int"
 
 
-def _sliced_constant(c: str, name: str, probes: list[int], arrays: list, largest: tuple[int, Graph] | None):
+def _sliced_constant(c: str, name: str, probes: list[int], arrays: list, largest: tuple[int, Graph]):
     """A folded constant that changes with the length, as a slice of its value at the largest length
     (positions from `Range`, a causal mask from the shape: each probe's value is the leading part of
     the largest one). Returns (the largest value, its slice prim) or None when it is no such thing."""
-    if largest is None or c not in largest[1].constants:
+    if c not in largest[1].constants:
         return None
     hi, big = largest[0], np.asarray(largest[1].constants[c])
     if any(np.ndim(a) != big.ndim or np.asarray(a).dtype != big.dtype for a in arrays):
@@ -282,10 +282,12 @@ def _sliced_constant(c: str, name: str, probes: list[int], arrays: list, largest
                      f"constant {c} sliced to the length")
 
 
-def generalize(graphs: Mapping[int, Graph], name: str, largest: tuple[int, Graph] | None = None) -> Graph:
+def generalize(graphs: Mapping[int, Graph], name: str,
+               largest: Callable[[], tuple[int, Graph]] | None = None) -> Graph:
     """One generic graph from the static graphs fissioned at each probe value of `name`.
-    `largest`: (the range's largest value, the graph fissioned there): a folded constant that
-    changes with the length becomes a slice of its value there, when it is one (see `_sliced_constant`)."""
+    `largest()`: (the range's largest value, the graph fissioned there), asked for only when a
+    folded constant changes with the length: it becomes a slice of its value there, when it is one
+    (see `_sliced_constant`)."""
     probes = sorted(graphs)
     gs = [graphs[p] for p in probes]
     first = gs[0]
@@ -298,12 +300,15 @@ def generalize(graphs: Mapping[int, Graph], name: str, largest: tuple[int, Graph
                                 f"{name}={probes[0]} vs {name}={p}): not one graph over the range")
         if first.outputs != g.outputs or [n for n, _ in first.inputs] != [n for n, _ in g.inputs]:
             raise KernorchError(f"the graph's inputs or outputs change with {name}")
-    constants, prims = dict(first.constants), []
+    constants, prims, at_largest = dict(first.constants), [], None
     for c in first.constants:
         arrays = [g.constants.get(c) for g in gs]
         if any(a is None or a.shape != arrays[0].shape or a.dtype != arrays[0].dtype or not (a == arrays[0]).all()
                for a in arrays):
-            sliced = None if any(a is None for a in arrays) else _sliced_constant(c, name, probes, arrays, largest)
+            sliced = None
+            if largest is not None and not any(a is None for a in arrays):
+                at_largest = at_largest or largest()
+                sliced = _sliced_constant(c, name, probes, arrays, at_largest)
             if sliced is None:
                 raise KernorchError(f"constant {c!r} changes with {name} and is no leading slice of one constant "
                                     "(a mask or positions computed from the shape in another way?): not supported "
@@ -387,10 +392,5 @@ def generic_graph(model, rng: Range, shapes: Mapping[str, tuple] | None = None, 
         probe = frontend.load(model, {**dict(shapes or {}), **bound})
         return fission.fission(rewrite(probe).graph if rewrites else probe)
     graphs = {p: at(p) for p in rng.probes()}
-    try:
-        return generalize(graphs, rng.name)
-    except KernorchError as e:
-        if "constant" not in str(e):
-            raise
-    # a constant changes with the length: the largest length tells whether it is a slice of one
-    return generalize(graphs, rng.name, (rng.hi, graphs.get(rng.hi) or at(rng.hi)))
+    # a constant that changes with the length: the largest length tells whether it is a slice of one
+    return generalize(graphs, rng.name, lambda: (rng.hi, graphs.get(rng.hi) or at(rng.hi)))

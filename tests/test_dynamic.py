@@ -429,4 +429,4 @@ def test_positions_and_a_causal_mask_computed_from_the_length_become_slices(tmp_
         g = fission.fission(frontend.load(examples.gpt_like(seq=s)))
         return replace(g, constants={**g.constants, mask: np.asarray(g.constants[mask])[::-1].copy()})
     with pytest.raises(KernorchError, match=f"constant '{mask}' changes with seq and is no leading slice"):
-        dynamic.generalize({s: flipped(s) for s in (61, 67, 71, 73)}, "seq", (80, flipped(80)))
+        dynamic.generalize({s: flipped(s) for s in (61, 67, 71, 73)}, "seq", lambda: (80, flipped(80)))
