@@ -334,6 +334,40 @@ def test_packed_weight_is_a_parameter_of_the_packed_shape(target):
     assert k.input_types[1] == ((2, 32, 32), "float32")
 
 
+@pytest.mark.parametrize("m, n, tile, fetches", [(64, 64, "t8x32p", True), (64, 64, "t14x32p", False),
+                                                  (64, 64, "t8x32pr", False), (64, 32, "t8x32p", False),
+                                                  (64, 64, "t8x32", False)])
+def test_packed_tiles_prefetch_the_next_weight_panel(m, n, tile, fetches, target):
+    """A packed tile walking row tiles inside each weight panel prefetches the next panel before
+    each reduction loop; not with a guarded row tail (LLVM then keeps the accumulators in memory),
+    rows outside panels, one panel only, or an unpacked weight. Results exact either way."""
+    graph, inputs = gemm_graph(m=m, k=96, n=n, const=tile.endswith("p") or tile.endswith("pr"))
+    mod = _run_variant(graph, inputs, tile, target)
+    assert ("T.prefetch(" in mod.script()) == fetches
+
+
+@pytest.mark.parametrize("schedule, cout, fetches", [("t4x32p", 64, True), ("t4x32pr", 64, False),
+                                                     ("t4x32p", 32, False)])
+def test_blocked_conv_tiles_prefetch_the_next_weight_panel(schedule, cout, fetches, target):
+    lanes = Machine.host().lanes
+    graph, inputs = conv_epilogue_graph(cout=cout)
+    mod = _run_variant(graph, inputs, f"b{lanes}/{schedule}", target)
+    assert ("T.prefetch(" in mod.script()) == fetches
+
+
+def test_timing_with_cold_weights_keeps_them_intact(target):
+    """Timing with the weight flushed from the caches before each call: one value per call, and
+    the flush (clflush of every line) leaves the data as it was."""
+    from kernorch.kernels import pack_args
+    graph, inputs = gemm_graph(m=16, k=32, n=64)
+    k = kt.build(kt.schedule(kt.lower(graph, list(graph.prims), inputs, ["y"], "t8x32p"), target, "t8x32p"), target)
+    arrays = pack_args(graph, inputs, "t8x32p", _arrays(graph, inputs, np.random.default_rng(0)))
+    before = k(*arrays)[0]
+    secs = k.time(*arrays, repeat=7, cold=[1, 2])
+    assert len(secs) == 7 and all(s > 0 for s in secs)
+    np.testing.assert_array_equal(k(*arrays)[0], before)
+
+
 def test_a_tile_that_does_not_fit_is_refused_not_replaced(target):
     graph, inputs = gemm_graph(n=48, const=False)
     with pytest.raises(KernorchError, match="tile t8x32 does not apply"):

@@ -6,6 +6,7 @@ import sys
 import textwrap
 import time
 
+import numpy as np
 import pytest
 
 from kernorch.database import Measurement, ProfileDB
@@ -296,3 +297,39 @@ def test_processes_opening_one_new_database_at_once_all_succeed(tmp_path):
         assert errors.empty(), errors.get()
         with ProfileDB(path) as db:
             assert db.stats()["measurements"] == 8
+
+
+# -- the timing protocol: weights cold, as the model reads them --------------------------------------
+
+class _StubKernel:
+    """Records how it is timed; every call 'takes' `secs`."""
+
+    def __init__(self, secs):
+        self.secs, self.calls = secs, []
+
+    def time(self, *inputs, number=10, repeat=5, warmup=1, min_repeat_ms=0, out_shapes=None, cold=()):
+        self.calls.append(dict(number=number, repeat=repeat, min_repeat_ms=min_repeat_ms, cold=list(cold)))
+        return [self.secs] * repeat
+
+
+@pytest.mark.parametrize("secs, calls", [(1e-3, 50), (1e-6, 200), (1.0, 5)])
+def test_kernels_with_weights_are_timed_one_cold_call_at_a_time(secs, calls):
+    from kernorch import measure
+    from kernorch.ir import Graph, TensorType, make_prim
+    t = TensorType((4, 8), "float32")
+    g = Graph((("x", TensorType((4, 3), "float32")),), ("y",),
+              (make_prim("y", "matmul", ["x", "w"], t),), constants={"w": np.ones((3, 8), np.float32)})
+    job = measure.KernelJob("k", "tvm", "default", g, ("x", "w"), ("y",))
+    assert measure.cold_args(job) == [1]
+    k = _StubKernel(secs)
+    runs = measure._timed(k, [None, None], repeats=5, min_repeat_ms=10, cold=[1])
+    # one call to size the run, then as many single cold calls as 5 repeats of 10 ms hold (5..200)
+    assert [c["cold"] for c in k.calls] == [[1], [1]] and k.calls[1]["repeat"] == calls == len(runs)
+    hot = _StubKernel(secs)
+    measure._timed(hot, [None], repeats=5, min_repeat_ms=10, cold=[])
+    assert hot.calls == [dict(number=1, repeat=5, min_repeat_ms=10, cold=[])]
+
+
+def test_versions_name_the_timing_protocol():
+    from kernorch import measure
+    assert f"timing-{measure.TIMING_PROTOCOL}" in measure.versions("tvm")

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 3
+SCHEDULES_VERSION = 4
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -395,7 +395,73 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None) -> s_tir.Sched
     # everything else (producers like pad, epilogues that could not be inlined, the padding blocks
     # of a symbolic extent): the blocks at the root apart from the contraction
     _schedule_rest(sch, set(names) - {cname}, lanes)
+    if (tile is not None and tile.pack and not tile.rows_outer and not padded and par is not None
+            and vo is not None and (row is None or ext[row] % r == 0)):
+        weight = _packed_weight(stmt, lambda s: len(s) == 3 and s[2] == vt and s[0] * vt == ext[v])
+        if weight is not None:
+            _prefetch_next_panel(sch, par, red[0], weight, ext[v] // vt, ext[row] // r if row is not None else 1)
     return sch
+
+
+# -- software prefetch of the next weight panel ----------------------------------------------------
+
+CACHE_LINE = 64  # bytes
+
+
+def _packed_weight(stmt, fits):
+    """The buffer a contraction block reads whose static shape `fits` (a list of ints), or None."""
+    for region in stmt.reads:
+        buf = region.source
+        if all(isinstance(d, tirx.IntImm) for d in buf.shape) and fits([int(d) for d in buf.shape]):
+            return buf
+    return None
+
+
+def _prefetch_next_panel(sch, par, red_loop, weight, panels: int, tiles: int) -> bool:
+    """While the tiles of one weight panel run, bring the next panel into L2 (prefetcht1).
+
+    A packed weight `[P, ...]` is read one panel (its first axis: the K x nb columns of a GEMM
+    column tile, the C x kh x kw x nb of a conv output-channel tile) at a time, and each panel is
+    reused by the `tiles` row tiles the fused parallel loop `par` walks inside it (panel index
+    `f // tiles % panels`, tile `f % tiles`). Before its reduction loop, each tile prefetches its
+    share (1/tiles) of the next panel's cache lines, so the panel arrives from L3 or memory while
+    the FMAs run instead of stalling the first tile of every panel on it (measured: the 128x384 x
+    384x1536 GEMM of gpt2_mini with its weight flushed, 0.62 -> 0.55 ms; unchanged when hot).
+
+    The prefetch goes in as a loop of its own before the reduction loop, not inside it: in the
+    reduction loop LLVM no longer keeps the accumulators in registers (the prefetch may read
+    memory as far as it knows). Returns False (nothing changed) if `par`'s body is not the
+    sequence it expects."""
+    loop = sch.get(par)
+    body = loop.body
+    red = sch.get(red_loop)
+    seq = list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
+    at = next((i for i, s in enumerate(seq) if s.same_as(red)), None)
+    if at is None or panels < 2 or tiles < 1:  # one panel: nothing to fetch ahead
+        return False
+    shape = [int(d) for d in weight.shape]
+    elem = tvm.DataType(weight.dtype).bits // 8
+    per_panel = int(np.prod(shape[1:]))
+    lines = -(-per_panel * elem // CACHE_LINE)
+    share = -(-lines // tiles)
+    f = loop.loop_var
+    i = tirx.Var("pf", "int32")
+    panel = tirx.floormod(tirx.floordiv(f, tiles) + 1, panels)
+    # the element at the start of line `tile * share + i` of the panel, clamped to its last line
+    line = tirx.min(tirx.floormod(f, tiles) * share + i, lines - 1)
+    offset = line * (CACHE_LINE // elem)
+    index = []
+    for d in reversed(shape[1:]):
+        index.append(tirx.floormod(offset, d))
+        offset = tirx.floordiv(offset, d)
+    index = [panel, *reversed(index)]
+    addr = tirx.address_of(tirx.BufferLoad(weight, index))
+    fetch = tirx.For(i, 0, share, tirx.ForKind.SERIAL,
+                     tirx.Evaluate(tirx.call_intrin("void", "tirx.prefetch", addr, 0, 2, 1)))
+    seq.insert(at, fetch)
+    new = tirx.For(f, loop.min, loop.extent, loop.kind, tirx.SeqStmt(seq), loop.thread_binding, loop.annotations)
+    sch.state.replace(sch.get_sref(par), new)
+    return True
 
 
 SYMBOLIC_ROWS = 8  # the row tile of a contraction over a symbolic row extent, without a tile variant
@@ -512,6 +578,12 @@ def _rule_conv(func, lanes: int, tile: Tile) -> s_tir.Schedule:
     if pad is not None:
         _schedule_pad(sch, pad, in_block, lanes)
     _schedule_rest(sch, set(names) - {cname, pad}, lanes)
+    rows = _rows(tile.mr, ext[3])
+    if tile.pack and not tile.rows_outer and par is not None and ext[3] % rows == 0:
+        weight = _packed_weight(stmt, lambda s: len(s) == 5 and s[0] * s[4] == ext[1] and s[4] == tile.nb
+                                and s[1:4] == [ext[4], ext[5], ext[6]])
+        if weight is not None:
+            _prefetch_next_panel(sch, par, red[0], weight, ext[1] // tile.nb, ext[2] * (ext[3] // rows))
     return sch
 
 
