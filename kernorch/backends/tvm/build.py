@@ -117,22 +117,16 @@ def _clflush_kernel():
 
 def _flusher(tensors: Sequence) -> str:
     """The name of a registered function that flushes the cache lines of `tensors` (byte views of
-    them) from every cache level; `time_evaluator` calls it before each repeat (`f_preproc`). A
-    model's weights are read once per inference, long after the kernel last ran: this times a kernel
-    with its weights coming from memory (on gpt2_mini the sum of its 86 kernels timed so was 7.43 ms
-    against 7.47 ms end to end, and 5.9 ms hot). Not x86 (no clflush): nothing is flushed."""
+    them) from every cache level; `time_evaluator` calls it before each repeat (`f_preproc`). Why
+    kernels are timed so: kernorch.measure._timed. Not x86 (no clflush): nothing is flushed."""
     views = [t._create_view((int(np.prod(t.shape)) * tvm.DataType(t.dtype).bits // 8,), "uint8")
              for t in tensors]
     views = [v for v in views if v.shape[0] > 0]
-    if platform.machine().lower() not in ("x86_64", "amd64", "i686"):
-        def flush(*_):
-            return None
-    else:
-        kernel = _clflush_kernel()
+    kernel = _clflush_kernel() if platform.machine().lower() in ("x86_64", "amd64", "i686") else None
 
-        def flush(*_):
-            for v in views:
-                kernel(v)
+    def flush(*_):
+        for v in views if kernel is not None else ():
+            kernel(v)
     tvm_ffi.register_global_func(FLUSH_FUNC, flush, override=True)
     return FLUSH_FUNC
 
