@@ -74,7 +74,9 @@ def contractions(graph: Graph) -> list[Contraction]:
 def kernel_jobs(c: Contraction, machine) -> list:
     """kernorch's kernel for the contraction: the prim alone in every micro-kernel tile (the default
     schedule when it has none), as `pipeline.measure_candidates` times it; convolutions in their
-    blocked layout (nChw{lanes}c in and out: the layout the orchestration program would keep them in)."""
+    blocked layout (nChw{lanes}c in and out: the layout the orchestration program would keep them in),
+    or, with output channels no multiple of the lanes (no blocked tile), in their plain-layout tiles
+    against the default schedule, as `pipeline.tile_jobs` races them."""
     from .ir import structural_key
     from .kernels import blocked, prim_tiles
     from .measure import KernelJob
@@ -83,7 +85,7 @@ def kernel_jobs(c: Contraction, machine) -> list:
     inputs = tuple(dict.fromkeys(p.inputs))
     if p.op == "conv":
         schedules = [blocked(machine.lanes, t.name) for t in prim_tiles(machine, g, p, blocked_layout=True)]
-        schedules = schedules or [blocked(machine.lanes, "default")]
+        schedules = schedules or [t.name for t in prim_tiles(machine, g, p)] + ["default"]
     else:
         schedules = [t.name for t in prim_tiles(machine, g, p)] or ["default"]
     return [KernelJob(key, "tvm", s, g, inputs, (p.name,)) for s in schedules]

@@ -119,3 +119,18 @@ def test_kernel_benchmark_compares_every_contraction(tmp_path, cal_cache, model)
     assert e["schedule"].startswith("t") and e["ratio"] > 0 and 0 < e["of_peak"]
     assert e["ort_gflops"] > 0 and e["kernorch_gflops"] > 0 and e["schedule"] in e["tiles_us"]
     assert r["summary"]["1"]["kernels"] == 1
+
+
+def test_kernel_benchmark_offers_a_conv_without_blocked_tiles_its_plain_ones():
+    """A 150-channel conv (no multiple of the lanes: no blocked tile) is benchmarked in the
+    plain-layout tiles and the default schedule the plan can give it, not in a blocked default."""
+    from kernorch.ir import Graph, TensorType, make_prim
+    from kernorch.kbench import contractions, kernel_jobs
+    from kernorch.options import Machine
+    attrs = dict(strides=(1, 1), pads=(0, 0, 0, 0), dilations=(1, 1), group=1)
+    g = Graph((("x", TensorType((1, 64, 16, 16), "float32")),), ("y",),
+              (make_prim("y", "conv", ["x", "w"], TensorType((1, 150, 16, 16), "float32"), **attrs),),
+              constants={"w": np.zeros((150, 64, 1, 1), np.float32)})
+    (c,) = contractions(g)
+    schedules = [j.schedule for j in kernel_jobs(c, Machine.host())]
+    assert schedules[-1] == "default" and len(schedules) > 1 and not any("/" in s for s in schedules)
