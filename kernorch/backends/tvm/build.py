@@ -15,7 +15,7 @@ from tvm.script import tirx as T
 
 from ...ir import KernorchError
 from .lower import NUM_INPUTS_ATTR
-from .schedule import _subexprs
+from .schedule import CACHE_LINE, _subexprs
 from .target import versions
 
 log = logging.getLogger(__name__)
@@ -102,17 +102,17 @@ class BuiltKernel:
 FLUSH_FUNC = "kernorch.flush_cold_args"
 
 
-@T.prim_func
-def _clflush(a: T.handle):
-    n = T.int64()
-    A = T.match_buffer(a, (n,), "uint8")
-    for i in range((n + 63) // 64):   # one clflush per 64-byte line
-        T.evaluate(T.call_llvm_intrin("void", "llvm.x86.sse2.clflush", T.address_of(A[i * 64])))
-
-
 @functools.lru_cache(maxsize=1)
 def _clflush_kernel():
-    return tvm.compile(tvm.IRModule({"main": _clflush}), target="llvm")["main"]
+    """A compiled kernel that clflushes every cache line of a byte buffer (built on first use, not
+    at import)."""
+    @T.prim_func
+    def clflush(a: T.handle):
+        n = T.int64()
+        A = T.match_buffer(a, (n,), "uint8")
+        for i in range((n + CACHE_LINE - 1) // CACHE_LINE):
+            T.evaluate(T.call_llvm_intrin("void", "llvm.x86.sse2.clflush", T.address_of(A[i * CACHE_LINE])))
+    return tvm.compile(tvm.IRModule({"main": clflush}), target="llvm")["main"]
 
 
 def _flusher(tensors: Sequence) -> str:
