@@ -7,7 +7,9 @@ kernels). The estimate is the largest of three things a fused kernel cannot beat
 
 * its roofline floor on this machine: FLOPs at a GEMM rate above the measured peak, bytes (inputs,
   weights, outputs) at several times the measured memory bandwidth (kernels timed alone run from
-  cache);
+  cache); a 3x3 stride-1 convolution counts the multiplications of its cheapest algorithm
+  (Winograd F(4x4,3x3): a quarter of direct convolution's, kernels.winograd), since its kernel may
+  run in that variant;
 * the cheapest kernel call measured on this model (every call pays the launch and the pool);
 * that call plus what its most expensive primitive measured alone takes beyond it, times a share:
   half for a memory-bound primitive (fusing saves its own memory traffic, at most about half of
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 from . import primitives
 from .ir import Graph
+from .kernels import winograd
 
 PEAK_MARGIN = 1.25     # FLOPs at 1.25x the measured GEMM peak
 CACHE_FACTOR = 6.0     # bytes at 6x the measured copy bandwidth (data in L1/L2 when timed alone)
@@ -42,7 +45,8 @@ def kernel_floor_ns(kg: Graph, peak_gflops: float, bandwidth_gbs: float) -> int:
     """The roofline floor of a kernel graph (its prims, its inputs, weights and outputs)."""
     flops = 0.0
     for p in kg.prims:
-        flops += float(primitives.get(p.op).flops([kg.type_of(t) for t in p.inputs], p.type, p.a))
+        f = float(primitives.get(p.op).flops([kg.type_of(t) for t in p.inputs], p.type, p.a))
+        flops += f / winograd.FEWEST_MULTIPLICATIONS if winograd.applies(kg, p) else f
     nbytes = sum(t.nbytes for _, t in kg.inputs) + sum(int(getattr(c, "nbytes", 0)) for c in kg.constants.values())
     nbytes += sum(kg.type_of(o).nbytes for o in kg.outputs)
     compute_ns = flops / (peak_gflops * PEAK_MARGIN)

@@ -18,6 +18,7 @@ from typing import Mapping
 
 from . import primitives
 from .ir import Graph
+from .kernels import Winograd
 from .kernels.variants import split
 
 KINDS = primitives.KINDS
@@ -30,10 +31,16 @@ def _log(x: float) -> float:
 
 def schedule_features(schedule: str) -> dict[str, float]:
     """The schedule string as numbers: blocked layout, micro-kernel tile rows x columns, packed
-    weights, rows-outside variant."""
+    weights, rows-outside variant. A Winograd variant ("w4t14x32") shows as its GEMMs' packed tile:
+    its epilogue is fused the way a tile's is (written back once per output tile), and the shipped
+    model was trained before Winograd variants existed (a feature of their own needs a retrained
+    model)."""
     block, inner = split(schedule)
+    wino = Winograd.parse(inner)
     m = _TILE.fullmatch(inner)
     rows, cols, flags = (int(m.group(1)), int(m.group(2)), m.group(3)) if m else (0, 0, "")
+    if wino is not None:
+        rows, cols, flags = wino.mr, wino.nb, "p"
     return {"blocked": float(block or 0), "tile_rows": float(rows), "tile_cols": float(cols),
             "packed": float("p" in flags), "rows_outside": float("r" in flags), "default": float(inner == "default")}
 

@@ -20,7 +20,7 @@ os.environ.setdefault("TVM_NUM_THREADS", "2")
 from kernorch import primitives as P  # noqa: E402
 from kernorch.backends import tvm as kt  # noqa: E402
 from kernorch.ir import Graph, KernorchError, TensorType, make_prim  # noqa: E402
-from kernorch.kernels import variant_packs  # noqa: E402
+from kernorch.kernels import Tile, variant_packs  # noqa: E402
 from kernorch.options import Machine  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -486,12 +486,64 @@ def test_blocked_conv_tiles_compute_the_reference(shape, target):
     tiles = prim_tiles(Machine.host(), graph, graph.prims[0], blocked_layout=True)
     for tile in tiles:
         mod = _run_variant(graph, inputs, f"b{lanes}/{tile.name}", target)
-        assert mod["main"].attrs["kernorch.rule"] == f"contraction b{lanes}/{tile.name}"
+        rule = "winograd" if tile.name.startswith("w") else "contraction"
+        assert mod["main"].attrs["kernorch.rule"] == f"{rule} b{lanes}/{tile.name}"
     _run_variant(graph, inputs, f"b{lanes}/default", target)
     if shape.get("cout", 32) % lanes == 0:
         assert tiles
         # small weights fit in half of L2: every tile also with rows outside the channel tiles
-        assert {(t.mr, t.nb) for t in tiles if t.rows_outer} == {(t.mr, t.nb) for t in tiles if not t.rows_outer}
+        direct = [t for t in tiles if isinstance(t, Tile)]
+        assert {(t.mr, t.nb) for t in direct if t.rows_outer} == {(t.mr, t.nb) for t in direct if not t.rows_outer}
+
+
+def test_winograd_transforms_compute_a_correlation_and_the_weight_transform_inverts():
+    """Numpy only: A^T[(G g) * (B^T d)] is the 3-tap correlation of every m-output tile, and the
+    packed weight transform comes back to the weight through G's pseudo-inverse."""
+    from kernorch.kernels import Pack
+    from kernorch.kernels.winograd import MATRICES
+    rng = np.random.default_rng(0)
+    for m, (bt, g, at) in MATRICES.items():
+        taps, d = rng.standard_normal(3), rng.standard_normal(m + 2)
+        want = [taps @ d[i:i + 3] for i in range(m)]
+        np.testing.assert_allclose(at @ ((g @ taps) * (bt @ d)), want, atol=1e-12)
+        w = rng.standard_normal((64, 24, 3, 3)).astype(np.float32)
+        pack = Pack(f"wino{m}", 32, w.shape)
+        packed = pack.pack(w)
+        assert packed.shape == pack.packed_shape == ((m + 2) ** 2, 2, 24, 32)
+        np.testing.assert_allclose(pack.unpack(packed), w, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [dict(), dict(hw=13), dict(pad=0, hw=11), dict(residual=True, hw=10),
+                                   dict(cin=24, cout=32, hw=9)])
+def test_winograd_variants_compute_the_reference(shape, target):
+    """F(2x2,3x3) and F(4x4,3x3) in the blocked layout: padding or none, rows and columns that are no
+    multiple of the output tile, a residual input, SiLU epilogue, an nChw8c input."""
+    from kernorch.kernels import prim_tiles
+    lanes = Machine.host().lanes
+    graph, inputs = conv_epilogue_graph(**shape)
+    names = [t.name for t in prim_tiles(Machine.host(), graph, graph.prims[0], blocked_layout=True)]
+    wino = [n for n in names if n.startswith("w")]
+    assert {n[:2] for n in wino} == {"w2", "w4"}
+    for name in wino:
+        mod = _run_variant(graph, inputs, f"b{lanes}/{name}", target)
+        assert mod["main"].attrs["kernorch.rule"] == f"winograd b{lanes}/{name}"
+
+
+@pytest.mark.parametrize("shape", [dict(stride=2, hw=13), dict(group=32), dict(k=1, pad=0), dict(cout=24),
+                                   dict(cin=3)])
+def test_winograd_is_offered_only_for_3x3_stride_1_dense_blocked_convs(shape):
+    from kernorch.kernels import prim_tiles
+    graph, _ = conv_epilogue_graph(**shape)
+    tiles = prim_tiles(Machine.host(), graph, graph.prims[0], blocked_layout=True)
+    assert not [t for t in tiles if t.name.startswith("w")]
+
+
+def test_winograd_is_not_offered_in_the_plain_layout():
+    from kernorch.kernels import prim_tiles
+    graph, _ = conv_epilogue_graph()
+    assert [t.name[:2] for t in prim_tiles(Machine.host(), graph, graph.prims[0], blocked_layout=True)
+            if t.name.startswith("w")] == ["w2", "w4"]
+    assert not [t for t in prim_tiles(Machine.host(), graph, graph.prims[0]) if t.name.startswith("w")]
 
 
 def test_blocked_layout_signature_and_conversions(target):

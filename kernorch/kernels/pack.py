@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 import numpy as np
 
+from . import winograd
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,8 @@ class Pack:
     "kn"     a matmul weight `[..., K, N]` (leading dims of extent 1) as `[N / b, K, b]`
     "oihw"   a conv weight `[O, C, kh, kw]` as `[O / b, C, kh, kw, b]`
     "nchwc"  an activation `[N, C, H, W]` as `[N, C / b, H, W, b]` (the blocked layout nChw{b}c)
+    "wino2", "wino4"  a 3x3 conv weight `[O, C, 3, 3]` Winograd-transformed for F(m x m, 3 x 3) as
+             `[(m+2)^2, O / b, C, b]` (kernels.winograd; not a view: the variant's compute reads it)
 
     The blocked dimension is innermost, so the `b` values one vector step needs are contiguous.
     """
@@ -36,6 +39,8 @@ class Pack:
     @property
     def layout(self) -> str:
         """A short name for reports, the plan and the saved model's manifest."""
+        if self.kind.startswith("wino"):
+            return f"OIHW>W{self.kind[4:]}O{self.block}"
         return {"kn": f"KN>N{self.block}", "oihw": f"OIHW>O{self.block}", "nchwc": f"nChw{self.block}c"}[self.kind]
 
     @property
@@ -47,6 +52,9 @@ class Pack:
         if self.kind == "oihw":
             o, c, kh, kw = self.shape
             return (o // b, c, kh, kw, b)
+        if self.kind.startswith("wino"):
+            a = int(self.kind[4:]) + 2
+            return (a * a, self.shape[0] // b, self.shape[1], b)
         n, c, h, w = self.shape
         return (n, c // b, h, w, b)
 
@@ -61,6 +69,8 @@ class Pack:
         if self.kind == "oihw":
             o, c, kh, kw = self.shape
             return np.ascontiguousarray(arr.reshape(o // b, b, c, kh, kw).transpose(0, 2, 3, 4, 1))
+        if self.kind.startswith("wino"):
+            return winograd.transform_weight(arr, int(self.kind[4:]), b)
         n, c, h, w = self.shape
         return np.ascontiguousarray(arr.reshape(n, c // b, b, h, w).transpose(0, 1, 3, 4, 2))
 
@@ -71,10 +81,16 @@ class Pack:
             return np.ascontiguousarray(p.transpose(1, 0, 2)).reshape(self.shape)
         if self.kind == "oihw":
             return np.ascontiguousarray(p.transpose(0, 4, 1, 2, 3)).reshape(self.shape)
+        if self.kind.startswith("wino"):
+            return winograd.untransform_weight(p, int(self.kind[4:]), self.shape)
         return np.ascontiguousarray(p.transpose(0, 1, 4, 2, 3)).reshape(self.shape)
 
     def te_view(self, T, packed, name: str):
-        """A TE compute of the logical shape reading `packed` (a placeholder of `packed_shape`)."""
+        """A TE compute of the logical shape reading `packed` (a placeholder of `packed_shape`); a
+        Winograd-transformed weight has no such view: the placeholder itself (its variant's
+        compute reads it, kernels.winograd.te_conv)."""
+        if self.kind.startswith("wino"):
+            return packed
         b = self.block
         div, mod = T.tir.floordiv, T.tir.floormod
         if self.kind == "kn":

@@ -20,6 +20,7 @@ import numpy as np
 
 from .pack import Pack
 from .tiles import Tile, contraction_tiles
+from .winograd import Winograd, winograd_variants
 
 CONVERSIONS = ("block", "unblock")
 
@@ -83,8 +84,9 @@ def variant_packs(graph, inputs: Sequence[str], schedule: str) -> dict[int, Pack
     ("KN>N32") or conv ("OIHW>O32"); a blocked variant ("b16/...") takes its 4-D activations blocked.
     """
     packs = _activation_packs(graph, inputs, schedule, "in")
-    tile = Tile.parse(split(schedule)[1])
-    if tile is None or not tile.pack:
+    inner = split(schedule)[1]
+    tile = Tile.parse(inner) or Winograd.parse(inner)
+    if tile is None or not getattr(tile, "pack", True):
         return packs
     lin = [p for p in graph.prims if p.op in ("matmul", "conv")]
     if len(lin) != 1:
@@ -93,7 +95,11 @@ def variant_packs(graph, inputs: Sequence[str], schedule: str) -> dict[int, Pack
     if w not in graph.constants or w not in inputs:
         raise ValueError(f"schedule {schedule}: the {lin[0].op}'s weight {w!r} is not a constant input")
     shape = tuple(int(d) for d in np.shape(graph.constants[w]))
-    if lin[0].op == "matmul":
+    if isinstance(tile, Winograd):
+        if len(shape) != 4 or shape[2:] != (3, 3) or shape[0] % tile.nb:
+            raise ValueError(f"schedule {schedule}: conv weight of shape {shape} is no 3x3 weight in blocks of {tile.nb}")
+        packs[list(inputs).index(w)] = Pack(f"wino{tile.m}", tile.nb, shape)
+    elif lin[0].op == "matmul":
         if len(shape) < 2 or any(d != 1 for d in shape[:-2]) or shape[-1] % tile.nb:
             raise ValueError(f"schedule {schedule}: weight of shape {shape} cannot be packed in blocks of {tile.nb}")
         packs[list(inputs).index(w)] = Pack("kn", tile.nb, shape)
@@ -121,7 +127,7 @@ def unpack_outputs(graph, outputs: Sequence[str], schedule: str, arrays: Sequenc
 # which variants a kernel has
 # ------------------------------------------------------------------------------------------------
 
-def prim_tiles(machine, graph, prim, blocked_layout: bool = False) -> tuple[Tile, ...]:
+def prim_tiles(machine, graph, prim, blocked_layout: bool = False) -> tuple[Tile | Winograd, ...]:
     """The micro-kernel tiles worth timing for linear prim `prim` of `graph` on `machine`.
 
     Matmuls (2-D or batched, constant or activation right operand): rows M, columns N, depth K;
@@ -129,7 +135,8 @@ def prim_tiles(machine, graph, prim, blocked_layout: bool = False) -> tuple[Tile
     variant (their vector is a block of output channels): rows are output columns, columns the
     output channels, depth C/g x kh x kw; the constant weight is packed OIHW>O{nb}. When the packed
     weight fits in half of L2, each tile also comes with rows outside the channel tiles (`r`: an
-    input row stays in cache while every channel tile passes over it).
+    input row stays in cache while every channel tile passes over it). A 3x3 stride-1 convolution
+    also gets its Winograd variants (kernels.winograd: F(2x2,3x3) and F(4x4,3x3)), raced like tiles.
 
     A convolution in the plain layout whose output channels are no multiple of the vector lanes
     (a 150-class classifier, a 3-channel image output) has no blocked tile; it gets tiles of the
@@ -150,7 +157,7 @@ def prim_tiles(machine, graph, prim, blocked_layout: bool = False) -> tuple[Tile
         out = tuple(Tile(t.mr, t.nb, True) for t in tiles)
         if any(t.rows_outer for t in tiles):  # the weight fits in half of L2: rows outside the channel tiles too
             out += tuple(Tile(t.mr, t.nb, True, True) for t in tiles)
-        return out
+        return out + winograd_variants(machine, graph, prim, block_of(graph.type_of(prim.inputs[0]), machine.lanes))
     if prim.op == "conv" and not blocked_layout and plain_conv_tiles(machine, graph, prim):
         o, ow = int(prim.type.shape[1]), int(prim.type.shape[3])
         w = np.shape(graph.constants[prim.inputs[1]])

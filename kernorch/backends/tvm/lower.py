@@ -15,7 +15,8 @@ from tvm import te, tirx, topi
 
 from ... import primitives
 from ...ir import Graph, KernorchError, Prim, SymDim, TensorType
-from ...kernels import variant_out_packs, variant_packs
+from ...kernels import Winograd, split, variant_out_packs, variant_packs
+from ...kernels.winograd import te_conv as winograd_conv
 
 #: The TVM namespace handed to the primitive table's TE computes (they never import tvm).
 T = types.SimpleNamespace(te=te, tir=tirx, topi=topi)
@@ -41,6 +42,7 @@ def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs:
     packs = variant_packs(graph, inputs, schedule)
     out_packs = variant_out_packs(graph, outputs, schedule)
     sym = Symbols()
+    wino = Winograd.parse(split(schedule)[1])  # a Winograd variant: its conv is computed by kernels.winograd
     for i, name in enumerate(inputs):
         t = sym.type(graph.type_of(name))
         if any(isinstance(d, str) for d in t.shape):
@@ -65,7 +67,10 @@ def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs:
             kind = "a later member" if any(m in member_names for m in missing) else "neither a member nor an input"
             raise KernorchError(f"prim {p.name} ({p.op}) reads {missing} which is {kind} of the kernel")
         want = sym.type(p.type)
-        out = d.te(T, [env[t] for t in p.inputs], sym.value(p.a), want)
+        if wino is not None and p.op == "conv":
+            out = winograd_conv(T, env[p.inputs[0]], env[p.inputs[1]], p.a, want.shape, wino)
+        else:
+            out = d.te(T, [env[t] for t in p.inputs], sym.value(p.a), want)
         if not sym.same_shape(out.shape, want.shape) or out.dtype != p.type.dtype:
             raise KernorchError(f"TE compute of {p.op} ({p.name}) gave {out.dtype}{list(out.shape)}, "
                                 f"expected {p.type}")

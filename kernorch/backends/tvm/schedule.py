@@ -17,7 +17,7 @@ from tvm import tirx
 from tvm import s_tir
 
 from ...ir import KernorchError
-from ...kernels import Tile, split
+from ...kernels import Tile, Winograd, split
 from ...kernels.variants import CONVERSIONS
 from .lower import UNPACK
 from .target import vector_bits
@@ -69,6 +69,13 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
         func = func.with_attr(BOUNDS_ATTR, {k: int(v) for k, v in bounds.items()})
     lanes = max(vector_bits(target) // 32, 4)
     inner = split(mode)[1]
+    wino = Winograd.parse(inner)
+    if wino is not None:  # a Winograd variant: its template, or a refusal
+        try:
+            sch = _rule_winograd(_inline_pass(func), lanes, wino)
+        except Exception as e:  # noqa: BLE001 - the variant does not apply to this kernel
+            raise KernorchError(f"winograd {mode} does not apply: {type(e).__name__}: {_first_line(e)}") from None
+        return _scheduled(sch, f"winograd {mode}")
     tile = Tile.parse(inner)
     if tile is not None:  # a micro-kernel variant: exactly this tile, or a refusal (never another rule)
         try:
@@ -584,6 +591,60 @@ def _rule_conv(func, lanes: int, tile: Tile) -> s_tir.Schedule:
                                 and s[1:4] == [ext[4], ext[5], ext[6]])
         if weight is not None:
             _prefetch_next_panel(sch, par, red[0], weight, ext[1] // tile.nb, ext[2] * (ext[3] // rows))
+    return sch
+
+
+def _rule_winograd(func, lanes: int, wino: Winograd) -> s_tir.Schedule:
+    """A Winograd convolution (kernels.winograd) one row of output tiles at a time.
+
+    The output block (the output transform with the epilogue and the blocked layout inlined into
+    it) loops over (image, row of tiles) fused and parallel, then output-channel blocks, the tiles
+    of the row, and the m x m pixels of a tile (unrolled, so every transform coefficient is a
+    constant) x a vector of output channels. Inside each (image, row of tiles) iteration, first the
+    input transform of the row's tiles (a vector of the input's channel block at a time, the
+    (m+2)^2 outputs unrolled), then the (m+2)^2 GEMMs of the row: `mr` tiles (unrolled) x `nb`
+    output channels (vectorized) accumulated over the input channels in a local cache, the
+    transformed weight packed for `nb`. V and M of one row stay in L2 while the row is finished."""
+    sch = s_tir.Schedule(func)
+    names = _root_blocks(sch)
+    if "wino_V" not in names or "wino_M" not in names:
+        raise _NotApplicable("no Winograd stages")
+    rest = [nm for nm in names if nm not in ("wino_V", "wino_M")]
+    if len(rest) != 1:
+        raise _NotApplicable(f"{len(rest)} blocks after the GEMMs; the output transform and its epilogue must be one")
+    out = sch.get_sblock(rest[0])
+    loops = list(sch.get_loops(out))
+    if len(loops) != 5 or _extent(sch, loops[4]) != lanes:
+        raise _NotApplicable("the output is not blocked by the vector lanes")
+    n, ob, h, w, oc = loops
+    th, hi = sch.split(h, factors=[None, wino.m])
+    tw, wi = sch.split(w, factors=[None, wino.m])
+    sch.reorder(n, th, ob, tw, hi, wi, oc)
+    par = _parallel(sch, [n, th])
+    sch.unroll(hi)
+    sch.unroll(wi)
+    sch.vectorize(oc)
+    gemm, vin = sch.get_sblock("wino_M"), sch.get_sblock("wino_V")
+    sch.compute_at(gemm, par, preserve_unit_loops=True)
+    sch.compute_at(vin, par, preserve_unit_loops=True)
+    ea, eb, _, _, t, o, rc = sch.get_loops(gemm)[-7:]
+    to, ti = sch.split(t, factors=[None, _rows(wino.mr, _extent(sch, t))])
+    oo, oi = sch.split(o, factors=[None, wino.nb])
+    sch.reorder(ea, eb, oo, to, rc, ti, oi)
+    sch.vectorize(oi)
+    sch.unroll(ti)
+    wb = sch.cache_write(gemm, 0, "local")
+    sch.reverse_compute_at(wb, to)
+    sch.vectorize(sch.get_loops(wb)[-1])
+    init = sch.decompose_reduction(gemm, rc)
+    sch.vectorize(sch.get_loops(init)[-1])
+    ea, eb, _, _, t, c = sch.get_loops(vin)[-6:]
+    block = next((b for r in sch.get(vin).reads if (b := _block_of_buffer(r.source)) is not None), lanes)
+    co, ci = sch.split(c, factors=[None, block])
+    sch.reorder(t, co, ea, eb, ci)
+    sch.unroll(ea)
+    sch.unroll(eb)
+    sch.vectorize(ci)
     return sch
 
 
