@@ -89,3 +89,12 @@ def contraction_tiles(machine, rows: int, cols: int, depth: int, pack: bool = Fa
     if not tiles and cols % lanes == 0:  # fewer columns than the wider tiles: one vector wide
         tiles.append(Tile(min(regs - 3, MAX_ROWS, rows), lanes, pack, rows_outer))
     return tuple(dict.fromkeys(tiles))
+
+
+def row_tile(mr: int, extent: int) -> int:
+    """The row tile of a micro-kernel of at most `mr` rows over `extent` rows: `mr`, or the largest
+    tile of at least half of it that divides `extent` (no guarded tail), or the extent when it is
+    shorter."""
+    if extent <= mr:
+        return extent
+    return next((r for r in range(mr, (mr + 1) // 2 - 1, -1) if extent % r == 0), mr)

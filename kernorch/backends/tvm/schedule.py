@@ -18,6 +18,7 @@ from tvm import s_tir
 
 from ...ir import KernorchError
 from ...kernels import Tile, Winograd, split
+from ...kernels.tiles import row_tile
 from ...kernels.variants import CONVERSIONS
 from .lower import UNPACK
 from .target import vector_bits
@@ -559,7 +560,7 @@ def _rule_conv(func, lanes: int, tile: Tile) -> s_tir.Schedule:
     in_block = next((b for r in src.reads if (b := _block_of_buffer(r.source)) is not None), None)
     oco, oci = sch.split(oc, factors=[None, tile.nb])
     oci_o, oci_i = sch.split(oci, factors=[None, lanes]) if tile.nb > lanes else (None, oci)
-    owo, owi = sch.split(ow, factors=[None, _rows(tile.mr, ext[3])])
+    owo, owi = sch.split(ow, factors=[None, row_tile(tile.mr, ext[3])])
     rco, rci = sch.split(rc, factors=[None, in_block]) if in_block and ext[4] % in_block == 0 else (None, rc)
     red = [x for x in (rco, rkh, rkw, rci) if x is not None]
     outer = [n, oh, owo, oco] if tile.rows_outer else [n, oco, oh, owo]
@@ -585,7 +586,7 @@ def _rule_conv(func, lanes: int, tile: Tile) -> s_tir.Schedule:
     if pad is not None:
         _schedule_pad(sch, pad, in_block, lanes)
     _schedule_rest(sch, set(names) - {cname, pad}, lanes)
-    rows = _rows(tile.mr, ext[3])
+    rows = row_tile(tile.mr, ext[3])
     if tile.pack and not tile.rows_outer and par is not None and ext[3] % rows == 0:
         weight = _packed_weight(stmt, lambda s: len(s) == 5 and s[0] * s[4] == ext[1] and s[4] == tile.nb
                                 and s[1:4] == [ext[4], ext[5], ext[6]])
@@ -604,7 +605,9 @@ def _rule_winograd(func, lanes: int, wino: Winograd) -> s_tir.Schedule:
     input transform of the row's tiles (a vector of the input's channel block at a time, the
     (m+2)^2 outputs unrolled), then the (m+2)^2 GEMMs of the row: `mr` tiles (unrolled) x `nb`
     output channels (vectorized) accumulated over the input channels in a local cache, the
-    transformed weight packed for `nb`. V and M of one row stay in L2 while the row is finished."""
+    transformed weight packed for `nb`. V and M of one row stay in L2 while the row is finished
+    (cutting long rows into chunks that fit half of L2 measured no faster: 128->64 channels on
+    112x112, 3.17 ms whole rows, 3.48 in chunks of 14 tiles, 2 threads)."""
     sch = s_tir.Schedule(func)
     names = _root_blocks(sch)
     if "wino_V" not in names or "wino_M" not in names:
@@ -628,7 +631,7 @@ def _rule_winograd(func, lanes: int, wino: Winograd) -> s_tir.Schedule:
     sch.compute_at(gemm, par, preserve_unit_loops=True)
     sch.compute_at(vin, par, preserve_unit_loops=True)
     ea, eb, _, _, t, o, rc = sch.get_loops(gemm)[-7:]
-    to, ti = sch.split(t, factors=[None, _rows(wino.mr, _extent(sch, t))])
+    to, ti = sch.split(t, factors=[None, row_tile(wino.mr, _extent(sch, t))])
     oo, oi = sch.split(o, factors=[None, wino.nb])
     sch.reorder(ea, eb, oo, to, rc, ti, oi)
     sch.vectorize(oi)
@@ -646,14 +649,6 @@ def _rule_winograd(func, lanes: int, wino: Winograd) -> s_tir.Schedule:
     sch.unroll(eb)
     sch.vectorize(ci)
     return sch
-
-
-def _rows(mr: int, extent: int) -> int:
-    """The row tile: `mr`, or the largest tile of at least half of it that divides `extent` (no
-    guarded tail), or the extent when it is shorter."""
-    if extent <= mr:
-        return extent
-    return next((r for r in range(mr, (mr + 1) // 2 - 1, -1) if extent % r == 0), mr)
 
 
 def _schedule_pad(sch, name: str, block: int | None, lanes: int) -> None:
