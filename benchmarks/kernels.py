@@ -28,7 +28,9 @@ def markdown(results: list[dict]) -> str:
         m = results[0]["machine"]
         lines += [f"Machine: {m['name']}, {m['simd_bits']}-bit vectors, {m['vector_registers']} vector registers; "
                   f"each kernel alone, kernorch's and ORT's in alternating blocks in processes of their own; "
-                  f"ratio = ORT time / kernorch time (> 1: kernorch faster).", ""]
+                  f"ratio = ORT time / kernorch time (> 1: kernorch faster). GFLOP/s and the fraction of the "
+                  f"GEMM peak count a convolution's direct FLOPs: a Winograd variant (tile `w4t...`: F(4x4,3x3), "
+                  f"`w2t...`: F(2x2,3x3)) does 4x or 2.25x fewer multiplications, so it can pass 100%.", ""]
     for r in results:
         for t in r["threads"]:
             s = r["summary"].get(str(t), {})
