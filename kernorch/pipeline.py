@@ -28,7 +28,7 @@ from .backends import registry
 from .database import Measurement, ProfileDB
 from .frontend import onnx as frontend
 from .ir import Graph, KernorchError, kernel_graph
-from .kernels import blocked, has_blocked_variant, prim_tiles, split
+from .kernels import Winograd, blocked, has_blocked_variant, prim_tiles, split
 from .kernels.variants import CONVERSIONS
 from .layouts import candidate_io, conversion, conversion_key, conversions
 from .options import Machine, Options
@@ -69,6 +69,7 @@ class Measured:
     measurements: Mapping[tuple[str, str, str], Measurement]
     stats: meas.MeasureStats
     tiles: Mapping[str, str] = field(default_factory=dict)   # contraction prim -> its fastest tile
+    direct: Mapping[tuple, str] = field(default_factory=dict)  # (contraction, class) -> fastest non-Winograd tile
     pending: Mapping[tuple[str, str, str], meas.KernelJob] = field(default_factory=dict)
     estimates: Mapping[tuple[str, str, str], int] = field(default_factory=dict)
     members_ns: Mapping[tuple[str, str, str], float] = field(default_factory=dict)  # its members alone, summed
@@ -157,12 +158,15 @@ def tile_jobs(graph: Graph, candidates, options: Options, machine: Machine) -> d
     return out
 
 
-def fastest_schedules(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob]]) -> dict[tuple, str]:
-    """Per (contraction prim, layout class): the schedule of its fastest successfully measured tile."""
+def fastest_schedules(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob]],
+                      direct: bool = False) -> dict[tuple, str]:
+    """Per (contraction prim, layout class): the schedule of its fastest successfully measured tile
+    (`direct`: of its register tiles and default schedule, leaving out the Winograd variants)."""
     out = {}
     for prim, jobs in jobs_by_prim.items():
         ok = [(measurements[j.ident].median_ns, j.schedule) for j in jobs
-              if j.ident in measurements and measurements[j.ident].ok]
+              if j.ident in measurements and measurements[j.ident].ok
+              and not (direct and Winograd.parse(split(j.schedule)[1]))]
         if ok:
             out[prim] = min(ok)[1]
     return out
@@ -213,21 +217,36 @@ def candidate_jobs(graph: Graph, candidates, options: Options, machine: Machine,
     return out + conversion_jobs(graph, out, machine)
 
 
+def _fallback_schedule(job: meas.KernelJob, direct: Mapping[tuple, str]) -> str:
+    """What a fused kernel that refused its contraction's tile is timed with: after a Winograd
+    variant (it takes one output block after its GEMMs), the contraction's fastest direct tile in
+    that class; after a tile, the default schedule."""
+    cls, inner = split(job.schedule)
+    if Winograd.parse(inner) is not None:
+        conv = next((p.name for p in job.graph.prims if p.op == "conv"), None)
+        if (conv, cls) in direct:
+            return direct[(conv, cls)]
+    return _in_class(cls, "default")
+
+
 def _measure_with_fallback(jobs, db: ProfileDB, options: Options, machine: Machine, label: str,
-                           workers: meas.Workers | None = None):
+                           workers: meas.Workers | None = None, direct: Mapping[tuple, str] | None = None):
     """Measure `jobs`; a fused kernel whose contraction's tile does not apply to it is timed with
-    the default schedule of its layout class instead."""
+    its fallback (`_fallback_schedule`; `direct`: each contraction's fastest direct tile per class)."""
     results, stats = meas.measure(jobs, db, options, machine, label=label, workers=workers)
-    refused = [replace(j, schedule=_in_class(split(j.schedule)[0], "default")) for j in jobs
-               if split(j.schedule)[1] not in ("default", *CONVERSIONS) and registry.native(j.impl)
-               and not results[j.ident].ok]
-    if refused:
-        log.info("%d fused kernels refused their contraction's tile; timing them with the default schedule",
-                 len(refused))
+    todo = jobs
+    while True:
+        refused = [replace(j, schedule=_fallback_schedule(j, direct or {})) for j in todo
+                   if split(j.schedule)[1] not in ("default", *CONVERSIONS) and registry.native(j.impl)
+                   and not results[j.ident].ok]
+        if not refused:
+            return results, stats
+        log.info("%d fused kernels refused their contraction's tile; timing them with a direct tile or the "
+                 "default schedule", len(refused))
         fallback, s2 = meas.measure(refused, db, options, machine, label="fallback", workers=workers)
         results.update(fallback)
         stats = stats.merged(s2)
-    return results, stats
+        todo = refused
 
 
 def _deferrable(job: meas.KernelJob) -> bool:
@@ -248,15 +267,17 @@ def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Option
     results, stats = meas.measure([j for js in by_prim.values() for j in js], db, options, machine, label="tiles",
                                   workers=workers)
     tiles = fastest_schedules(results, by_prim)
+    direct = fastest_schedules(results, by_prim, direct=True)
     jobs = candidate_jobs(graph, enumeration.candidates, options, machine, tiles)
     pending: dict = {}
     if options.prune:
         have = meas.stored(jobs, db, options, machine)
         pending = {j.ident: j for j in jobs if j.ident not in have and _deferrable(j)}
         jobs = [j for j in jobs if j.ident not in pending]
-    more, s2 = _measure_with_fallback(jobs, db, options, machine, "measure", workers)
+    more, s2 = _measure_with_fallback(jobs, db, options, machine, "measure", workers, direct)
     results.update(more)
-    measured = Measured(results, stats.merged(s2), {f"{p}@{cls}" if cls else p: s for (p, cls), s in tiles.items()})
+    measured = Measured(results, stats.merged(s2), {f"{p}@{cls}" if cls else p: s for (p, cls), s in tiles.items()},
+                        direct)
     return _with_pending(measured, pending, options, machine)
 
 
@@ -336,7 +357,7 @@ def refine(measured: Measured, idents, db: ProfileDB, options: Options, machine:
     alone, and every pending job is a fusion); the learned predictions move with the residual of
     the fusions measured so far."""
     jobs = [measured.pending[i] for i in idents if i in measured.pending]
-    results, stats = _measure_with_fallback(jobs, db, options, machine, "refine", workers)
+    results, stats = _measure_with_fallback(jobs, db, options, machine, "refine", workers, measured.direct)
     left = {i: j for i, j in measured.pending.items() if i not in results}
     residual = measured.residual.add((measured.predicted[i], m.median_ns) for i, m in results.items()
                                      if m.ok and i in measured.predicted)

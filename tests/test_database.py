@@ -333,3 +333,34 @@ def test_kernels_with_weights_are_timed_one_cold_call_at_a_time(secs, calls):
 def test_versions_name_the_timing_protocol():
     from kernorch import measure
     assert f"timing-{measure.TIMING_PROTOCOL}" in measure.versions("tvm")
+
+
+def test_a_fused_kernel_that_refuses_winograd_falls_back_to_the_direct_tile_then_the_default(tmp_path):
+    """A Winograd variant takes one output block after its GEMMs: a fused conv kernel with two
+    outputs refuses it and is timed in its contraction's fastest direct tile instead; a kernel
+    that refuses that tile as well ends with the default schedule."""
+    import numpy as np
+    from kernorch import pipeline
+    from kernorch import primitives as P
+    from kernorch.ir import Graph, TensorType, make_prim
+    from kernorch.options import Machine, Options
+    lanes = Machine.host().lanes
+    xs, ws = TensorType((1, 16, 8, 8), "float32"), TensorType((2 * lanes, 16, 3, 3), "float32")
+    attrs = dict(strides=(1, 1), pads=(1, 1, 1, 1), dilations=(1, 1), group=1)
+    ct = P.infer("conv", [xs, ws], attrs)
+    g = Graph((("x", xs),), ("c", "r"), (make_prim("c", "conv", ["x", "w"], ct, **attrs),
+                                         make_prim("r", "relu", ["c"], ct)),
+              constants={"w": np.random.default_rng(0).standard_normal(ws.shape).astype(np.float32)})
+    wino = pipeline.meas.KernelJob("k-two-out", "tvm", f"b{lanes}/w4t2x{2 * lanes}", g, ("x", "w"), ("c", "r"))
+    direct = {("c", lanes): f"b{lanes}/t8x{2 * lanes}p"}
+    assert pipeline._fallback_schedule(wino, direct) == f"b{lanes}/t8x{2 * lanes}p"
+    assert pipeline._fallback_schedule(wino, {}) == f"b{lanes}/default"
+    from dataclasses import replace
+    assert pipeline._fallback_schedule(replace(wino, schedule=direct[("c", lanes)]), direct) == f"b{lanes}/default"
+    with ProfileDB(tmp_path / "db.sqlite") as db:
+        res, _ = pipeline._measure_with_fallback([wino], db, Options(threads=1, repeats=2, min_repeat_ms=0.1),
+                                                 Machine.host(), "test", direct=direct)
+    by_schedule = {k[2]: m for k, m in res.items()}
+    assert by_schedule[wino.schedule].status == "refused"
+    assert by_schedule[f"b{lanes}/t8x{2 * lanes}p"].ok
+    assert f"b{lanes}/default" not in by_schedule  # the direct tile applied: no second fallback
