@@ -65,15 +65,15 @@ def versions() -> dict:
     return {"tvm": tvm.__version__, "tvm-ffi": tvm_ffi.__version__}
 
 
-_LANES_BITS = 512  # fallback when LLVM does not say
-
-
 def vector_bits(target: tvm.target.Target) -> int:
-    """The widest vector LLVM uses for `target` (512 on AVX-512, 256 on AVX2)."""
-    try:
-        from tvm.target.codegen import llvm_get_vector_width
+    """The widest vector registers of `target`'s CPU: 512 bits with AVX-512F, 256 with AVX, else 128.
 
-        bits = int(llvm_get_vector_width(target))
-        return bits if bits > 0 else _LANES_BITS
-    except Exception:  # noqa: BLE001
-        return _LANES_BITS
+    Asked of LLVM by feature (`llvm_cpu_has_features` on the target's mcpu and mattr). TVM 0.27's
+    `llvm_get_vector_width` answers 512 for every x86 CPU (znver1 and haswell included), which
+    scheduled 16-lane micro-kernels on AVX2 machines whose blocked layouts hold 8 channels."""
+    from tvm.target.codegen import llvm_cpu_has_features
+
+    for feature, bits in (("avx512f", 512), ("avx", 256)):
+        if llvm_cpu_has_features([feature], target):
+            return bits
+    return 128
