@@ -19,8 +19,16 @@ model's. Reported against the analytic bound of kernorch.estimate, per held-out 
 * pairwise accuracy within covers, and top-3 recall of the measured fastest choice per cover;
 * the spread (standard deviation) of log(measured / predicted): `sigma`, saved with the model.
 
+Transfer (--transfer N, default 50): the shipped model, trained on other machines, scored on this
+machine's rows per model as shipped and after `CostModel.corrected` with N of the model's own
+measurements (at random, as a run's first measurements), beside a model fitted on this machine.
+
+This machine's measured rows are written to results/costmodel-rows/ (JSON, one file per machine and
+thread count; no pickle); rows kept there from other machines join the training, so the shipped
+model spans every CPU the project has been measured on.
+
 Writes benchmarks/results/costmodel.json and .md, and kernorch/data/costmodel.json (trained on all
-rows) unless --no-save.
+rows, every machine's) unless --no-save.
 """
 from __future__ import annotations
 
@@ -135,12 +143,84 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def rows_file(directory: Path, machine: Machine, threads: int) -> Path:
+    """Where this machine's measured rows are kept (one file per machine and thread count)."""
+    slug = "".join(ch if ch.isalnum() else "-" for ch in machine.name).strip("-").lower()
+    return directory / f"{slug}-{machine.simd_bits}b-{machine.fingerprint(threads)}.json.gz"
+
+
+def other_machines(directory: Path, mine: Path) -> dict[str, tuple[dict, list]]:
+    """Rows measured on other machines and kept in `directory`, by file name."""
+    out = {}
+    for path in sorted(directory.glob("*.json.gz")):
+        if path != mine:
+            try:
+                out[path.name] = cm.load_rows(path)
+            except Exception as e:  # noqa: BLE001 - a stale file is skipped, said once
+                print(f"skipping {path.name}: {e}", flush=True)
+    return out
+
+
+def transfer(rows_by_model: dict, n: int, seed: int = 0) -> dict:
+    """The shipped model (trained on other machines) on this machine's rows, per model: as shipped,
+    then corrected with `n` of the model's own measured fusions (at random: the first a run measures),
+    both scored on the model's remaining rows, beside a model fitted here without that model."""
+    import random
+    shipped = cm.shipped()
+    if shipped is None:
+        return {}
+    out = {"trained_on": shipped.summary.get("machines", []), "n": n, "models": {}}
+    for name, (rows, _) in rows_by_model.items():
+        if len(rows) <= n + 10:
+            continue
+        picked = set(random.Random(seed).sample(range(len(rows)), n))
+        seen = [r for i, r in enumerate(rows) if i in picked]
+        rest = [r for i, r in enumerate(rows) if i not in picked]
+        local = [r for other, (rs, _) in rows_by_model.items() if other != name for r in rs]
+        out["models"][name] = {
+            "shipped": metrics(rest, shipped.predict_ns(rest)),
+            "corrected": metrics(rest, shipped.corrected(seen).predict_ns(rest)),
+            "local": metrics(rest, cm.CostModel.fit(local).predict_ns(rest)) if local else None}
+        e = out["models"][name]
+        print(f"{name}: rho shipped {e['shipped']['rho_time']:.2f}, corrected with {n} "
+              f"{e['corrected']['rho_time']:.2f}" + (f", fitted here {e['local']['rho_time']:.2f}" if local else ""),
+              flush=True)
+    return out
+
+
+def transfer_markdown(result: dict) -> str:
+    t = result.get("transfer") or {}
+    if not t.get("models"):
+        return ""
+
+    def f(x):
+        return "-" if x is None else f"{x:.2f}"
+    lines = ["", "## Transfer to this machine", "",
+             f"The shipped model (trained on {', '.join(t['trained_on']) or 'unknown'}) predicts this machine's "
+             f"fusions as shipped, and corrected with {t['n']} of the model's own measurements (a few shallow trees "
+             "fitted to its errors, kernorch.costmodel.CostModel.corrected); both scored on the model's other rows, "
+             "beside a model fitted on this machine's other models.", "",
+             "| model | rows scored | predictor | rho time | pairwise | top-3 recall | bias | sigma |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, by in t["models"].items():
+        for pred in ("shipped", "corrected", "local"):
+            e = by.get(pred)
+            if e:
+                lines.append(f"| {name} | {e['rows']} | {pred} | {f(e['rho_time'])} | {f(e['pairwise'])} | "
+                             f"{f(e['top3_recall'])} | {f(e['bias'])} | {f(e['sigma'])} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="transformer_block,candy_like,gpt2_mini,yolox_tiny,candy,segformer_b0")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--db", default=None)
-    ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--no-save", action="store_true", help="do not replace the shipped model")
+    ap.add_argument("--transfer", type=int, default=50,
+                    help="score the shipped model here as shipped and corrected with this many measurements (0: skip)")
+    ap.add_argument("--rows-dir", default=str(HERE / "results" / "costmodel-rows"),
+                    help="measured rows per machine: this machine's are written here, the others' join the training")
     ap.add_argument("--out", default=str(HERE / "results" / "costmodel"))
     args = ap.parse_args(argv)
     options = Options(threads=args.threads, db_path=args.db)
@@ -156,11 +236,21 @@ def main(argv=None) -> int:
                   flush=True)
             if measured:
                 rows_by_model[path.stem] = (measured, analytic)
+    mine = rows_file(Path(args.rows_dir), machine, args.threads)
+    if rows_by_model:
+        cm.save_rows([r for rs, _ in rows_by_model.values() for r in rs], machine, args.threads, mine)
+        print(f"wrote {mine}", flush=True)
+    others = other_machines(Path(args.rows_dir), mine)
     result = {"machine": machine.to_json(), "threads": args.threads, "models": list(rows_by_model),
-              "rows": sum(len(r) for r, _ in rows_by_model.values()), "held_out": {}}
+              "rows": sum(len(r) for r, _ in rows_by_model.values()), "held_out": {},
+              "other_machines": {k: {"machine": m["name"], "simd_bits": m["simd_bits"], "rows": len(rs)}
+                                 for k, (m, rs) in others.items()}}
+    if args.transfer:
+        result["transfer"] = transfer(rows_by_model, args.transfer)
     sigmas = []
     for name, (rows, analytic) in rows_by_model.items():
         train = [r for other, (rs, _) in rows_by_model.items() if other != name for r in rs]
+        train += [r for _, rs in others.values() for r in rs if r.source != name]
         if not train:
             continue
         model = cm.CostModel.fit(train)
@@ -172,14 +262,17 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
+    text = markdown(result) + transfer_markdown(result)
+    out.with_suffix(".md").write_text(text)
+    print(text)
     if not args.no_save and rows_by_model:
-        all_rows = [r for rs, _ in rows_by_model.values() for r in rs]
-        summary = {"sigma": statistics.median(sigmas) if sigmas else 0.5, "machines": [machine.name],
+        all_rows = [r for rs, _ in rows_by_model.values() for r in rs] + [r for _, rs in others.values() for r in rs]
+        summary = {"sigma": statistics.median(sigmas) if sigmas else 0.5,
+                   "machines": sorted({f"{machine.name} ({machine.simd_bits}-bit)"}
+                                     | {f"{m['name']} ({m['simd_bits']}-bit)" for m, _ in others.values()}),
                    "trained": time.strftime("%Y-%m-%d")}
         cm.CostModel.fit(all_rows, summary).save(cm.SHIPPED)
-        print(f"wrote {cm.SHIPPED} ({len(all_rows)} rows, sigma {summary['sigma']:.2f})")
+        print(f"wrote {cm.SHIPPED} ({len(all_rows)} rows from {1 + len(others)} machines, sigma {summary['sigma']:.2f})")
     return 0
 
 

@@ -31,6 +31,9 @@ SHIPPED = Path(__file__).parent / "data" / "costmodel.json"
 PARAMS = {"max_depth": 6, "eta": 0.08, "subsample": 0.9, "colsample_bytree": 0.9, "min_child_weight": 2,
           "objective": "reg:squarederror", "nthread": 1, "seed": 0}
 ROUNDS = 300
+# the correction on a new machine: shallow, slow, few trees (50 rows must not be memorised)
+CORRECT_PARAMS = PARAMS | {"max_depth": 3, "eta": 0.1, "min_child_weight": 4, "subsample": 1.0}
+CORRECT_ROUNDS = 20
 SHRINK = 8.0  # the run's residual counts n / (n + SHRINK) of its median: a few fusions move it little
 
 
@@ -83,6 +86,36 @@ def rows_for(jobs: Sequence, alone: Mapping[str, int], cheapest: int, machine, c
     return out
 
 
+ROWS_FORMAT = 1
+
+
+def save_rows(rows: Sequence[Row], machine, threads: int, path: str | Path) -> None:
+    """Measured rows as JSON (gzip when the name ends in .gz), with the machine that measured them:
+    the training data of a model that spans machines, kept where it can be shared."""
+    import gzip
+    doc = {"format": ROWS_FORMAT, "machine": machine.to_json(), "threads": threads, "features": list(feat.FEATURES),
+           "rows": [{"ident": list(r.ident), "features": [r.features[n] for n in feat.FEATURES], "base_ns": r.base_ns,
+                     "prims": list(r.prims), "measured_ns": r.measured_ns, "source": r.source}
+                    for r in rows if r.measured_ns]}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = json.dumps(doc, separators=(",", ":")).encode()
+    path.write_bytes(gzip.compress(data, mtime=0) if path.suffix == ".gz" else data)
+
+
+def load_rows(path: str | Path) -> tuple[dict, list[Row]]:
+    """(machine as JSON, rows) of a file written by `save_rows`; rows with other features are refused."""
+    import gzip
+    path = Path(path)
+    data = path.read_bytes()
+    doc = json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
+    if doc.get("format") != ROWS_FORMAT or tuple(doc.get("features", ())) != feat.FEATURES:
+        raise KernorchError(f"{path}: rows of another format or feature set; measure them again")
+    rows = [Row(tuple(r["ident"]), dict(zip(feat.FEATURES, r["features"])), float(r["base_ns"]), tuple(r["prims"]),
+                int(r["measured_ns"]), r["source"]) for r in doc["rows"]]
+    return doc["machine"], rows
+
+
 class CostModel:
     def __init__(self, booster, summary: Mapping | None = None):
         self.booster = booster
@@ -105,6 +138,22 @@ class CostModel:
         booster = xgb.train(PARAMS, xgb.DMatrix(x, label=y, feature_names=list(feat.FEATURES)), rounds)
         s = {"rows": len(rows), "sources": sorted({r.source for r in rows if r.source})} | dict(summary or {})
         return CostModel(booster, s)
+
+    def corrected(self, rows: Sequence[Row], rounds: int = CORRECT_ROUNDS) -> "CostModel":
+        """This model continued by a few shallow trees fitted to its errors on `rows` (measured on
+        the machine it is to predict): how a model trained on other CPUs learns the new one's
+        differences from its first few dozen measurements, rather than only its mean error (a
+        shift of every prediction leaves their order, which is what pruning needs, unchanged)."""
+        import numpy as np
+        import xgboost as xgb
+        rows = [r for r in rows if r.measured_ns]
+        if not rows:
+            return self
+        x = np.array([feat.vector(r.features) for r in rows], dtype=np.float32)
+        y = np.array([r.label for r in rows], dtype=np.float32)
+        booster = xgb.train(CORRECT_PARAMS, xgb.DMatrix(x, label=y, feature_names=list(feat.FEATURES)), rounds,
+                            xgb_model=self.booster.copy())
+        return CostModel(booster, self.summary | {"corrected_with": len(rows)})
 
     def predict(self, rows: Sequence[Row]) -> list[float]:
         """Predicted log(time / base) per row."""

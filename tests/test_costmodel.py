@@ -77,6 +77,39 @@ def test_fit_learns_and_a_saved_model_is_json_that_loads_to_the_same_predictions
     assert back.summary["rows"] == 200 and back.summary["sources"] == ["synthetic"]
 
 
+def test_measured_rows_are_kept_as_json_with_their_machine(tmp_path):
+    rows = synthetic_rows(20) + [cm.Row(("unmeasured", "tvm", "default"), synthetic_rows(1)[0].features, 1.0)]
+    for name in ("rows.json.gz", "rows.json"):
+        cm.save_rows(rows, MACHINE, 2, tmp_path / name)
+        machine, back = cm.load_rows(tmp_path / name)
+        assert Machine.from_json(machine) == MACHINE
+        assert back == rows[:20]  # only measured rows are kept
+    doc = json.loads((tmp_path / "rows.json").read_text())
+    doc["features"] = doc["features"][:-1]
+    (tmp_path / "rows.json").write_text(json.dumps(doc))
+    with pytest.raises(KernorchError, match="feature set"):
+        cm.load_rows(tmp_path / "rows.json")
+
+
+def test_a_model_from_another_machine_is_corrected_by_fifty_measurements():
+    """On the 'new machine' the label also rises with call_share, which reorders the kernels: a
+    shift of every prediction cannot fix that, a correction fitted to 50 of its rows does (and the
+    model it starts from is left as it was)."""
+    def moved(rows):
+        return [cm.Row(r.ident, r.features, r.base_ns, r.prims,
+                       int(r.measured_ns * math.exp(2.0 * r.features["call_share"])), "new") for r in rows]
+    from scipy.stats import spearmanr
+    old = cm.CostModel.fit(synthetic_rows(300), rounds=80)
+    seen, fresh = moved(synthetic_rows(50, seed=1)), moved(synthetic_rows(200, seed=2))
+    before = old.predict(fresh)
+    fixed = old.corrected(seen)
+    rho_before = spearmanr(before, [r.label for r in fresh]).statistic
+    rho_after = spearmanr(fixed.predict(fresh), [r.label for r in fresh]).statistic
+    assert rho_after > rho_before + 0.1 and rho_after > 0.9
+    assert old.predict(fresh) == pytest.approx(before) and fixed.summary["corrected_with"] == 50
+    assert old.corrected([]) is old
+
+
 def test_loading_refuses_other_features_and_other_formats(tmp_path):
     model = cm.CostModel.fit(synthetic_rows(30), rounds=5)
     path = tmp_path / "m.json"
