@@ -541,6 +541,28 @@ def test_winograd_is_offered_only_for_3x3_stride_1_dense_blocked_convs(shape):
     assert not [t for t in tiles if t.name.startswith("w")]
 
 
+def test_winograd_refuses_a_reflect_pad_fused_before_it_without_building():
+    """A reflect pad (two gathers) fused before the input transform: refused when scheduled, before
+    any build (inlined, such kernels did not build within the builder's timeout), so the kernel is
+    timed in a direct tile instead."""
+    from kernorch.kernels import prim_tiles
+    lanes = Machine.host().lanes
+    xs, ws = f32(1, 32, 12, 12), f32(32, 32, 3, 3)
+    reflect = np.array([1] + list(range(12)) + [10], np.int64)
+    rows, cols = f32(1, 32, 14, 12), f32(1, 32, 14, 14)
+    attrs = dict(strides=(1, 1), pads=(0,) * 4, dilations=(1, 1), group=1)
+    ps = [make_prim("gr", "gather", ["x", "ir"], rows, axis=2), make_prim("gc", "gather", ["gr", "ic"], cols, axis=3),
+          make_prim("y", "conv", ["gc", "w"], P.infer("conv", [cols, ws], attrs), **attrs)]
+    consts = {"w": np.ones(ws.shape, np.float32), "ir": reflect, "ic": reflect}
+    graph = Graph((("x", xs),), ("y",), tuple(ps), constants=consts)
+    wino = [t.name for t in prim_tiles(Machine.host(), graph, ps[-1], blocked_layout=True) if t.name.startswith("w")]
+    assert wino
+    for name in wino:
+        with pytest.raises(KernorchError, match="gather before the input transform"):
+            kt.schedule(kt.lower(graph, list(ps), ["x", "ir", "ic", "w"], ["y"], f"b{lanes}/{name}"),
+                        kt.make_target(2), f"b{lanes}/{name}")
+
+
 def test_winograd_is_not_offered_in_the_plain_layout():
     from kernorch.kernels import prim_tiles
     graph, _ = conv_epilogue_graph()

@@ -73,7 +73,7 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
     wino = Winograd.parse(inner)
     if wino is not None:  # a Winograd variant: its template, or a refusal
         try:
-            sch = _rule_winograd(_inline_pass(func), lanes, wino)
+            sch = _rule_winograd(func, lanes, wino)
         except Exception as e:  # noqa: BLE001 - the variant does not apply to this kernel
             raise KernorchError(f"winograd {mode} does not apply: {type(e).__name__}: {_first_line(e)}") from None
         return _scheduled(sch, f"winograd {mode}")
@@ -133,6 +133,19 @@ def _first_line(e: Exception) -> str:
 def _root_blocks(sch: s_tir.Schedule) -> list[str]:
     root = sch.get_sblock("root")
     return [sch.get(b).name_hint for b in sch.get_child_blocks(root)]
+
+
+def _upstream(sch: s_tir.Schedule, name: str) -> set[str]:
+    """Names of the blocks whose results reach block `name`."""
+    seen: set[str] = set()
+    todo = [sch.get_sblock(name)]
+    while todo:
+        for p in sch.get_producers(todo.pop()):
+            n = sch.get(p).name_hint
+            if n not in seen:
+                seen.add(n)
+                todo.append(p)
+    return seen
 
 
 def _is_reduction(stmt) -> bool:
@@ -607,8 +620,14 @@ def _rule_winograd(func, lanes: int, wino: Winograd) -> s_tir.Schedule:
     output channels (vectorized) accumulated over the input channels in a local cache, the
     transformed weight packed for `nb`. V and M of one row stay in L2 while the row is finished
     (cutting long rows into chunks that fit half of L2 measured no faster: 128->64 channels on
-    112x112, 3.17 ms whole rows, 3.48 in chunks of 14 tiles, 2 threads)."""
-    sch = s_tir.Schedule(func)
+    112x112, 3.17 ms whole rows, 3.48 in chunks of 14 tiles, 2 threads).
+
+    Refused when a gather (a reflect pad's index lookup) comes before the input transform: inlined
+    into the (m+2)^2 unrolled sums of every transformed pixel it did not build in 120 s on Zen 1."""
+    pre = s_tir.Schedule(func)
+    if "wino_V" in _root_blocks(pre) and any(n.startswith("gather") for n in _upstream(pre, "wino_V")):
+        raise _NotApplicable("a gather before the input transform (inlined into it, the kernel takes minutes to build)")
+    sch = s_tir.Schedule(_inline_pass(func))
     names = _root_blocks(sch)
     if "wino_V" not in names or "wino_M" not in names:
         raise _NotApplicable("no Winograd stages")
