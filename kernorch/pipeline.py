@@ -77,6 +77,9 @@ class Measured:
     predicted: Mapping[tuple[str, str, str], float] = field(default_factory=dict)  # learned cost model, ns
     sigma: float = 0.0                      # the learned model's spread (log space)
     residual: cm.Residual = field(default_factory=cm.Residual)  # this run's correction of the model
+    model: Any = None                       # the learned model (kernorch.costmodel.CostModel) in use
+    rows: Mapping[tuple[str, str, str], cm.Row] = field(default_factory=dict)  # pending jobs' features
+    seen: tuple[cm.Row, ...] = ()           # the fusions this run measured, with their times
 
     def with_measurement(self, m: Measurement) -> "Measured":
         """A copy where `m` replaces the earlier measurements of its (key, impl)."""
@@ -282,6 +285,7 @@ def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Option
 
 
 CONFIDENCE = 2.0  # the learned prediction counts lowered by this many of the model's sigmas
+CORRECT_AFTER = 30  # fusions measured in a run before the learned model is corrected by them
 
 
 def _with_pending(measured: Measured, pending: Mapping, options: Options, machine: Machine) -> Measured:
@@ -311,7 +315,7 @@ def _with_pending(measured: Measured, pending: Mapping, options: Options, machin
     if model is not None:
         rows = cm.rows_for(list(sized.values()), prim_alone, cheapest, machine, cal, options.threads)
         predicted = {r.ident: ns for r, ns in zip(rows, model.predict_ns(rows))}
-        measured = replace(measured, sigma=model.sigma)
+        measured = replace(measured, sigma=model.sigma, model=model, rows={r.ident: r for r in rows})
     members_ns = {i: float(max(1, sum(prim_alone.get(p.name, 0) for p in j.graph.prims))) for i, j in pending.items()}
     out = replace(measured, pending=dict(pending), bounds=bounds, members_ns=members_ns, predicted=predicted)
     return replace(out, estimates=_estimates(out))
@@ -355,16 +359,24 @@ def refine(measured: Measured, idents, db: ProfileDB, options: Options, machine:
     """Measure the pending jobs `idents` (the solver chose them on their estimates). The bounds of
     the jobs still pending stay as they are (they depend only on the single primitives measured
     alone, and every pending job is a fusion); the learned predictions move with the residual of
-    the fusions measured so far."""
+    the fusions measured so far, and once CORRECT_AFTER of them are measured, the model corrected
+    by them (`CostModel.corrected`: what this machine does differently reorders the predictions,
+    which a residual cannot) predicts the rest again."""
     jobs = [measured.pending[i] for i in idents if i in measured.pending]
     results, stats = _measure_with_fallback(jobs, db, options, machine, "refine", workers, measured.direct)
     left = {i: j for i, j in measured.pending.items() if i not in results}
     residual = measured.residual.add((measured.predicted[i], m.median_ns) for i, m in results.items()
                                      if m.ok and i in measured.predicted)
+    seen = measured.seen + tuple(replace(measured.rows[i], measured_ns=m.median_ns) for i, m in results.items()
+                                 if m.ok and i in measured.rows)
+    rows = {i: measured.rows[i] for i in left if i in measured.rows}
+    predicted = {i: measured.predicted[i] for i in left if i in measured.predicted}
+    if measured.model is not None and len(seen) >= CORRECT_AFTER and len(seen) > len(measured.seen) and rows:
+        predicted = dict(zip(rows, measured.model.corrected(seen).predict_ns(list(rows.values()))))
+        residual = cm.Residual()  # the correction took the mean error in
     out = replace(measured, measurements={**measured.measurements, **results}, stats=measured.stats.merged(stats),
                   pending=left, residual=residual, bounds={i: measured.bounds[i] for i in left},
-                  predicted={i: measured.predicted[i] for i in left if i in measured.predicted},
-                  members_ns={i: measured.members_ns[i] for i in left})
+                  predicted=predicted, rows=rows, seen=seen, members_ns={i: measured.members_ns[i] for i in left})
     return replace(out, estimates=_estimates(out))
 
 

@@ -162,6 +162,46 @@ class Confident:
         return [1000.0 * r.base_ns for r in rows]
 
 
+class Shifting:
+    """A model whose correction by n measured fusions predicts every fusion at n times its base."""
+    sigma = 0.1
+
+    def __init__(self, scale=1.0):
+        self.scale = scale
+
+    def predict_ns(self, rows):
+        return [self.scale * r.base_ns for r in rows]
+
+    def corrected(self, seen):
+        assert all(r.measured_ns for r in seen)
+        return Shifting(float(len(seen)))
+
+
+def test_refine_corrects_the_model_with_the_fusions_the_run_measured(monkeypatch):
+    """Below CORRECT_AFTER measured fusions only the residual moves; from then on every refine round
+    predicts the pending fusions again with the model corrected by all of them."""
+    from kernorch.database import Measurement
+    from kernorch.measure import MeasureStats
+    monkeypatch.setattr(pipeline, "CORRECT_AFTER", 3)
+    ids = [(f"k{i}", "tvm", "default") for i in range(6)]
+    rows = {i: cm.Row(i, {}, 1000.0) for i in ids}
+
+    def fake_measure(jobs, *args):
+        return {j: Measurement("", j[0], j[1], j[2], "", "ok", 2000, (), "") for j in jobs}, MeasureStats()
+    monkeypatch.setattr(pipeline, "_measure_with_fallback", fake_measure)
+    m = pipeline.Measured({}, MeasureStats(), pending={i: i for i in ids}, bounds={i: 10 for i in ids},
+                          members_ns={i: 1000.0 for i in ids}, predicted={i: 1000.0 for i in ids},
+                          sigma=0.1, model=Shifting(), rows=rows)
+    m = pipeline.refine(m, ids[:2], None, None, None)
+    assert len(m.seen) == 2 and m.predicted == {i: 1000.0 for i in ids[2:]} and m.residual.errors
+    m = pipeline.refine(m, ids[2:3], None, None, None)
+    assert [r.measured_ns for r in m.seen] == [2000] * 3
+    assert m.predicted == {i: 3000.0 for i in ids[3:]} and not m.residual.errors
+    assert set(m.rows) == set(m.pending) == set(ids[3:])
+    m = pipeline.refine(m, ids[3:4], None, None, None)
+    assert m.predicted == {i: 4000.0 for i in ids[4:]}
+
+
 @pytest.mark.parametrize("cost_model", ["learned", "analytic"])
 def test_a_confident_model_keeps_fusions_unmeasured(tmp_path, monkeypatch, cost_model):
     """With the learned cost model, a fusion it is sure will lose is never measured (the plan holds
