@@ -16,6 +16,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 
 def _time(n: int, size: int, threads: int) -> dict:
@@ -59,10 +60,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from kernorch.backends.tvm import thread_env
     from kernorch.workers import WorkerPool
+    # the worker imports the timing function by its module's name: run as a script, that is not "__main__"
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from boundary import _time as timed
     res = {}
     for n in (1, args.n):
         with WorkerPool(1, thread_env(args.threads)) as pool:
-            r = pool.call(_time, (n, args.size, args.threads), 600)
+            r = pool.call(timed, (n, args.size, args.threads), 600)
         if not r.ok:
             raise SystemExit(r.error)
         res[f"{n} kernels"] = r.value
