@@ -131,7 +131,7 @@ def _prepare_ort(models: list[bytes], threads: int) -> int:
     from .executor import ort_session
     rng = np.random.default_rng(0)
     for blob in models:
-        sess = ort_session(blob, threads, spinning=True)
+        sess = ort_session(blob, threads)  # workers stop spinning when a run ends, as in the model benchmark
         feeds = {i.name: rng.uniform(0.1, 1.0, size=i.shape).astype(np.float32) for i in sess.get_inputs()}
         sess.run(None, feeds)
         _READY.append(lambda sess=sess, feeds=feeds: sess.run(None, feeds))
@@ -153,8 +153,15 @@ def _prepare_kernorch(jobs: list, threads: int) -> int:
     return len(_READY)
 
 
+QUIET_S = 0.2  # before a block: the other process's pool stops spinning (TVM's spins on after a call)
+
+
 def _time_block(i: int, repeats: int, min_repeat_s: float) -> float:
-    """Median seconds per call of prepared kernel `i` over `repeats` repeats of >= min_repeat_s each."""
+    """Median seconds per call of prepared kernel `i` over `repeats` repeats of >= min_repeat_s each,
+    started QUIET_S after the other process's block ended. Measured on Zen 1 at 2 threads with ORT's
+    workers left spinning between blocks: candy's stride-2 convolution 14.2-15.8 ms in kernorch's
+    process (6.7-7.5 alone)."""
+    time.sleep(QUIET_S)
     return float(np.median(time_repeats(_READY[i], repeats, min_repeat_s)))
 
 
