@@ -116,6 +116,15 @@ def load_rows(path: str | Path) -> tuple[dict, list[Row]]:
     return doc["machine"], rows
 
 
+def _matrix(rows: Sequence[Row], labelled: bool = False):
+    """The rows as XGBoost's DMatrix in the order of feat.FEATURES (with their labels when `labelled`)."""
+    import numpy as np
+    import xgboost as xgb
+    x = np.array([feat.vector(r.features) for r in rows], dtype=np.float32)
+    y = np.array([r.label for r in rows], dtype=np.float32) if labelled else None
+    return xgb.DMatrix(x, label=y, feature_names=list(feat.FEATURES))
+
+
 class CostModel:
     def __init__(self, booster, summary: Mapping | None = None):
         self.booster = booster
@@ -128,14 +137,11 @@ class CostModel:
 
     @staticmethod
     def fit(rows: Sequence[Row], summary: Mapping | None = None, rounds: int = ROUNDS) -> "CostModel":
-        import numpy as np
         import xgboost as xgb
         rows = [r for r in rows if r.measured_ns]
         if not rows:
             raise KernorchError("the cost model has nothing to learn from: no measured fused kernels")
-        x = np.array([feat.vector(r.features) for r in rows], dtype=np.float32)
-        y = np.array([r.label for r in rows], dtype=np.float32)
-        booster = xgb.train(PARAMS, xgb.DMatrix(x, label=y, feature_names=list(feat.FEATURES)), rounds)
+        booster = xgb.train(PARAMS, _matrix(rows, labelled=True), rounds)
         s = {"rows": len(rows), "sources": sorted({r.source for r in rows if r.source})} | dict(summary or {})
         return CostModel(booster, s)
 
@@ -144,25 +150,18 @@ class CostModel:
         the machine it is to predict): how a model trained on other CPUs learns the new one's
         differences from its first few dozen measurements, rather than only its mean error (a
         shift of every prediction leaves their order, which is what pruning needs, unchanged)."""
-        import numpy as np
         import xgboost as xgb
         rows = [r for r in rows if r.measured_ns]
         if not rows:
             return self
-        x = np.array([feat.vector(r.features) for r in rows], dtype=np.float32)
-        y = np.array([r.label for r in rows], dtype=np.float32)
-        booster = xgb.train(CORRECT_PARAMS, xgb.DMatrix(x, label=y, feature_names=list(feat.FEATURES)), rounds,
-                            xgb_model=self.booster.copy())
+        booster = xgb.train(CORRECT_PARAMS, _matrix(rows, labelled=True), rounds, xgb_model=self.booster.copy())
         return CostModel(booster, self.summary | {"corrected_with": len(rows)})
 
     def predict(self, rows: Sequence[Row]) -> list[float]:
         """Predicted log(time / base) per row."""
         if not rows:
             return []
-        import numpy as np
-        import xgboost as xgb
-        x = np.array([feat.vector(r.features) for r in rows], dtype=np.float32)
-        return [float(v) for v in self.booster.predict(xgb.DMatrix(x, feature_names=list(feat.FEATURES)))]
+        return [float(v) for v in self.booster.predict(_matrix(rows))]
 
     def predict_ns(self, rows: Sequence[Row]) -> list[float]:
         return [r.base_ns * math.exp(y) for r, y in zip(rows, self.predict(rows))]
