@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -200,15 +200,34 @@ def shipped() -> CostModel | None:
 
 @dataclass(frozen=True)
 class Residual:
-    """This run's correction in log space: the median of log(measured / predicted) over the fusions
-    measured so far, shrunk toward 0 while they are few."""
+    """This run's errors of the model in log space, log(measured / predicted), each taken before the
+    fusion was measured (out of sample). `errors` are those of the model now in use: their median,
+    shrunk toward 0 while they are few, is the `shift` of its predictions. `earlier` are those of
+    models the run corrected since: with `errors` they give the run's `spread`."""
     errors: tuple[float, ...] = field(default_factory=tuple)
+    earlier: tuple[float, ...] = field(default_factory=tuple)
 
     def add(self, pairs: Iterable[tuple[float, float]]) -> "Residual":
         """`pairs` of (predicted ns, measured ns)."""
-        return Residual(self.errors + tuple(math.log(m / p) for p, m in pairs if p > 0 and m > 0))
+        return replace(self, errors=self.errors + tuple(math.log(m / p) for p, m in pairs if p > 0 and m > 0))
+
+    def corrected(self) -> "Residual":
+        """After the model was corrected by the measured fusions: no shift, the errors kept for the spread."""
+        return Residual((), self.earlier + self.errors)
 
     @property
     def shift(self) -> float:
         n = len(self.errors)
         return statistics.median(self.errors) * n / (n + SHRINK) if n else 0.0
+
+    def spread(self, prior: float) -> float:
+        """The standard deviation of this run's errors about their mean, pulled toward `prior` (the
+        model's spread where it was trained) as SHRINK errors would pull it: what the model misses
+        on this machine and model, once the run has measured enough to say."""
+        every = self.earlier + self.errors
+        n = len(every)
+        if n < 2:
+            return prior
+        mean = sum(every) / n
+        var = sum((e - mean) ** 2 for e in every) / (n - 1)
+        return math.sqrt((n * var + SHRINK * prior * prior) / (n + SHRINK))

@@ -284,7 +284,10 @@ def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Option
     return _with_pending(measured, pending, options, machine)
 
 
-CONFIDENCE = 2.0  # the learned prediction counts lowered by this many of the model's sigmas
+# the learned prediction counts lowered by this many of its sigmas (the run's spread). Replayed on a
+# Xeon (benchmarks/pruning.py, 2026-11-25), 1.0 measured 43-93 % of the fusions of five models for
+# plans within 0.0-0.8 % of measuring all; 2.0 measured 89-100 %.
+CONFIDENCE = 1.0
 CORRECT_AFTER = 30  # fusions measured in a run before the learned model is corrected by them
 
 
@@ -321,28 +324,53 @@ def _with_pending(measured: Measured, pending: Mapping, options: Options, machin
     return replace(out, estimates=_estimates(out))
 
 
+RUN_SPREAD = True  # the learned model's spread: this run's own errors (pulled toward the shipped sigma)
+
+
+def _sigma(measured: Measured) -> float:
+    """The spread the learned predictions are lowered by: the run's own (costmodel.Residual.spread),
+    or the model's from its training when RUN_SPREAD is off."""
+    return measured.residual.spread(measured.sigma) if RUN_SPREAD else measured.sigma
+
+
 def _estimates(measured: Measured) -> dict:
     """Each pending job's estimate: its bound, or the learned prediction corrected by this run's
-    residual and lowered by CONFIDENCE sigmas when that is higher."""
-    factor = math.exp(measured.residual.shift - CONFIDENCE * measured.sigma)
+    residual and lowered by CONFIDENCE of its sigmas (`_sigma`) when that is higher."""
+    factor = math.exp(measured.residual.shift - CONFIDENCE * _sigma(measured))
     return {i: max(b, int(measured.predicted.get(i, 0) * factor)) for i, b in measured.bounds.items()}
 
 
 REFINE_GAP = 0.01   # solves between measurement rounds stop within 1 % of the optimum; the last is exact
 
 
-def promising(measured: Measured, wanted, solve_s: float) -> list:
-    """What a refine round measures: the kernels the plan wants, and more of the pending fusions
-    whose estimates save the most against their members measured alone (the solver would ask for
-    them in later rounds): as many as can be measured in about the time one solve takes (between
-    16 and 512), so neither the solves nor the measurements dominate the loop."""
+def promising(measured: Measured, wanted, solve_s: float, plan=None) -> list:
+    """What a refine round measures: the kernels the plan wants, then more pending fusions the
+    solver would ask for in later rounds: as many as can be measured in about the time one solve
+    takes (between 16 and 512), so neither the solves nor the measurements dominate the loop.
+
+    With the learned model, first the fusions it expects to save against their members alone
+    (within a sigma), best first; then those the solver may still want on their estimates: below
+    what `plan` (the last solve's) spends on their members (each kernel's cost shared among its
+    members), else below their members alone, most attractive first. Without the second kind the
+    loop ends in a tail of rounds that each solve the whole program to measure the one fusion the
+    solver asked for (yolox_tiny: 45 of its 67 rounds)."""
     wanted = list(dict.fromkeys(wanted))
     s = measured.stats
     per_kernel = s.seconds / s.measured if s.measured else 1.0
     more = min(512, max(16, int(solve_s / max(per_kernel, 1e-3))))
-    rest = sorted((i for i in measured.pending if i not in set(wanted)), key=lambda i: (_promise(measured, i), i))
-    if measured.predicted:  # the learned model: only the fusions it expects to save, within a sigma
-        rest = [i for i in rest if _promise(measured, i) * math.exp(-measured.sigma) < 1.0]
+    skip = set(wanted)
+    rest = sorted((i for i in measured.pending if i not in skip), key=lambda i: (_promise(measured, i), i))
+    if measured.predicted:
+        likely = [i for i in rest if _promise(measured, i) * math.exp(-_sigma(measured)) < 1.0]
+        if len(likely) < more:
+            chosen = set(likely)
+            spent = {p: k.cost_ns / len(k.members) for k in (plan.kernels if plan else ()) for p in k.members}
+
+            def against(i) -> float:  # what the plan spends on the fusion's prims, or their time alone
+                now = sum(spent.get(p.name, 0.0) for p in measured.pending[i].graph.prims) if spent else 0.0
+                return measured.estimates[i] / (now or measured.members_ns[i])
+            likely += sorted((i for i in rest if i not in chosen and against(i) < 1.0), key=lambda i: (against(i), i))
+        rest = likely
     return wanted + rest[:more]
 
 
@@ -373,7 +401,7 @@ def refine(measured: Measured, idents, db: ProfileDB, options: Options, machine:
     predicted = {i: measured.predicted[i] for i in left if i in measured.predicted}
     if measured.model is not None and len(seen) >= CORRECT_AFTER and len(seen) > len(measured.seen) and rows:
         predicted = dict(zip(rows, measured.model.corrected(seen).predict_ns(list(rows.values()))))
-        residual = cm.Residual()  # the correction took the mean error in
+        residual = residual.corrected()  # the correction took the mean error in
     out = replace(measured, measurements={**measured.measurements, **results}, stats=measured.stats.merged(stats),
                   pending=left, residual=residual, bounds={i: measured.bounds[i] for i in left},
                   predicted=predicted, rows=rows, seen=seen, members_ns={i: measured.members_ns[i] for i in left})
@@ -592,9 +620,10 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
                     gap = 0.0  # every kernel of the plan is measured: prove it optimal
                     continue
                 rounds = m.stats.rounds + 1
-                batch = promising(m, plan.estimated, time.perf_counter() - t0)
-                log.info("refine %d: measuring %d kernels the plan wants and %d promising ones (%d unmeasured)",
-                         rounds, len(plan.estimated), len(batch) - len(plan.estimated), len(m.pending))
+                batch = promising(m, plan.estimated, time.perf_counter() - t0, plan)
+                log.info("refine %d: measuring %d kernels the plan wants and %d promising ones (%d unmeasured%s)",
+                         rounds, len(plan.estimated), len(batch) - len(plan.estimated), len(m.pending),
+                         f"; learned model spread {_sigma(m):.2f}" if m.predicted else "")
                 with clock("measure"):
                     m = refine(m, batch, db, options, machine, workers)
                 m = replace(m, stats=replace(m.stats, rounds=rounds))

@@ -143,6 +143,28 @@ def test_the_residual_is_a_shrunk_median():
     assert cm.Residual().shift == 0.0
 
 
+def test_the_spread_is_the_runs_own_once_it_has_measured_enough():
+    assert cm.Residual().spread(0.5) == 0.5
+    exact = cm.Residual().add([(100.0, 100.0)] * 400)  # a model right every time on this machine
+    assert exact.spread(0.5) == pytest.approx(0.5 * math.sqrt(cm.SHRINK / (400 + cm.SHRINK)))
+    wild = cm.Residual().add([(100.0, 100.0 * math.e ** s) for s in (-2, 2) * 200])
+    assert wild.spread(0.5) > 1.9
+    # a correction zeroes the shift but keeps its errors for the spread
+    kept = wild.corrected()
+    assert kept.shift == 0.0 and kept.spread(0.5) == wild.spread(0.5)
+    assert kept.add([(1.0, 1.0)]).spread(0.5) < wild.spread(0.5)
+
+
+def test_estimates_lower_the_prediction_by_the_runs_spread():
+    ids = [("a", "tvm", "default")]
+    errors = cm.Residual().add([(100.0, 100.0)] * 100)
+    m = pipeline.Measured({}, None, bounds={ids[0]: 1}, sigma=0.5, predicted={ids[0]: 100_000.0},
+                          residual=errors)
+    spread = errors.spread(0.5)
+    assert spread < 0.2
+    assert pipeline._estimates(m)[ids[0]] == int(100_000.0 * math.exp(-pipeline.CONFIDENCE * spread))
+
+
 def test_estimates_never_fall_below_the_bound():
     """The learned prediction only raises an estimate, and only by what it predicts beyond
     CONFIDENCE sigmas."""

@@ -318,3 +318,41 @@ def test_a_refine_round_measures_what_the_plan_wants_then_the_most_promising():
     assert few[2:] == rest[:16]
     assert len(pipeline.promising(m, wanted, solve_s=20.0)) == 2 + 40
     assert len(pipeline.promising(m, wanted, solve_s=10_000.0)) == 2 + 512
+
+
+def test_a_refine_round_fills_up_with_what_the_solver_may_still_ask_for():
+    """With the learned model: the fusions it expects to save first; then, where too few, those whose
+    estimates still undercut their members alone (the solver would ask for them one round at a
+    time), by estimate / members; never one the solver cannot want."""
+    from kernorch.measure import MeasureStats
+    ids = [(f"k{i}", "tvm", "default") for i in range(40)]
+    saves = ids[:3]                                  # predicted at half their members
+    hopeless = ids[3:]                               # predicted at 10x, estimated (bound) at 0.5x-0.9x or 1.5x
+    estimates = {i: (500 if i in saves else 500 + 10 * n if n < 30 else 1500) for n, i in enumerate(ids)}
+    m = pipeline.Measured({}, MeasureStats(measured=100, seconds=50.0), pending=dict.fromkeys(ids),
+                          estimates=estimates, members_ns=dict.fromkeys(ids, 1000.0), sigma=0.3,
+                          predicted={i: (500.0 if i in saves else 10_000.0) for i in ids})
+    batch = pipeline.promising(m, [ids[39]], solve_s=1.0)
+    assert batch[0] == ids[39] and batch[1:4] == saves
+    assert batch[4:] == ids[3:16]                    # 16 in all, the most attractive estimates next
+    every = pipeline.promising(m, [], solve_s=1000.0)
+    assert set(every) == set(ids[:30])               # estimates at 1.5x their members: never
+
+
+def test_the_fill_up_weighs_a_fusion_against_what_the_plan_spends_on_its_prims():
+    """A fusion whose estimate undercuts its members alone but not the fused kernel the plan already
+    has for them is not worth a measurement; one that undercuts the plan's kernels is."""
+    from types import SimpleNamespace as NS
+    from kernorch.measure import MeasureStats
+    from kernorch.plan import Kernel
+
+    def job(*prims):
+        return NS(graph=NS(prims=tuple(NS(name=n) for n in prims)))
+    a, b = ("ab", "tvm", "default"), ("cd", "tvm", "default")
+    m = pipeline.Measured({}, MeasureStats(measured=100, seconds=50.0), pending={a: job("a", "b"), b: job("c", "d")},
+                          estimates={a: 800, b: 800}, members_ns={a: 1000.0, b: 1000.0}, sigma=0.3,
+                          predicted={a: 5000.0, b: 5000.0})
+    assert set(pipeline.promising(m, [], solve_s=1.0)) == {a, b}
+    plan = NS(kernels=(Kernel("k0", "x", "tvm", ("a", "b"), (), (), 700), Kernel("k1", "y", "tvm", ("c",), (), (), 500),
+                       Kernel("k2", "z", "tvm", ("d",), (), (), 500)))
+    assert pipeline.promising(m, [], solve_s=1.0, plan=plan) == [b]
