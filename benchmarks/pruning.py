@@ -6,7 +6,9 @@ and how good the plan it ends with is, with the profile database answering every
 
 For a model whose candidates the database already holds (a previous unpruned or pruned run on this
 machine), `pipeline.plan_model` runs three times: measuring everything, pruning with the analytic
-bound (`cost_model="analytic"`) and pruning with the learned model (`"learned"`). Nothing is timed:
+bound (`cost_model="analytic"`) and pruning with the learned model (`"learned"`; `learned-members`:
+the same, its rounds filled up against the members alone as before `pipeline.FILL_AGAINST_PLAN`;
+`--estimators` picks the runs). Nothing is timed:
 `measure` answers from the database (what a cold run would have measured), and the database is
 made to look empty of fused kernels, so pruning starts as on a cold database. The learned model is
 fitted on the *other* models' rows (leave one model out), as for a model it has never seen.
@@ -71,7 +73,8 @@ def main(argv=None) -> int:
     ap.add_argument("--train", default=TRAIN, help="models whose rows the learned model may use (minus the one replayed)")
     ap.add_argument("--confidence", default=str(pl.CONFIDENCE), help="comma-separated values of pipeline.CONFIDENCE")
     ap.add_argument("--estimators", default="all,analytic,learned",
-                    help="which runs: all (the reference, always first), analytic, learned (once per confidence)")
+                    help="which runs: all (the reference, always first), analytic, learned (once per confidence), "
+                         "learned-members (learned, its rounds filled against the members alone, not the last plan)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--db", default=None)
     ap.add_argument("--out", default=str(HERE / "results" / "pruning"))
@@ -93,13 +96,14 @@ def main(argv=None) -> int:
             wanted = set(args.estimators.split(","))
             runs = [("all", options.with_(prune=False), None)]
             runs += [("analytic", options.with_(cost_model="analytic"), None)] if "analytic" in wanted else []
-            runs += [(f"learned@{c}", options.with_(cost_model="learned"), float(c)) for c in args.confidence.split(",")
-                     if "learned" in wanted]
+            runs += [(f"{e}@{c}", options.with_(cost_model="learned"), float(c)) for e in ("learned", "learned-members")
+                     for c in args.confidence.split(",") if e in wanted]
             base = None
             for label, opts, confidence in runs:
                 t0 = time.perf_counter()
                 with mock.patch.object(cm, "shipped", lambda: model), \
-                        mock.patch.object(pl, "CONFIDENCE", confidence if confidence is not None else pl.CONFIDENCE):
+                        mock.patch.object(pl, "CONFIDENCE", confidence if confidence is not None else pl.CONFIDENCE), \
+                        mock.patch.object(pl, "FILL_AGAINST_PLAN", not label.startswith("learned-members")):
                     planned, fused, total = replay(path, opts, machine, db)
                 ns = planned.plan.predicted_ns
                 base = base or ns

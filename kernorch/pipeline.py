@@ -340,6 +340,9 @@ def _estimates(measured: Measured) -> dict:
     return {i: max(b, int(measured.predicted.get(i, 0) * factor)) for i, b in measured.bounds.items()}
 
 
+FILL_AGAINST_PLAN = True  # a round's fill-up weighs a fusion against the last plan (else its members alone)
+
+
 REFINE_GAP = 0.01   # solves between measurement rounds stop within 1 % of the optimum; the last is exact
 
 
@@ -364,7 +367,7 @@ def promising(measured: Measured, wanted, solve_s: float, plan=None) -> list:
         likely = [i for i in rest if _promise(measured, i) * math.exp(-_sigma(measured)) < 1.0]
         if len(likely) < more:
             chosen = set(likely)
-            spent = {p: k.cost_ns / len(k.members) for k in (plan.kernels if plan else ()) for p in k.members}
+            spent = {p: k.cost_ns / len(k.members) for k in (plan.kernels if plan and FILL_AGAINST_PLAN else ()) for p in k.members}
 
             def against(i) -> float:  # what the plan spends on the fusion's prims, or their time alone
                 now = sum(spent.get(p.name, 0.0) for p in measured.pending[i].graph.prims) if spent else 0.0

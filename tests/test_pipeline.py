@@ -3,6 +3,7 @@ the database, micro-kernel tiles in the plan, and the CLI's commands and errors.
 import json
 import subprocess
 import sys
+from unittest import mock
 
 import numpy as np
 import onnx
@@ -356,3 +357,5 @@ def test_the_fill_up_weighs_a_fusion_against_what_the_plan_spends_on_its_prims()
     plan = NS(kernels=(Kernel("k0", "x", "tvm", ("a", "b"), (), (), 700), Kernel("k1", "y", "tvm", ("c",), (), (), 500),
                        Kernel("k2", "z", "tvm", ("d",), (), (), 500)))
     assert pipeline.promising(m, [], solve_s=1.0, plan=plan) == [b]
+    with mock.patch.object(pipeline, "FILL_AGAINST_PLAN", False):  # the replay's other fill: members alone
+        assert set(pipeline.promising(m, [], solve_s=1.0, plan=plan)) == {a, b}
