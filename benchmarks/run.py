@@ -70,7 +70,8 @@ def markdown(all_results: list[dict]) -> str:
                   f"GEMM peak {cal.get('peak_gflops', float('nan')):.0f} GFLOP/s (kernorch's packed micro-kernel, "
                   f"{cal.get('peak_kernel')}), {cal.get('bandwidth_gbs', float('nan')):.1f} GB/s"
                   f"{' (calibrated under load)' if cal.get('loaded') else ''}. Timings: median ms [p10–p90], each "
-                  "system alone in its own process, the processes in turns (blocks of 3 runs), same random inputs; "
+                  "system alone in its own process, the processes in turns (blocks of "
+                  f"{r0.get('timing_method', {}).get('runs_per_turn', 3)} runs), same random inputs; "
                   "vs best peer = best peer's median / kernorch's; roofline = floor / median.", ""]
     head = ["model", "floor ms"] + [f"{s} ms" for s in systems] + ["best peer", "kernorch vs best peer"] + \
            [f"{s} roofline" for s in systems] + ["runs", "CPU pressure / load", "date"]
@@ -103,7 +104,8 @@ def markdown(all_results: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", help="comma-separated names (examples, shared models) or .onnx paths; default: all")
-    ap.add_argument("--rounds", type=int, default=10, help="turns per system (3 timed runs each)")
+    ap.add_argument("--rounds", type=int, default=10, help="turns per system (--block timed runs each)")
+    ap.add_argument("--block", type=int, default=3, help="timed runs per turn (after one untimed run)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--budget-trials", type=int, default=0, help="MetaSchedule trials for TVM (0: untuned)")
     ap.add_argument("--systems", default="kernorch,ort,openvino,tvm,torch")
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         mdir = Path(args.model_dirs) / name if args.model_dirs else None
         try:
-            r = bench(model, systems, threads=args.threads, rounds=args.rounds, budget_trials=args.budget_trials,
+            r = bench(model, systems, threads=args.threads, rounds=args.rounds, block=args.block, budget_trials=args.budget_trials,
                       outdir=mdir, options=options)
         except Exception as e:  # one broken model must not lose the others' results
             log.error("%s: %s: %s", name, type(e).__name__, e)
