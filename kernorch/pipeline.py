@@ -273,15 +273,17 @@ def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Option
     direct = fastest_schedules(results, by_prim, direct=True)
     jobs = candidate_jobs(graph, enumeration.candidates, options, machine, tiles)
     pending: dict = {}
+    known: list = []
     if options.prune:
         have = meas.stored(jobs, db, options, machine)
         pending = {j.ident: j for j in jobs if j.ident not in have and _deferrable(j)}
+        known = [j for j in jobs if j.ident in have and have[j.ident].ok and _deferrable(j)]
         jobs = [j for j in jobs if j.ident not in pending]
     more, s2 = _measure_with_fallback(jobs, db, options, machine, "measure", workers, direct)
     results.update(more)
     measured = Measured(results, stats.merged(s2), {f"{p}@{cls}" if cls else p: s for (p, cls), s in tiles.items()},
                         direct)
-    return _with_pending(measured, pending, options, machine)
+    return _with_pending(measured, pending, options, machine, known)
 
 
 # the learned prediction counts lowered by this many of its sigmas (the run's spread). Replayed on a
@@ -291,34 +293,50 @@ CONFIDENCE = 1.0
 CORRECT_AFTER = 30  # fusions measured in a run before the learned model is corrected by them
 
 
-def _with_pending(measured: Measured, pending: Mapping, options: Options, machine: Machine) -> Measured:
+def _with_pending(measured: Measured, pending: Mapping, options: Options, machine: Machine,
+                  known: Sequence = ()) -> Measured:
     """`measured` with `pending` jobs and their estimates, from the singletons measured so far.
 
     An estimate is the optimistic bound of kernorch.estimate, raised to the learned cost model's
     prediction (kernorch.costmodel) lowered by CONFIDENCE sigmas when that is higher: the bound keeps
     every fusion that may win in the solver's sight, the model takes out the ones it is confident
     will not (a fusion that recomputes a convolution per pooling window). `cost_model="analytic"`,
-    or no model shipped, leaves the bound alone."""
+    or no model shipped, leaves the bound alone.
+
+    `known`: the model's fused jobs the database already held (an earlier run measured them). The
+    model's errors on them start the run's residual and, from CORRECT_AFTER of them, correct the
+    model before the first solve, so that a second run starts where the first one ended instead of
+    from the shipped model's spread (without this, a second optimize of segformer_b0 on a Zen 4
+    took 6 rounds and 243 new measurements)."""
     if not pending:
         return replace(measured, pending={}, estimates={}, bounds={}, members_ns={}, predicted={})
     from .calibrate import calibrate
     from .estimate import fused_estimate_ns
     cal = calibrate(options.threads)
     alone, cheapest = cm.alone_times(measured.measurements)
-    prim_alone = cm.prims_alone((j.graph for j in pending.values()), alone)
-    sized = pending
+    prim_alone = cm.prims_alone((j.graph for j in (*pending.values(), *known)), alone)
+    sized, known_sized = pending, list(known)
     if options.ranges:  # sizes over a range: those of the middle length
         from .dynamic import middle
         at = middle(options.ranges, options.lengths)
         sized = {i: j.at(at) for i, j in pending.items()}
+        known_sized = [j.at(at) for j in known]
     bounds = {i: fused_estimate_ns(j.graph, cal["peak_gflops"], cal["bandwidth_gbs"], prim_alone, cheapest)
               for i, j in sized.items()}
     model = cm.shipped() if options.cost_model == "learned" else None
     predicted: dict = {}
     if model is not None:
         rows = cm.rows_for(list(sized.values()), prim_alone, cheapest, machine, cal, options.threads)
-        predicted = {r.ident: ns for r, ns in zip(rows, model.predict_ns(rows))}
-        measured = replace(measured, sigma=model.sigma, model=model, rows={r.ident: r for r in rows})
+        seen = tuple(r for r in cm.rows_for(known_sized, prim_alone, cheapest, machine, cal, options.threads,
+                                            measured.measurements) if r.measured_ns)
+        residual = cm.Residual().add(zip(model.predict_ns(list(seen)), (r.measured_ns for r in seen))) if seen \
+            else cm.Residual()
+        fitted = model
+        if len(seen) >= CORRECT_AFTER:
+            fitted, residual = model.corrected(seen), residual.corrected()
+        predicted = {r.ident: ns for r, ns in zip(rows, fitted.predict_ns(rows))}
+        measured = replace(measured, sigma=model.sigma, model=model, rows={r.ident: r for r in rows}, seen=seen,
+                           residual=residual)
     members_ns = {i: float(max(1, sum(prim_alone.get(p.name, 0) for p in j.graph.prims))) for i, j in pending.items()}
     out = replace(measured, pending=dict(pending), bounds=bounds, members_ns=members_ns, predicted=predicted)
     return replace(out, estimates=_estimates(out))

@@ -258,3 +258,35 @@ def test_the_cli_chooses_the_cost_model():
     assert cli.options_from(parser.parse_args(["optimize", "m.onnx", "-o", "out"])).cost_model == "learned"
     with pytest.raises(SystemExit):
         parser.parse_args(["optimize", "m.onnx", "-o", "out", "--cost-model", "magic"])
+
+
+def test_a_run_starts_from_the_model_errors_on_the_fusions_the_database_holds(tmp_path, monkeypatch):
+    """The fusions an earlier run measured (here: every pair, measured without pruning) seed the
+    next run's residual and, from CORRECT_AFTER of them, correct the model before its first solve."""
+    import onnx
+    from onnx import TensorProto, helper
+    from kernorch.database import ProfileDB
+    from kernorch.options import Options
+    monkeypatch.setattr(cm, "shipped", lambda: Shifting())
+    monkeypatch.setattr(pipeline, "CORRECT_AFTER", 1)
+    nodes = [helper.make_node(op, [i], [o], name=o) for op, i, o in
+             (("Relu", "x", "a"), ("Neg", "a", "b"), ("Abs", "b", "c"), ("Neg", "c", "y"))]
+    g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [256, 512])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [256, 512])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, str(tmp_path / "chain.onnx"))
+    options = Options(threads=1, max_kernel_size=2, repeats=3, min_repeat_ms=1.0, workers=2, compare_untuned=0,
+                      db_path=str(tmp_path / "db.sqlite"))
+    pipeline.plan_model(str(tmp_path / "chain.onnx"), options.with_(prune=False))  # every pair measured
+    options = options.with_(max_kernel_size=3)
+    machine = Machine.host()
+    with ProfileDB(options.resolved_db()) as db:
+        loaded = pipeline.load(str(tmp_path / "chain.onnx"), options)
+        en = pipeline.enumerate_candidates(loaded.graph, options)
+        measured = pipeline.measure_candidates(loaded.graph, en, db, options, machine)
+    assert measured.pending and all(len(j.graph.prims) == 3 for j in measured.pending.values())
+    assert len(measured.seen) >= 3 and all(r.measured_ns and len(r.prims) == 2 for r in measured.seen)
+    assert not measured.residual.errors and len(measured.residual.earlier) == len(measured.seen)
+    scale = float(len(measured.seen))  # Shifting corrected by n fusions predicts n times the base
+    assert measured.predicted == pytest.approx({i: scale * r.base_ns for i, r in measured.rows.items()})
