@@ -224,21 +224,26 @@ def test_refine_corrects_the_model_with_the_fusions_the_run_measured(monkeypatch
     assert m.predicted == {i: 4000.0 for i in ids[4:]}
 
 
-@pytest.mark.parametrize("cost_model", ["learned", "analytic"])
-def test_a_confident_model_keeps_fusions_unmeasured(tmp_path, monkeypatch, cost_model):
-    """With the learned cost model, a fusion it is sure will lose is never measured (the plan holds
-    only measured kernels either way); the analytic bound alone has the solver ask for fusions."""
+def chain_onnx(path, ops) -> None:
+    """An ONNX chain x[256,512] -> ops[0] -> ... -> y, one unary node per op."""
     import onnx
     from onnx import TensorProto, helper
-    from kernorch.options import Options
-    monkeypatch.setattr(cm, "shipped", lambda: Confident())
-    nodes = [helper.make_node(op, [i], [o], name=o) for op, i, o in
-             (("Relu", "x", "a"), ("Neg", "a", "b"), ("Abs", "b", "y"))]
+    names = ["x"] + [f"t{i}" for i in range(len(ops) - 1)] + ["y"]
+    nodes = [helper.make_node(op, [names[i]], [names[i + 1]], name=names[i + 1]) for i, op in enumerate(ops)]
     g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [256, 512])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [256, 512])])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 8
-    onnx.save(m, str(tmp_path / "chain.onnx"))
+    onnx.save(m, str(path))
+
+
+@pytest.mark.parametrize("cost_model", ["learned", "analytic"])
+def test_a_confident_model_keeps_fusions_unmeasured(tmp_path, monkeypatch, cost_model):
+    """With the learned cost model, a fusion it is sure will lose is never measured (the plan holds
+    only measured kernels either way); the analytic bound alone has the solver ask for fusions."""
+    from kernorch.options import Options
+    monkeypatch.setattr(cm, "shipped", lambda: Confident())
+    chain_onnx(tmp_path / "chain.onnx", ["Relu", "Neg", "Abs"])
     options = Options(threads=1, max_kernel_size=3, repeats=3, min_repeat_ms=1.0, workers=2, compare_untuned=0,
                       db_path=str(tmp_path / "db.sqlite"), cost_model=cost_model)
     planned = pipeline.plan_model(str(tmp_path / "chain.onnx"), options)
@@ -263,19 +268,11 @@ def test_the_cli_chooses_the_cost_model():
 def test_a_run_starts_from_the_model_errors_on_the_fusions_the_database_holds(tmp_path, monkeypatch):
     """The fusions an earlier run measured (here: every pair, measured without pruning) seed the
     next run's residual and, from CORRECT_AFTER of them, correct the model before its first solve."""
-    import onnx
-    from onnx import TensorProto, helper
     from kernorch.database import ProfileDB
     from kernorch.options import Options
     monkeypatch.setattr(cm, "shipped", lambda: Shifting())
     monkeypatch.setattr(pipeline, "CORRECT_AFTER", 1)
-    nodes = [helper.make_node(op, [i], [o], name=o) for op, i, o in
-             (("Relu", "x", "a"), ("Neg", "a", "b"), ("Abs", "b", "c"), ("Neg", "c", "y"))]
-    g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [256, 512])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [256, 512])])
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 8
-    onnx.save(m, str(tmp_path / "chain.onnx"))
+    chain_onnx(tmp_path / "chain.onnx", ["Relu", "Neg", "Abs", "Neg"])
     options = Options(threads=1, max_kernel_size=2, repeats=3, min_repeat_ms=1.0, workers=2, compare_untuned=0,
                       db_path=str(tmp_path / "db.sqlite"))
     pipeline.plan_model(str(tmp_path / "chain.onnx"), options.with_(prune=False))  # every pair measured
