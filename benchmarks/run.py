@@ -135,8 +135,8 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         mdir = Path(args.model_dirs) / name if args.model_dirs else None
         try:
-            r = bench(model, systems, threads=args.threads, rounds=args.rounds, block=args.block, budget_trials=args.budget_trials,
-                      outdir=mdir, options=options)
+            r = bench(model, systems, threads=args.threads, rounds=args.rounds, block=args.block,
+                      budget_trials=args.budget_trials, outdir=mdir, options=options)
         except Exception as e:  # one broken model must not lose the others' results
             log.error("%s: %s: %s", name, type(e).__name__, e)
             continue

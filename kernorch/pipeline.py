@@ -385,7 +385,8 @@ def promising(measured: Measured, wanted, solve_s: float, plan=None) -> list:
         likely = [i for i in rest if _promise(measured, i) * math.exp(-_sigma(measured)) < 1.0]
         if len(likely) < more:
             chosen = set(likely)
-            spent = {p: k.cost_ns / len(k.members) for k in (plan.kernels if plan and FILL_AGAINST_PLAN else ()) for p in k.members}
+            kernels = plan.kernels if plan and FILL_AGAINST_PLAN else ()
+            spent = {p: k.cost_ns / len(k.members) for k in kernels for p in k.members}
 
             def against(i) -> float:  # what the plan spends on the fusion's prims, or their time alone
                 now = sum(spent.get(p.name, 0.0) for p in measured.pending[i].graph.prims) if spent else 0.0
