@@ -382,7 +382,8 @@ def promising(measured: Measured, wanted, solve_s: float, plan=None) -> list:
     skip = set(wanted)
     rest = sorted((i for i in measured.pending if i not in skip), key=lambda i: (_promise(measured, i), i))
     if measured.predicted:
-        likely = [i for i in rest if _promise(measured, i) * math.exp(-_sigma(measured)) < 1.0]
+        within = math.exp(-_sigma(measured))  # the run's spread, over all its errors: once, not per fusion
+        likely = [i for i in rest if _promise(measured, i) * within < 1.0]
         if len(likely) < more:
             chosen = set(likely)
             kernels = plan.kernels if plan and FILL_AGAINST_PLAN else ()

@@ -327,8 +327,7 @@ def test_a_refine_round_fills_up_with_what_the_solver_may_still_ask_for():
     time), by estimate / members; never one the solver cannot want."""
     from kernorch.measure import MeasureStats
     ids = [(f"k{i}", "tvm", "default") for i in range(40)]
-    saves = ids[:3]                                  # predicted at half their members
-    hopeless = ids[3:]                               # predicted at 10x, estimated (bound) at 0.5x-0.9x or 1.5x
+    saves = ids[:3]      # predicted at half their members; the others at 10x, estimated (bound) at 0.5x-0.9x or 1.5x
     estimates = {i: (500 if i in saves else 500 + 10 * n if n < 30 else 1500) for n, i in enumerate(ids)}
     m = pipeline.Measured({}, MeasureStats(measured=100, seconds=50.0), pending=dict.fromkeys(ids),
                           estimates=estimates, members_ns=dict.fromkeys(ids, 1000.0), sigma=0.3,
