@@ -362,6 +362,9 @@ FILL_AGAINST_PLAN = True  # a round's fill-up weighs a fusion against the last p
 
 
 REFINE_GAP = 0.01   # solves between measurement rounds stop within 1 % of the optimum; the last is exact
+# ... or after this many seconds per block of the program: on segformer_b0's decode head (root gap
+# 8-10 %) a round's solve took 20-30 s, every round, since each measurement moves the estimates
+REFINE_BLOCK_SECONDS = 3.0
 
 
 def promising(measured: Measured, wanted, solve_s: float, plan=None) -> list:
@@ -536,7 +539,8 @@ def uncovered(graph: Graph, enumeration, problem, measurements, options: Options
 
 
 def orchestrate(graph: Graph, enumeration, measured: Measured, options: Options,
-                meta: Mapping[str, str] | None = None, previous=None, rel_gap: float = 0.0):
+                meta: Mapping[str, str] | None = None, previous=None, rel_gap: float = 0.0,
+                block_time_limit: float | None = None):
     """Solve the binary linear program over every measured candidate and make the plan."""
     from .plan import make_plan
     problem, by_id = problem_for(graph, enumeration.candidates, measured.measurements, options,
@@ -544,7 +548,7 @@ def orchestrate(graph: Graph, enumeration, measured: Measured, options: Options,
     why = uncovered(graph, enumeration, problem, measured.measurements, options)
     if why:
         raise KernorchError(why)
-    plan = make_plan(problem, options.solver_time_limit, previous, rel_gap)
+    plan = make_plan(problem, options.solver_time_limit, previous, rel_gap, block_time_limit)
     # the plan's kernels take every tensor they read, in the order the lowering numbers them
     kernels = tuple(replace(k, inputs=by_id[k.id].inputs, outputs=by_id[k.id].outputs) for k in plan.kernels)
     wanted = [by_id[k.id].ident for k in plan.kernels if by_id[k.id].ident in measured.pending]
@@ -635,7 +639,8 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
             while True:
                 t0 = time.perf_counter()
                 with clock("orchestrate"):
-                    plan = orchestrate(loaded.graph, enumeration, m, options, meta, previous, gap)
+                    plan = orchestrate(loaded.graph, enumeration, m, options, meta, previous, gap,
+                                       REFINE_BLOCK_SECONDS if gap else None)
                 previous = plan
                 if not plan.estimated:
                     if gap == 0.0:

@@ -210,10 +210,11 @@ class Plan:
 
 
 def make_plan(problem: Problem, time_limit: float = 60.0, previous: "Plan | None" = None,
-              rel_gap: float = 0.0) -> Plan:
+              rel_gap: float = 0.0, block_time_limit: float | None = None) -> Plan:
     """Solve and compute both baselines; a baseline that does not exist is recorded as None.
     `previous`: a plan of an earlier solve of this problem (other costs), the solver's start when it
-    is cheaper than the greedy baseline under today's costs. `rel_gap`: see orchestrate.solve."""
+    is cheaper than the greedy baseline under today's costs. `rel_gap`, `block_time_limit`: see
+    orchestrate.solve."""
     baselines: dict[str, Solution | None] = {}
     for name, fn in (("unfused", unfused), ("greedy", greedy)):
         try:
@@ -228,5 +229,5 @@ def make_plan(problem: Problem, time_limit: float = 60.0, previous: "Plan | None
         ids = [k.id for k in previous.kernels]
         if all(i in costs for i in ids) and (start is None or sum(costs[i] for i in ids) < start.objective_ns):
             initial = ids
-    sol = solve(problem, time_limit, initial=initial, rel_gap=rel_gap)
+    sol = solve(problem, time_limit, initial=initial, rel_gap=rel_gap, block_time_limit=block_time_limit)
     return Plan.from_solution(problem, sol, baselines)

@@ -182,6 +182,67 @@ def test_solve_within_a_gap_stays_within_it_of_brute_force(seed, n, rel_gap):
     assert sol.status == ("optimal" if sol.objective_ns == sol.bound_ns else "within_gap")
 
 
+def segmented_problem(rng: random.Random, sizes, max_size: int = 3) -> Problem:
+    """Random problems in a chain, as the pipeline's partitions: the first prim of each segment reads
+    a prim of the one before, and no candidate spans two segments."""
+    parts = [random_problem(rng, n, max_size) for n in sizes]
+    name = lambda j, p: f"s{j}{p}"  # noqa: E731
+    prims = tuple(name(j, p) for j, q in enumerate(parts) for p in q.prims)
+    deps = {name(j, p): tuple(name(j, d) for d in ds) for j, q in enumerate(parts) for p, ds in q.deps.items()}
+    for j in range(1, len(parts)):
+        deps[name(j, "p0")] = (name(j - 1, rng.choice(parts[j - 1].prims)),)
+    cons = consumers_of(prims, deps)
+    outs = {name(j, o) for j, q in enumerate(parts) for o in q.outputs}
+    outs |= {p for p in prims if not cons[p]}
+    choices = [make_choice(f"s{j}{c.id}", {name(j, m) for m in c.members}, deps, cons, outs, c.cost_ns, c.impl)
+               for j, q in enumerate(parts) for c in q.choices]
+    kinds = {name(j, p): k for j, q in enumerate(parts) for p, k in q.kinds.items()}
+    return Problem(prims, deps, tuple(p for p in prims if p in outs), tuple(choices), kinds)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.lists(st.integers(3, 5), min_size=2, max_size=3), st.booleans(),
+       st.sampled_from([27, 1]))
+def test_solving_block_by_block_matches_brute_force(seed, sizes, layouts, max_states):
+    """A problem that falls apart into blocks meeting in a few tensors (in one or two layouts) is
+    solved block by block, exactly; also when every block with a choice of layouts is merged."""
+    from kernorch import orchestrate
+    rng = random.Random(seed)
+    p = segmented_problem(rng, sizes)
+    if layouts:
+        p = with_layouts(rng, p)
+    old = orchestrate.MAX_STATES
+    orchestrate.MAX_STATES = max_states
+    try:
+        blocks = orchestrate._Blocks(p)
+        sol = solve(p, time_limit=30)
+    finally:
+        orchestrate.MAX_STATES = old
+    assert len(blocks.prims) >= (len(sizes) if max_states > 1 and not layouts else 1)
+    assert all(blocks.states(b) <= max_states for b in range(len(blocks.prims)))
+    validate(p, sol.chosen)
+    assert sol.status == "optimal" and sol.objective_ns == brute_force(p).objective_ns
+
+
+def test_a_block_is_solved_again_only_when_it_changed(monkeypatch):
+    """Between the solves of a refine loop, blocks whose program did not change are not re-solved."""
+    from dataclasses import replace
+    from kernorch import orchestrate
+    p = segmented_problem(random.Random(5), [5, 5, 5])
+    calls = []
+    whole = orchestrate._solve_whole
+    monkeypatch.setattr(orchestrate, "_solve_whole", lambda sub, *a: calls.append(sub.prims) or whole(sub, *a))
+    orchestrate._SOLVED.clear()
+    first = solve(p)
+    assert len(calls) >= 3  # a block per segment at least
+    calls.clear()
+    assert solve(p).objective_ns == first.objective_ns and not calls
+    cheaper = tuple(replace(c, cost_ns=1) if c.members == {"s2p4"} else c for c in p.choices)
+    again = solve(replace(p, choices=cheaper))
+    assert calls and all(prims[0].startswith("s2") for prims in calls)
+    assert again.objective_ns == brute_force(replace(p, choices=cheaper)).objective_ns
+
+
 def test_random_instances_exercise_cycle_cuts():
     """Seeded sweep: multi-output candidates sometimes form cycles, and the cuts fix them."""
     rng = random.Random(7)
@@ -252,6 +313,19 @@ def test_tiny_time_limit_still_returns_an_executable_plan():
         assert sol.objective_ns <= start.objective_ns
         assert sol.bound_ns <= sol.objective_ns
         assert sol.status in ("optimal", "time_limit")
+
+
+def test_a_block_time_limit_still_returns_an_executable_plan():
+    """A refine round's solve, capped per block, returns a plan at least as good as its start."""
+    from kernorch import orchestrate
+    p = with_layouts(random.Random(4), segmented_problem(random.Random(4), [5, 5, 5]))
+    orchestrate._SOLVED.clear()
+    exact = brute_force(p).objective_ns
+    for cap in (1e-9, 5.0):
+        sol = solve(p, rel_gap=0.01, block_time_limit=cap)
+        validate(p, sol.chosen)
+        assert sol.bound_ns <= exact <= sol.objective_ns <= greedy(p).objective_ns
+    assert sol.objective_ns <= exact / 0.99 + 1  # with time to spare, within the gap
 
 
 def test_time_limit_without_any_start_raises_clearly():
