@@ -202,7 +202,7 @@ def segmented_problem(rng: random.Random, sizes, max_size: int = 3) -> Problem:
 
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.lists(st.integers(3, 5), min_size=2, max_size=3), st.booleans(),
-       st.sampled_from([27, 1]))
+       st.sampled_from([27, 3, 1]))
 def test_solving_block_by_block_matches_brute_force(seed, sizes, layouts, max_states):
     """A problem that falls apart into blocks meeting in a few tensors (in one or two layouts) is
     solved block by block, exactly; also when every block with a choice of layouts is merged."""
