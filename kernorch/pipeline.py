@@ -365,7 +365,7 @@ REFINE_GAP = 0.01   # solves between measurement rounds stop within 1 % of the o
 # ... or, after the first round, this many seconds per block of the program: on segformer_b0's decode
 # head (root gap 8-10 %) a round's solve took 20-30 s, every round, since each measurement moves the
 # estimates. The first solve is not capped: when its plan holds only measured kernels (a re-optimize),
-# the exact solve that follows reuses every block it proved optimal (57 s for segformer_b0 on a Zen 4;
+# the exact solve that follows reuses every block it proved optimal (60 s for segformer_b0 on a Zen 4;
 # 71 s with the first solve capped too)
 REFINE_BLOCK_SECONDS = 3.0
 
