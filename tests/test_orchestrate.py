@@ -206,18 +206,18 @@ def segmented_problem(rng: random.Random, sizes, max_size: int = 3) -> Problem:
 def test_solving_block_by_block_matches_brute_force(seed, sizes, layouts, max_states):
     """A problem that falls apart into blocks meeting in a few tensors (in one or two layouts) is
     solved block by block, exactly; also when every block with a choice of layouts is merged."""
-    from kernorch import orchestrate
+    from kernorch import blocks as blk
     rng = random.Random(seed)
     p = segmented_problem(rng, sizes)
     if layouts:
         p = with_layouts(rng, p)
-    old = orchestrate.MAX_STATES
-    orchestrate.MAX_STATES = max_states
+    old = blk.MAX_STATES
+    blk.MAX_STATES = max_states
     try:
-        blocks = orchestrate._Blocks(p)
+        blocks = blk.Blocks(p)
         sol = solve(p, time_limit=30)
     finally:
-        orchestrate.MAX_STATES = old
+        blk.MAX_STATES = old
     assert len(blocks.prims) >= (len(sizes) if max_states > 1 and not layouts else 1)
     assert all(blocks.states(b) <= max_states for b in range(len(blocks.prims)))
     validate(p, sol.chosen)
@@ -227,12 +227,12 @@ def test_solving_block_by_block_matches_brute_force(seed, sizes, layouts, max_st
 def test_a_block_is_solved_again_only_when_it_changed(monkeypatch):
     """Between the solves of a refine loop, blocks whose program did not change are not re-solved."""
     from dataclasses import replace
-    from kernorch import orchestrate
+    from kernorch import blocks as blk
     p = segmented_problem(random.Random(5), [5, 5, 5])
     calls = []
-    whole = orchestrate._solve_whole
-    monkeypatch.setattr(orchestrate, "_solve_whole", lambda sub, *a: calls.append(sub.prims) or whole(sub, *a))
-    orchestrate._SOLVED.clear()
+    whole = blk._solve_whole
+    monkeypatch.setattr(blk, "_solve_whole", lambda sub, *a: calls.append(sub.prims) or whole(sub, *a))
+    blk._SOLVED.clear()
     first = solve(p)
     assert len(calls) >= 3  # a block per segment at least
     calls.clear()
@@ -317,9 +317,9 @@ def test_tiny_time_limit_still_returns_an_executable_plan():
 
 def test_a_block_time_limit_still_returns_an_executable_plan():
     """A refine round's solve, capped per block, returns a plan at least as good as its start."""
-    from kernorch import orchestrate
+    from kernorch import blocks as blk
     p = with_layouts(random.Random(4), segmented_problem(random.Random(4), [5, 5, 5]))
-    orchestrate._SOLVED.clear()
+    blk._SOLVED.clear()
     exact = brute_force(p).objective_ns
     for cap in (1e-9, 5.0):
         sol = solve(p, rel_gap=0.01, block_time_limit=cap)
