@@ -107,8 +107,11 @@ def make_inputs(job: KernelJob, seed: int = 0) -> list[np.ndarray]:
             continue
         ty = types[t]
         shape = tuple(int(d) for d in ty.shape)
-        if ty.dtype.startswith("float"):
-            out.append(rng.uniform(0.1, 1.0, size=shape).astype(ty.dtype))
+        if ty.dtype.startswith("float"):  # drawn in float32: segformer_b0's kernels read 6.6 M elements on average
+            x = rng.random(shape, dtype=np.float32)
+            x *= 0.9
+            x += 0.1
+            out.append(x.astype(ty.dtype, copy=False))
         elif ty.dtype == "bool":
             out.append(rng.random(shape) < 0.5)
         else:
@@ -140,14 +143,22 @@ def check(job: KernelJob, got: Sequence[np.ndarray], want: Sequence[np.ndarray])
             if bad:
                 raise KernorchError(f"output {name}: {bad} elements differ from the reference")
             continue
-        scale = float(np.max(np.abs(w))) if w.size else 1.0
-        err = np.abs(g.astype(np.float64) - w.astype(np.float64))
-        tol = RTOL * np.abs(w) + ATOL_SCALE * max(scale, 1e-6)
         finite = np.isfinite(w)
-        if np.any(~np.isfinite(g) & finite) or np.any(err[finite] > tol[finite]):
-            raise KernorchError(f"output {name}: max error {float(np.max(err[finite])):.3g} "
+        if not finite.all():  # compared where the reference is finite
+            g, w = g[finite], w[finite]
+        if not np.isfinite(g).all():
+            raise KernorchError(f"output {name}: non-finite values where the reference is finite")
+        if not w.size:
+            continue
+        # in the outputs' own precision (float64 copies of segformer_b0's outputs cost 20 ms a
+        # kernel): the tolerance is far above float32's rounding of the difference
+        absw = np.abs(w)
+        scale = float(np.max(absw))
+        err = np.abs(g.astype(w.dtype, copy=False) - w)
+        if np.any(err > RTOL * absw + ATOL_SCALE * max(scale, 1e-6)):
+            raise KernorchError(f"output {name}: max error {float(np.max(err)):.3g} "
                                 f"(output scale {scale:.3g}) exceeds tolerance")
-        worst = max(worst, float(np.max(err[finite]) / max(scale, 1e-30)) if err.size else 0.0)
+        worst = max(worst, float(np.max(err)) / max(scale, 1e-30))
     return worst
 
 
@@ -282,7 +293,9 @@ class Workers:
 
     def builders(self) -> WorkerPool:
         if self._builders is None:
-            self._builders = WorkerPool(self.options.workers, worker_env(self.options.threads))
+            # one thread each: a builder only runs a kernel to check it, and two builders whose TVM
+            # pools spin 2 threads each on 2 cores took 35-45 % longer (segformer_b0, Zen 4)
+            self._builders = WorkerPool(self.options.workers, worker_env(1))
         return self._builders
 
     def timer(self) -> WorkerPool:

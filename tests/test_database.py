@@ -201,6 +201,22 @@ def test_a_kernel_that_fails_its_check_is_refused_at_once(tmp_path, monkeypatch)
     assert res[job.ident].status == "refused" and stats.refused == 1
 
 
+def test_the_reference_check_compares_where_the_reference_is_finite():
+    from kernorch import measure
+    from kernorch.ir import Graph, KernorchError, TensorType, make_prim
+    t = TensorType((4,), "float32")
+    job = measure.KernelJob("k", "tvm", "default", Graph((("x", t),), ("y",), (make_prim("y", "relu", ["x"], t),)),
+                            ("x",), ("y",))
+    want = np.array([1.0, -np.inf, 2.0, 4.0], np.float32)
+    assert measure.check(job, [want + np.float32(1e-4)], [want]) == pytest.approx(2.5e-5, rel=1e-2)
+    assert measure.check(job, [np.array([1.0, 7.0, 2.0, 4.0], np.float32)], [want]) == 0.0  # not compared at -inf
+    for bad in ([1.0, -np.inf, 2.0, 4.01], [np.nan, -np.inf, 2.0, 4.0], [1.0, -np.inf, np.inf, 4.0]):
+        with pytest.raises(KernorchError, match="output y"):
+            measure.check(job, [np.array(bad, np.float32)], [want])
+    with pytest.raises(KernorchError, match="shape"):
+        measure.check(job, [want[:3]], [want])
+
+
 def test_a_dominated_generated_kernel_is_timed_once(tmp_path):
     """A generated kernel far slower than the best measured implementation of its key stops after
     one call instead of `repeats` (measure less where the answer is already clear)."""
