@@ -42,7 +42,7 @@ from kernorch.options import Machine, Options  # noqa: E402
 TRAIN = "transformer_block,candy_like,gpt2_mini,yolox_tiny,candy"
 
 
-def replay(path: Path, options: Options, machine: Machine, db: ProfileDB) -> tuple:
+def replay(path: Path, options: Options, machine: Machine, db: ProfileDB, kernel_s: float = 1.0) -> tuple:
     """plan_model with the database as the oracle; returns (planned, fused kernels measured, all measured)."""
     real_stored = meas.stored
     counts = {"all": 0, "fused": 0}
@@ -60,7 +60,7 @@ def replay(path: Path, options: Options, machine: Machine, db: ProfileDB) -> tup
                                                         "not in the database") for j in jobs}
         counts["all"] += len(jobs)
         counts["fused"] += sum(pl._deferrable(j) for j in jobs)
-        return out, meas.MeasureStats(jobs=len(jobs), measured=len(jobs), seconds=1.0 * len(jobs))
+        return out, meas.MeasureStats(jobs=len(jobs), measured=len(jobs), seconds=kernel_s * len(jobs))
 
     with mock.patch.object(meas, "stored", stored), mock.patch.object(meas, "measure", measure):
         planned = pl.plan_model(str(path), options, db=db, machine=machine)
@@ -75,6 +75,10 @@ def main(argv=None) -> int:
     ap.add_argument("--estimators", default="all,analytic,learned",
                     help="which runs: all (the reference, always first), analytic, learned (once per confidence), "
                          "learned-members (learned, its rounds filled against the members alone, not the last plan)")
+    ap.add_argument("--kernel-seconds", type=float, default=0.3,
+                    help="what a measurement is taken to cost (a round's fill-up is one solve's time of them)")
+    ap.add_argument("--shipped", action="store_true",
+                    help="use the shipped learned model as it is (instead of one fitted without the replayed model)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--db", default=None)
     ap.add_argument("--out", default=str(HERE / "results" / "pruning"))
@@ -92,7 +96,7 @@ def main(argv=None) -> int:
             rows[p.stem] = [r for r in rs if r.measured_ns]
         for path in cmbench.model_paths(args.models.split(",")):
             train = [r for name, rs in rows.items() if name != path.stem for r in rs]
-            model = cm.CostModel.fit(train, {"sigma": sigma})
+            model = shipped if args.shipped else cm.CostModel.fit(train, {"sigma": sigma})
             wanted = set(args.estimators.split(","))
             runs = [("all", options.with_(prune=False), None)]
             runs += [("analytic", options.with_(cost_model="analytic"), None)] if "analytic" in wanted else []
@@ -104,15 +108,16 @@ def main(argv=None) -> int:
                 with mock.patch.object(cm, "shipped", lambda: model), \
                         mock.patch.object(pl, "CONFIDENCE", confidence if confidence is not None else pl.CONFIDENCE), \
                         mock.patch.object(pl, "FILL_AGAINST_PLAN", not label.startswith("learned-members")):
-                    planned, fused, total = replay(path, opts, machine, db)
+                    planned, fused, total = replay(path, opts, machine, db, args.kernel_seconds)
                 ns = planned.plan.predicted_ns
                 base = base or ns
                 r = {"model": path.stem, "estimator": label, "fused_measured": fused, "measured": total,
-                     "rounds": planned.measured.stats.rounds, "never_measured": planned.measured.stats.estimated,
+                     "rounds": planned.measured.stats.rounds, "solve_s": planned.seconds.get("orchestrate", 0.0), "never_measured": planned.measured.stats.estimated,
                      "plan_ms": ns / 1e6, "plan_vs_all": ns / base, "replay_s": time.perf_counter() - t0}
                 results.append(r)
                 print(f"{path.stem} {label}: {fused} fused measured, {r['rounds']} rounds, plan {ns / 1e6:.3f} ms "
-                      f"({r['plan_vs_all']:.4f} of measuring all), replayed in {r['replay_s']:.0f} s", flush=True)
+                      f"({r['plan_vs_all']:.4f} of measuring all), solves {r['solve_s']:.0f} s, replayed in {r['replay_s']:.0f} s",
+                      flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"machine": machine.to_json(), "results": results}, indent=1))

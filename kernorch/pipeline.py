@@ -80,6 +80,7 @@ class Measured:
     model: Any = None                       # the learned model (kernorch.costmodel.CostModel) in use
     rows: Mapping[tuple[str, str, str], cm.Row] = field(default_factory=dict)  # pending jobs' features
     seen: tuple[cm.Row, ...] = ()           # the fusions this run measured, with their times
+    fitted: int = 0                         # how many of `seen` the estimates in use were made with
 
     def with_measurement(self, m: Measurement) -> "Measured":
         """A copy where `m` replaces the earlier measurements of its (key, impl)."""
@@ -291,6 +292,11 @@ def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Option
 # plans within 0.0-0.8 % of measuring all; 2.0 measured 89-100 %.
 CONFIDENCE = 1.0
 CORRECT_AFTER = 30  # fusions measured in a run before the learned model is corrected by them
+# ... and again each time the run has measured this many times as many: in between, the estimates of
+# the fusions still pending stay as they are, so a round's solve finds every block of the program
+# that no measurement touched already solved (kernorch.blocks), instead of solving all of them again
+# for estimates that moved by a few percent
+REFIT_GROWTH = 1.25
 
 
 def _with_pending(measured: Measured, pending: Mapping, options: Options, machine: Machine,
@@ -336,7 +342,7 @@ def _with_pending(measured: Measured, pending: Mapping, options: Options, machin
             fitted, residual = model.corrected(seen), residual.corrected()
         predicted = {r.ident: ns for r, ns in zip(rows, fitted.predict_ns(rows))}
         measured = replace(measured, sigma=model.sigma, model=model, rows={r.ident: r for r in rows}, seen=seen,
-                           residual=residual)
+                           residual=residual, fitted=len(seen))
     members_ns = {i: float(max(1, sum(prim_alone.get(p.name, 0) for p in j.graph.prims))) for i, j in pending.items()}
     out = replace(measured, pending=dict(pending), bounds=bounds, members_ns=members_ns, predicted=predicted)
     return replace(out, estimates=_estimates(out))
@@ -359,6 +365,7 @@ def _estimates(measured: Measured) -> dict:
 
 
 FILL_AGAINST_PLAN = True  # a round's fill-up weighs a fusion against the last plan (else its members alone)
+FILL_NEAR = True          # ... and is taken from the partitions of the fusions the plan wants (else anywhere)
 
 
 REFINE_GAP = 0.01   # solves between measurement rounds stop within 1 % of the optimum; the last is exact
@@ -366,11 +373,14 @@ REFINE_GAP = 0.01   # solves between measurement rounds stop within 1 % of the o
 # head (root gap 8-10 %) a round's solve took 20-30 s, every round, since each measurement moves the
 # estimates. The first solve is not capped: when its plan holds only measured kernels (a re-optimize),
 # the exact solve that follows reuses every block it proved optimal (60 s for segformer_b0 on a Zen 4;
-# 71 s with the first solve capped too)
+# 71 s with the first solve capped too). At 1 s (replayed, segformer_b0, Zen 4) a round's solve took
+# 2-4 s instead of 7-8 s, but the capped rounds kept missing decode-head fusions that the exact solve
+# (27-43 s) then asked for one at a time: 84 rounds instead of 63, 3710 fusions measured instead of
+# 3534, the same 8.6-8.8 min of solves
 REFINE_BLOCK_SECONDS = 3.0
 
 
-def promising(measured: Measured, wanted, solve_s: float, plan=None) -> list:
+def promising(measured: Measured, wanted, solve_s: float, plan=None, near: Mapping[str, int] | None = None) -> list:
     """What a refine round measures: the kernels the plan wants, then more pending fusions the
     solver would ask for in later rounds: as many as can be measured in about the time one solve
     takes (between 16 and 512), so neither the solves nor the measurements dominate the loop.
@@ -380,13 +390,23 @@ def promising(measured: Measured, wanted, solve_s: float, plan=None) -> list:
     what `plan` (the last solve's) spends on their members (each kernel's cost shared among its
     members), else below their members alone, most attractive first. Without the second kind the
     loop ends in a tail of rounds that each solve the whole program to measure the one fusion the
-    solver asked for (yolox_tiny: 45 of its 67 rounds)."""
+    solver asked for (yolox_tiny: 45 of its 67 rounds).
+
+    `near` (prim -> partition): only fusions in the partitions of the wanted ones. Elsewhere the
+    plan holds measured kernels that beat every estimate, and while the estimates stay put
+    (REFIT_GROWTH) a measurement there would only make the solver solve that part again."""
     wanted = list(dict.fromkeys(wanted))
     s = measured.stats
     per_kernel = s.seconds / s.measured if s.measured else 1.0
     more = min(512, max(16, int(solve_s / max(per_kernel, 1e-3))))
     skip = set(wanted)
-    rest = sorted((i for i in measured.pending if i not in skip), key=lambda i: (_promise(measured, i), i))
+    rest = (i for i in measured.pending if i not in skip)
+    if near is not None:
+        def part(i) -> int:
+            return near.get(measured.pending[i].graph.prims[0].name, -1)
+        touched = {part(i) for i in wanted if i in measured.pending}
+        rest = (i for i in rest if part(i) in touched)
+    rest = sorted(rest, key=lambda i: (_promise(measured, i), i))
     if measured.predicted:
         within = math.exp(-_sigma(measured))  # the run's spread, over all its errors: once, not per fusion
         likely = [i for i in rest if _promise(measured, i) * within < 1.0]
@@ -418,7 +438,8 @@ def refine(measured: Measured, idents, db: ProfileDB, options: Options, machine:
     alone, and every pending job is a fusion); the learned predictions move with the residual of
     the fusions measured so far, and once CORRECT_AFTER of them are measured, the model corrected
     by them (`CostModel.corrected`: what this machine does differently reorders the predictions,
-    which a residual cannot) predicts the rest again."""
+    which a residual cannot) predicts the rest again, each time the measured fusions grew by
+    REFIT_GROWTH; in between, the estimates of the jobs still pending stay as they were."""
     jobs = [measured.pending[i] for i in idents if i in measured.pending]
     results, stats = _measure_with_fallback(jobs, db, options, machine, "refine", workers, measured.direct)
     left = {i: j for i, j in measured.pending.items() if i not in results}
@@ -428,12 +449,18 @@ def refine(measured: Measured, idents, db: ProfileDB, options: Options, machine:
                                  if m.ok and i in measured.rows)
     rows = {i: measured.rows[i] for i in left if i in measured.rows}
     predicted = {i: measured.predicted[i] for i in left if i in measured.predicted}
-    if measured.model is not None and len(seen) >= CORRECT_AFTER and len(seen) > len(measured.seen) and rows:
+    fitted = measured.fitted
+    if (measured.model is not None and len(seen) >= max(CORRECT_AFTER, REFIT_GROWTH * fitted)
+            and len(seen) > len(measured.seen) and rows):
         predicted = dict(zip(rows, measured.model.corrected(seen).predict_ns(list(rows.values()))))
         residual = residual.corrected()  # the correction took the mean error in
+        fitted = len(seen)
     out = replace(measured, measurements={**measured.measurements, **results}, stats=measured.stats.merged(stats),
                   pending=left, residual=residual, bounds={i: measured.bounds[i] for i in left},
-                  predicted=predicted, rows=rows, seen=seen, members_ns={i: measured.members_ns[i] for i in left})
+                  predicted=predicted, rows=rows, seen=seen, members_ns={i: measured.members_ns[i] for i in left},
+                  fitted=fitted)
+    if fitted == measured.fitted and len(seen) >= CORRECT_AFTER:  # not corrected this round: estimates kept
+        return replace(out, estimates={i: measured.estimates[i] for i in left})
     return replace(out, estimates=_estimates(out))
 
 
@@ -630,6 +657,7 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
     with clock("enumerate"):
         enumeration = enumerate_candidates(loaded.graph, options)
     meta = plan_meta(loaded.source, machine, options)
+    near = {p: part.index for part in enumeration.partitions for p in part.prims} if FILL_NEAR else None
     with meas.Workers(options) as workers:
         with clock("measure"):
             measured = measure_candidates(loaded.graph, enumeration, db, options, machine, workers)
@@ -651,7 +679,7 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
                     gap = 0.0  # every kernel of the plan is measured: prove it optimal
                     continue
                 rounds = m.stats.rounds + 1
-                batch = promising(m, plan.estimated, time.perf_counter() - t0, plan)
+                batch = promising(m, plan.estimated, time.perf_counter() - t0, plan, near)
                 log.info("refine %d: measuring %d kernels the plan wants and %d promising ones (%d unmeasured%s)",
                          rounds, len(plan.estimated), len(batch) - len(plan.estimated), len(m.pending),
                          f"; learned model spread {_sigma(m):.2f}" if m.predicted else "")

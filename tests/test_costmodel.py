@@ -2,6 +2,7 @@
 run's residual, and how pruning uses it (never below the analytic bound)."""
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -222,6 +223,35 @@ def test_refine_corrects_the_model_with_the_fusions_the_run_measured(monkeypatch
     assert set(m.rows) == set(m.pending) == set(ids[3:])
     m = pipeline.refine(m, ids[3:4], None, None, None)
     assert m.predicted == {i: 4000.0 for i in ids[4:]}
+
+
+def test_estimates_stay_put_between_corrections(monkeypatch):
+    """After the first correction the model is corrected again only once the measured fusions grew
+    by REFIT_GROWTH; in between, the pending fusions keep their estimates exactly (so the solver's
+    blocks that no measurement touched are found solved)."""
+    from kernorch.database import Measurement
+    from kernorch.measure import MeasureStats
+    monkeypatch.setattr(pipeline, "CORRECT_AFTER", 2)
+    monkeypatch.setattr(pipeline, "REFIT_GROWTH", 2.0)
+    ids = [(f"k{i}", "tvm", "default") for i in range(8)]
+    rows = {i: cm.Row(i, {}, 1000.0) for i in ids}
+
+    def fake_measure(jobs, *args):
+        return {j: Measurement("", j[0], j[1], j[2], "", "ok", 2000 + 100 * int(j[0][1:]), (), "")
+                for j in jobs}, MeasureStats()
+    monkeypatch.setattr(pipeline, "_measure_with_fallback", fake_measure)
+    m = pipeline.Measured({}, MeasureStats(), pending={i: i for i in ids}, bounds={i: 10 for i in ids},
+                          members_ns={i: 1000.0 for i in ids}, predicted={i: 1000.0 for i in ids},
+                          sigma=0.1, model=Shifting(), rows=rows)
+    m = replace(m, estimates=pipeline._estimates(m))
+    m = pipeline.refine(m, ids[:2], None, None, None)  # 2 measured: corrected
+    assert m.fitted == 2 and m.predicted == {i: 2000.0 for i in ids[2:]}
+    before = dict(m.estimates)
+    m = pipeline.refine(m, ids[2:3], None, None, None)  # 3 < 2 x 2: kept
+    assert m.fitted == 2 and m.estimates == {i: before[i] for i in ids[3:]} and m.residual.errors
+    m = pipeline.refine(m, ids[3:4], None, None, None)  # 4: corrected again, estimates moved
+    assert m.fitted == 4 and m.predicted == {i: 4000.0 for i in ids[4:]}
+    assert m.estimates != {i: before[i] for i in ids[4:]}
 
 
 def chain_onnx(path, ops) -> None:

@@ -339,6 +339,22 @@ def test_a_refine_round_fills_up_with_what_the_solver_may_still_ask_for():
     assert set(every) == set(ids[:30])               # estimates at 1.5x their members: never
 
 
+def test_the_fill_up_stays_in_the_partitions_the_plan_wants_fusions_in():
+    from types import SimpleNamespace as NS
+    from kernorch.measure import MeasureStats
+
+    def job(*prims):
+        return NS(graph=NS(prims=tuple(NS(name=n) for n in prims)))
+    ids = {n: (n, "tvm", "default") for n in ("ab", "bc", "cd", "de")}
+    m = pipeline.Measured({}, MeasureStats(measured=100, seconds=50.0),
+                          pending={i: job(*n) for n, i in ids.items()}, estimates=dict.fromkeys(ids.values(), 500),
+                          members_ns=dict.fromkeys(ids.values(), 1000.0))
+    near = {"a": 0, "b": 0, "c": 1, "d": 2, "e": 2}  # a fusion is in its first prim's partition
+    assert pipeline.promising(m, [ids["ab"]], solve_s=1.0, near=near) == [ids["ab"], ids["bc"]]
+    assert set(pipeline.promising(m, [ids["ab"], ids["de"]], solve_s=1.0, near=near)) == set(ids.values()) - {ids["cd"]}
+    assert len(pipeline.promising(m, [ids["ab"]], solve_s=1.0)) == 4  # anywhere without `near`
+
+
 def test_the_fill_up_weighs_a_fusion_against_what_the_plan_spends_on_its_prims():
     """A fusion whose estimate undercuts its members alone but not the fused kernel the plan already
     has for them is not worth a measurement; one that undercuts the plan's kernels is."""
