@@ -449,17 +449,16 @@ def refine(measured: Measured, idents, db: ProfileDB, options: Options, machine:
                                  if m.ok and i in measured.rows)
     rows = {i: measured.rows[i] for i in left if i in measured.rows}
     predicted = {i: measured.predicted[i] for i in left if i in measured.predicted}
-    fitted = measured.fitted
-    if (measured.model is not None and len(seen) >= max(CORRECT_AFTER, REFIT_GROWTH * fitted)
-            and len(seen) > len(measured.seen) and rows):
+    refit = bool(measured.model is not None and len(seen) >= max(CORRECT_AFTER, REFIT_GROWTH * measured.fitted)
+                 and len(seen) > len(measured.seen) and rows)
+    if refit:
         predicted = dict(zip(rows, measured.model.corrected(seen).predict_ns(list(rows.values()))))
         residual = residual.corrected()  # the correction took the mean error in
-        fitted = len(seen)
     out = replace(measured, measurements={**measured.measurements, **results}, stats=measured.stats.merged(stats),
                   pending=left, residual=residual, bounds={i: measured.bounds[i] for i in left},
                   predicted=predicted, rows=rows, seen=seen, members_ns={i: measured.members_ns[i] for i in left},
-                  fitted=fitted)
-    if fitted == measured.fitted and len(seen) >= CORRECT_AFTER:  # not corrected this round: estimates kept
+                  fitted=len(seen) if refit else measured.fitted)
+    if not refit and len(seen) >= CORRECT_AFTER:  # not corrected this round: the estimates are kept
         return replace(out, estimates={i: measured.estimates[i] for i in left})
     return replace(out, estimates=_estimates(out))
 
