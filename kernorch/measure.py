@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import math
 import tempfile
 import time
 import zlib
@@ -96,8 +97,30 @@ def versions(impl: str) -> str:
 # inputs and the reference check (run inside workers)
 # ---------------------------------------------------------------------------------------------
 
+_NOISE = np.empty(0, np.float32)
+NOISE_SPAN = 1 << 20  # offsets into the noise buffer
+
+
+def _noise(n: int) -> np.ndarray:
+    """At least `n` + NOISE_SPAN read-only uniform values in [0.1, 1), drawn once per process and
+    grown when a larger tensor asks: the same seed, so the values at a position never change."""
+    global _NOISE
+    if _NOISE.size < n + NOISE_SPAN:
+        size = max(n + NOISE_SPAN, 2 * _NOISE.size)
+        x = np.random.default_rng(0).random(size, dtype=np.float32)
+        x *= 0.9
+        x += 0.1
+        x.setflags(write=False)
+        _NOISE = x
+    return _NOISE
+
+
 def make_inputs(job: KernelJob, seed: int = 0) -> list[np.ndarray]:
-    """Random inputs in a safe domain (positive floats: sqrt/log/pow/div stay finite), real weights."""
+    """Random inputs in a safe domain (positive floats: sqrt/log/pow/div stay finite), real weights.
+
+    A float input is a read-only view of one process-wide buffer of random values, at an offset
+    drawn from the kernel's key: drawing them afresh cost 26 ms of a segformer_b0 kernel's 0.25 s
+    (its kernels read 6.6 M elements on average), twice (the check and the timing)."""
     rng = np.random.default_rng(seed + zlib.crc32(job.key.encode()))
     out = []
     types = dict(job.graph.inputs)
@@ -107,11 +130,10 @@ def make_inputs(job: KernelJob, seed: int = 0) -> list[np.ndarray]:
             continue
         ty = types[t]
         shape = tuple(int(d) for d in ty.shape)
-        if ty.dtype.startswith("float"):  # drawn in float32: segformer_b0's kernels read 6.6 M elements on average
-            x = rng.random(shape, dtype=np.float32)
-            x *= 0.9
-            x += 0.1
-            out.append(x.astype(ty.dtype, copy=False))
+        if ty.dtype.startswith("float"):
+            n = math.prod(shape)
+            at = int(rng.integers(0, NOISE_SPAN))
+            out.append(_noise(n)[at:at + n].reshape(shape).astype(ty.dtype, copy=False))
         elif ty.dtype == "bool":
             out.append(rng.random(shape) < 0.5)
         else:
@@ -146,18 +168,21 @@ def check(job: KernelJob, got: Sequence[np.ndarray], want: Sequence[np.ndarray])
         finite = np.isfinite(w)
         if not finite.all():  # compared where the reference is finite
             g, w = g[finite], w[finite]
-        if not np.isfinite(g).all():
-            raise KernorchError(f"output {name}: non-finite values where the reference is finite")
         if not w.size:
             continue
         # in float32 at least, not float64 (copies of segformer_b0's outputs cost 20 ms a kernel):
-        # the tolerance is far above float32's rounding of the difference
+        # the tolerance is far above float32's rounding of the difference; in place, few passes
         dt = np.promote_types(w.dtype, np.float32)
         g, w = g.astype(dt, copy=False), w.astype(dt, copy=False)
-        absw = np.abs(w)
-        scale = float(np.max(absw))
-        err = np.abs(g - w)
-        if np.any(err > RTOL * absw + ATOL_SCALE * max(scale, 1e-6)):
+        err = np.subtract(g, w)
+        np.abs(err, out=err)
+        allowed = np.abs(w)
+        scale = float(np.max(allowed))
+        allowed *= RTOL
+        allowed += ATOL_SCALE * max(scale, 1e-6)
+        if not np.all(err <= allowed):  # a NaN or infinity in the output fails here too
+            if not np.isfinite(g).all():
+                raise KernorchError(f"output {name}: non-finite values where the reference is finite")
             raise KernorchError(f"output {name}: max error {float(np.max(err)):.3g} "
                                 f"(output scale {scale:.3g}) exceeds tolerance")
         worst = max(worst, float(np.max(err)) / max(scale, 1e-30))

@@ -217,6 +217,36 @@ def test_the_reference_check_compares_where_the_reference_is_finite():
         measure.check(job, [want[:3]], [want])
 
 
+def test_random_inputs_depend_only_on_the_kernel(monkeypatch):
+    """Inputs are views of one process-wide noise buffer: the same kernel gets the same values
+    whatever ran before it in the process (the buffer grows with the same seed), other kernels
+    others, all in the safe domain, and nothing can write them."""
+    from kernorch import measure
+    from kernorch.ir import Graph, TensorType, make_prim
+
+    def job(key, n):
+        t = TensorType((n, 3), "float32")
+        g = Graph((("x", t), ("z", t)), ("y",), (make_prim("y", "add", ["x", "z"], t),))
+        return measure.KernelJob(key, "tvm", "default", g, ("x", "z"), ("y",))
+
+    monkeypatch.setattr(measure, "_NOISE", np.empty(0, np.float32))
+    small = measure.make_inputs(job("a", 5))
+    big = measure.make_inputs(job("b", 1 << 20))  # grows the buffer
+    again = measure.make_inputs(job("a", 5))
+    monkeypatch.setattr(measure, "_NOISE", np.empty(0, np.float32))
+    fresh = measure.make_inputs(job("a", 5))
+    for a, b, c in zip(small, again, fresh):
+        assert a.shape == (5, 3) and a.dtype == np.float32
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+    assert not np.array_equal(small[0], small[1])
+    assert not np.array_equal(small[0], big[0][:5])
+    for x in small + big:
+        assert x.min() >= 0.1 and x.max() < 1.0
+        with pytest.raises(ValueError):
+            x[0, 0] = 0.0
+
+
 def test_a_dominated_generated_kernel_is_timed_once(tmp_path):
     """A generated kernel far slower than the best measured implementation of its key stops after
     one call instead of `repeats` (measure less where the answer is already clear)."""
