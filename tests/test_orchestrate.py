@@ -8,7 +8,9 @@ from __future__ import annotations
 import itertools
 import json
 import random
+from dataclasses import replace
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -109,7 +111,6 @@ def cycle_problem() -> Problem:
 def with_layouts(rng: random.Random, p: Problem) -> Problem:
     """The problem with a blocked variant of some choices (every tensor it reads and writes named
     "t@B"), and conversions both ways for every such tensor, as the pipeline builds them."""
-    from dataclasses import replace
     blocked = [replace(c, id=c.id + ".B", inputs=frozenset(t + "@B" for t in c.inputs),
                        outputs=frozenset(t + "@B" for t in c.outputs),
                        cost_ns=max(1, int(c.cost_ns * rng.uniform(0.3, 1.2))), schedule="b/x")
@@ -144,7 +145,6 @@ def test_solve_with_layouts_matches_brute_force(seed, n):
 
 
 def test_conversions_are_checked():
-    from dataclasses import replace
     p = with_layouts(random.Random(3), random_problem(random.Random(3), 6, 3))
     bad = Choice("bad", "k", "tvm", frozenset(), frozenset(["p1"]), frozenset(["p2@B"]), 1)
     with pytest.raises(KernorchError, match="must rewrite one tensor"):
@@ -226,7 +226,6 @@ def test_solving_block_by_block_matches_brute_force(seed, sizes, layouts, max_st
 
 def test_a_block_is_solved_again_only_when_it_changed(monkeypatch):
     """Between the solves of a refine loop, blocks whose program did not change are not re-solved."""
-    from dataclasses import replace
     from kernorch import blocks as blk
     p = segmented_problem(random.Random(5), [5, 5, 5])
     calls = []
@@ -241,6 +240,30 @@ def test_a_block_is_solved_again_only_when_it_changed(monkeypatch):
     again = solve(replace(p, choices=cheaper))
     assert calls and all(prims[0].startswith("s2") for prims in calls)
     assert again.objective_ns == brute_force(replace(p, choices=cheaper)).objective_ns
+
+
+def test_a_fusion_two_smaller_kernels_beat_leaves_the_model():
+    """A chain a -> b -> c: the fusion {a, b} that costs no less than a and b apart leaves the
+    binary program (and a start that holds it maps to the pair); {b, c}, which saves, stays; a
+    fusion whose parts would read what it does not (b alone reads a) is not split into them."""
+    from kernorch.orchestrate import _Model
+    prims = ("a", "b", "c")
+    deps = {"a": (), "b": ("a",), "c": ("b",)}
+    cons = consumers_of(prims, deps)
+    outs = {"c"}
+    mk = lambda cid, m, cost: make_choice(cid, m, deps, cons, outs, cost)  # noqa: E731
+    choices = (mk("A", {"a"}, 10), mk("B", {"b"}, 10), mk("C", {"c"}, 10), mk("AB", {"a", "b"}, 20),
+               mk("BC", {"b", "c"}, 15), mk("AC", {"a", "b", "c"}, 24))
+    problem = Problem(prims, deps, ("c",), choices)
+    model = _Model(problem)
+    assert {c.id for c in model.choices} == {"A", "B", "C", "BC", "AC"}
+    start = model.start_vector([c for c in choices if c.id in ("AB", "C")])
+    assert {model.choices[k].id for k in np.flatnonzero(start[: model.n_x])} == {"A", "B", "C"}
+    assert solve(problem).objective_ns == brute_force(problem).objective_ns == 24
+    dearer = tuple(replace(c, cost_ns=26) if c.id == "AC" else c for c in choices)
+    model = _Model(replace(problem, choices=dearer))  # A + BC = 25 does it cheaper
+    assert "AC" not in {c.id for c in model.choices}
+    assert solve(replace(problem, choices=dearer)).objective_ns == 25
 
 
 def test_random_instances_exercise_cycle_cuts():
@@ -433,7 +456,6 @@ def test_scale_smoke():
 def test_plan_carries_each_kernels_schedule():
     """The solver treats schedules as opaque; the plan's kernels and alternatives keep theirs, the
     prediction is the sum of the chosen costs, and JSON round-trips."""
-    from dataclasses import replace
     p = random_problem(random.Random(7), 7, 3)
     choices = tuple(replace(c, schedule=f"t{i % 5 + 4}x32p") for i, c in enumerate(p.choices))
     p2 = replace(p, choices=choices)
