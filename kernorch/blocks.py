@@ -188,6 +188,10 @@ class Blocks:
 # state did. A solution serves any later solve whose gap tolerance it meets.
 _SOLVED: "OrderedDict[tuple, Solution | KernorchError]" = OrderedDict()
 _SOLVED_MAX = 4096
+# The last solution of each block state (its prims and patterns): the start of the state's next solve.
+# The costs have moved since, so it is no longer proved optimal, but a capped solve (a refine round's)
+# can only improve on it, instead of starting again from the greedy baseline.
+_LAST: "OrderedDict[tuple, tuple[str, ...]]" = OrderedDict()
 
 
 def _signature(problem: Problem) -> tuple:
@@ -224,7 +228,7 @@ def solve_blocks(problem: Problem, blocks: Blocks, deadline: float, fallback: li
             else:
                 fresh += 1
                 try:
-                    begin = _finish(sub, [c for c in sub.choices if c.id in start], _rank(sub))
+                    begin = _start(sub, start, _LAST.get((blocks.prims[b], pats), ()))
                     until = deadline if block_time_limit is None else min(deadline, time.perf_counter() + block_time_limit)
                     known = _solve_whole(sub, until, begin or _baseline_start(
                         sub, {c.id: c for c in sub.choices}, logging.DEBUG), rel_gap)
@@ -237,6 +241,11 @@ def solve_blocks(problem: Problem, blocks: Blocks, deadline: float, fallback: li
                     _SOLVED[key] = known
                     while len(_SOLVED) > _SOLVED_MAX:
                         _SOLVED.popitem(last=False)
+                if isinstance(known, Solution):
+                    _LAST[(blocks.prims[b], pats)] = known.chosen
+                    _LAST.move_to_end((blocks.prims[b], pats))
+                    while len(_LAST) > _SOLVED_MAX:
+                        _LAST.popitem(last=False)
             if not isinstance(known, KernorchError):
                 solved[b][pats] = known
     picked = _agree(blocks, solved, lambda s: s.objective_ns)
@@ -259,6 +268,13 @@ def solve_blocks(problem: Problem, blocks: Blocks, deadline: float, fallback: li
              sum(map(len, solved)), fresh)
     return Solution(ids, status, obj, bound, gap, 0.0, sum(s.n_cuts for s in sols), sum(s.n_rows for s in sols),
                     sum(s.n_cols for s in sols), sum(s.n_nonzeros for s in sols))
+
+
+def _start(sub: Problem, *starts: Iterable[str]) -> list[Choice] | None:
+    """The cheapest executable completion of the starts' choices in `sub` (ids it lacks dropped)."""
+    rank = _rank(sub)
+    done = (_finish(sub, [c for c in sub.choices if c.id in ids], rank) for ids in map(set, starts) if ids)
+    return min((d for d in done if d is not None), key=lambda d: sum(c.cost_ns for c in d), default=None)
 
 
 def _looser(s: tuple, t: tuple, writes: Sequence[bool]) -> bool:

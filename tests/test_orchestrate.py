@@ -242,6 +242,28 @@ def test_a_block_is_solved_again_only_when_it_changed(monkeypatch):
     assert again.objective_ns == brute_force(replace(p, choices=cheaper)).objective_ns
 
 
+def test_a_changed_block_starts_from_its_last_solution(monkeypatch):
+    """A block solved again (its costs moved) starts from its own last solution of the same state,
+    not from the greedy baseline: a capped solve can then only improve on it."""
+    from kernorch import blocks as blk
+    from kernorch.orchestrate import greedy
+    p = segmented_problem(random.Random(5), [5, 5, 5])
+    starts = []
+    whole = blk._solve_whole
+    monkeypatch.setattr(blk, "_solve_whole",
+                        lambda sub, deadline, start, gap: starts.append((sub.prims, start)) or whole(sub, deadline, start, gap))
+    blk._SOLVED.clear()
+    blk._LAST.clear()
+    solve(p, initial=list(greedy(p).chosen))
+    last = {k[0]: set(ids) for k, ids in blk._LAST.items()}
+    starts.clear()
+    dearer = tuple(replace(c, cost_ns=c.cost_ns + 1) if c.members & {"s2p0"} else c for c in p.choices)
+    solve(replace(p, choices=dearer), initial=list(greedy(p).chosen))
+    assert starts and all(prims[0].startswith("s2") for prims, _ in starts)
+    for prims, start in starts:
+        assert {c.id for c in start} == last[prims]
+
+
 def test_a_fusion_two_smaller_kernels_beat_leaves_the_model():
     """A chain a -> b -> c: the fusion {a, b} that costs no less than a and b apart leaves the
     binary program (and a start that holds it maps to the pair); {b, c}, which saves, stays; a
