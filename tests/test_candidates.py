@@ -391,3 +391,19 @@ def test_64_prim_partition_is_fast():
     g = random_graph(1, 64)
     r = enumerate_partition(g, whole(g), EnumOptions())
     assert time.perf_counter() - t0 < 5.0
+
+
+def test_a_candidates_io_is_computed_once_per_variant():
+    """Every refine round's program asks for each candidate's parameters and layouts again: they
+    are kept with the graph, per candidate and variant, and equal what a fresh computation gives."""
+    from kernorch.ir import kernel_graph
+    from kernorch.layouts import _io, candidate_io
+    b = Builder()
+    x = b.input("x", (1, 32, 8, 8))
+    y = b.add("relu", x)
+    z = b.add("exp", y)
+    g = b.graph([z])
+    first = candidate_io(g, (y, z), (x,), (z,), "default")
+    assert candidate_io(g, [y, z], [x], [z], "default") is first
+    assert candidate_io(g, (y, z), (x,), (z,), "b16/default") is not first
+    assert first == _io(kernel_graph(g, (y, z), (x,), (z,)), (x,), (z,), "default", (x,), (z,))
