@@ -577,7 +577,7 @@ def orchestrate(graph: Graph, enumeration, measured: Measured, options: Options,
     why = uncovered(graph, enumeration, problem, measured.measurements, options)
     if why:
         raise KernorchError(why)
-    plan = make_plan(problem, options.solver_time_limit, previous, rel_gap, block_time_limit)
+    plan = make_plan(problem, options.solver_time_limit, previous, rel_gap, block_time_limit, baselines=rel_gap == 0.0)
     # the plan's kernels take every tensor they read, in the order the lowering numbers them
     kernels = tuple(replace(k, inputs=by_id[k.id].inputs, outputs=by_id[k.id].outputs) for k in plan.kernels)
     wanted = [by_id[k.id].ident for k in plan.kernels if by_id[k.id].ident in measured.pending]

@@ -210,19 +210,20 @@ class Plan:
 
 
 def make_plan(problem: Problem, time_limit: float = 60.0, previous: "Plan | None" = None,
-              rel_gap: float = 0.0, block_time_limit: float | None = None) -> Plan:
+              rel_gap: float = 0.0, block_time_limit: float | None = None, baselines: bool = True) -> Plan:
     """Solve and compute both baselines; a baseline that does not exist is recorded as None.
     `previous`: a plan of an earlier solve of this problem (other costs), the solver's start when it
     is cheaper than the greedy baseline under today's costs. `rel_gap`, `block_time_limit`: see
-    orchestrate.solve."""
-    baselines: dict[str, Solution | None] = {}
-    for name, fn in (("unfused", unfused), ("greedy", greedy)):
+    orchestrate.solve. Without `baselines` (a refine round's plan, which only says what to measure
+    next: 0.33 s of segformer_b0's rounds), `previous` is the start whenever it still runs."""
+    found: dict[str, Solution | None] = {}
+    for name, fn in (("unfused", unfused), ("greedy", greedy)) if baselines else ():
         try:
-            baselines[name] = fn(problem)
+            found[name] = fn(problem)
         except KernorchError as e:
             log.info("no %s baseline: %s", name, e)
-            baselines[name] = None
-    start = baselines["greedy"] or baselines["unfused"]
+            found[name] = None
+    start = found.get("greedy") or found.get("unfused")
     initial = list(start.chosen) if start else None
     if previous is not None:
         costs = {c.id: c.cost_ns for c in problem.choices}
@@ -230,4 +231,4 @@ def make_plan(problem: Problem, time_limit: float = 60.0, previous: "Plan | None
         if all(i in costs for i in ids) and (start is None or sum(costs[i] for i in ids) < start.objective_ns):
             initial = ids
     sol = solve(problem, time_limit, initial=initial, rel_gap=rel_gap, block_time_limit=block_time_limit)
-    return Plan.from_solution(problem, sol, baselines)
+    return Plan.from_solution(problem, sol, found)

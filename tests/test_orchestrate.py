@@ -407,6 +407,23 @@ def test_greedy_fuses_epilogues_and_elementwise_chains():
 
 # -- plans --------------------------------------------------------------------------------------------
 
+def test_a_refine_rounds_plan_skips_the_baselines_and_starts_from_the_last_plan(monkeypatch):
+    """A refine round's plan (baselines=False) computes neither baseline and hands the solver the
+    previous plan as its start; the plan a user sees has both."""
+    import kernorch.plan as plan_mod
+    p = cycle_problem()
+    full = make_plan(p)
+    starts = []
+    real = plan_mod.solve
+    monkeypatch.setattr(plan_mod, "solve", lambda problem, t, initial=None, **kw: starts.append(initial) or real(problem, t, initial=initial, **kw))
+    monkeypatch.setattr(plan_mod, "greedy", lambda problem: pytest.fail("greedy baseline computed"))
+    monkeypatch.setattr(plan_mod, "unfused", lambda problem: pytest.fail("unfused baseline computed"))
+    fast = make_plan(p, previous=full, baselines=False)
+    assert starts == [[k.id for k in full.kernels]]
+    assert fast.predicted_ns == full.predicted_ns and fast.unfused_ns is None and fast.greedy_ns is None
+    assert full.unfused_ns == 40 and full.greedy_ns is not None
+
+
 def test_plan_round_trip_and_buffers(tmp_path):
     p = cycle_problem()
     plan = make_plan(p)
