@@ -17,8 +17,9 @@ sum of the x_k that write t, and x_k <= a_t for every t that k reads), and one c
 live primitive (the chosen kernels together compute it at least once). The coverage rows keep the
 LP relaxation tight on most programs (root gaps of a fraction of a percent) so that HiGHS proves
 optimality at or near the root; where many overlapping fusions carry near-equal estimates (the
-decode head of segformer_b0: 2300 candidates on 41 prims) the root gap is 8-10 % and the branch
-and bound takes tens of seconds. Cycles among multi-output kernels are cut lazily (first-writer
+decode head of segformer_b0: 2300 candidates on 41 prims) the root gap is 9-15 % and the branch
+and bound takes seconds to tens of seconds; dropping the kernels that two others do at most as
+dearly (`_splits`) shrinks that tree without moving the optimum. Cycles among multi-output kernels are cut lazily (first-writer
 cuts, below). A program that falls apart into blocks meeting in a few tensors (the pipeline's
 partitions) is solved block by block, with the same optimum (kernorch.blocks).
 """

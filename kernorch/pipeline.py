@@ -369,15 +369,14 @@ FILL_NEAR = True          # ... and is taken from the partitions of the fusions 
 
 
 REFINE_GAP = 0.01   # solves between measurement rounds stop within 1 % of the optimum; the last is exact
-# ... or, after the first round, this many seconds per block of the program: on segformer_b0's decode
-# head (root gap 8-10 %) a round's solve took 20-30 s, every round, since each measurement moves the
-# estimates. The first solve is not capped: when its plan holds only measured kernels (a re-optimize),
-# the exact solve that follows reuses every block it proved optimal (60 s for segformer_b0 on a Zen 4;
-# 71 s with the first solve capped too). At 1 s (replayed, segformer_b0, Zen 4) a round's solve took
-# 2-4 s instead of 7-8 s, but the capped rounds kept missing decode-head fusions that the exact solve
-# (27-43 s) then asked for one at a time: 84 rounds instead of 63, 3710 fusions measured instead of
-# 3534, the same 8.6-8.8 min of solves
-REFINE_BLOCK_SECONDS = 3.0
+# ... or, after the first round, this many seconds per block state of the program: on segformer_b0's
+# decode head (root gap 9-15 %) a round's solve took 20-30 s, every round, since each measurement moves
+# the estimates. The first solve is not capped: when its plan holds only measured kernels (a
+# re-optimize), the exact solve that follows reuses every block it proved optimal. A capped state
+# starts from its own last solution (kernorch.blocks), so 1 s only improves on it; replayed on
+# segformer_b0 (Zen 4), rounds took 3 s instead of 7-8 s and the solves 474 s instead of 569 s for as
+# many fusions measured (at 3 s without those starts, 1 s had cost 21 more rounds)
+REFINE_BLOCK_SECONDS = 1.0
 
 
 def promising(measured: Measured, wanted, solve_s: float, plan=None, near: Mapping[str, int] | None = None) -> list:

@@ -147,13 +147,26 @@ def test_the_residual_is_a_shrunk_median():
 def test_the_spread_is_the_runs_own_once_it_has_measured_enough():
     assert cm.Residual().spread(0.5) == 0.5
     exact = cm.Residual().add([(100.0, 100.0)] * 400)  # a model right every time on this machine
-    assert exact.spread(0.5) == pytest.approx(0.5 * math.sqrt(cm.SHRINK / (400 + cm.SHRINK)))
+    n = min(400, cm.SPREAD_WINDOW or 400)
+    assert exact.spread(0.5) == pytest.approx(0.5 * math.sqrt(cm.SHRINK / (n + cm.SHRINK)))
     wild = cm.Residual().add([(100.0, 100.0 * math.e ** s) for s in (-2, 2) * 200])
     assert wild.spread(0.5) > 1.9
     # a correction zeroes the shift but keeps its errors for the spread
     kept = wild.corrected()
     assert kept.shift == 0.0 and kept.spread(0.5) == wild.spread(0.5)
     assert kept.add([(1.0, 1.0)]).spread(0.5) < wild.spread(0.5)
+
+
+def test_the_spread_is_that_of_the_runs_last_errors(monkeypatch):
+    """Once the run has made SPREAD_WINDOW errors, the spread is theirs: a model corrected by the
+    run's measurements errs less than it did at the start, and its early errors no longer count."""
+    monkeypatch.setattr(cm, "SPREAD_WINDOW", 300)
+    wild = [(100.0, 100.0 * math.e ** s) for s in (-2, 2) * 150]
+    later = cm.Residual().add(wild).corrected().add([(100.0, 100.0)] * 300)
+    assert later.spread(0.5) == pytest.approx(0.5 * math.sqrt(cm.SHRINK / (300 + cm.SHRINK)))
+    assert cm.Residual().add(wild).corrected().add([(100.0, 100.0)] * 299).spread(0.5) > 0.1
+    monkeypatch.setattr(cm, "SPREAD_WINDOW", 0)
+    assert later.spread(0.5) > 1.0
 
 
 def test_estimates_lower_the_prediction_by_the_runs_spread():
