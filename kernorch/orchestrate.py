@@ -19,8 +19,8 @@ LP relaxation tight on most programs (root gaps of a fraction of a percent) so t
 optimality at or near the root; where many overlapping fusions carry near-equal estimates (the
 decode head of segformer_b0: 2300 candidates on 41 prims) the root gap is 9-15 % and the branch
 and bound takes seconds to tens of seconds; dropping the kernels that two others do at most as
-dearly (`_splits`) shrinks that tree without moving the optimum. Cycles among multi-output kernels are cut lazily (first-writer
-cuts, below). A program that falls apart into blocks meeting in a few tensors (the pipeline's
+dearly (`_splits`) shrinks that tree without moving the optimum. Cycles among multi-output kernels
+are cut lazily (first-writer cuts, below). A program that falls apart into blocks meeting in a few tensors (the pipeline's
 partitions) is solved block by block, with the same optimum (kernorch.blocks).
 """
 from __future__ import annotations
@@ -533,21 +533,12 @@ def _splits(choices: Sequence[Choice]) -> dict[tuple, tuple[tuple, tuple]]:
         by_members.setdefault(c.members, []).append(c)
     out: dict[tuple, tuple[tuple, tuple]] = {}
     for k in choices:
-        if len(k.members) < 2:
-            continue
         members = sorted(k.members)
-        found = None
-        for size in range(1, len(members)):
-            for part in itertools.combinations(members, size):
-                firsts = by_members.get(frozenset(part), ())
-                seconds = by_members.get(k.members.difference(part), ())
-                found = next(((a, b) for a in firsts if a.inputs <= k.inputs and a.cost_ns <= k.cost_ns
-                              for b in seconds if a.cost_ns + b.cost_ns <= k.cost_ns
-                              and b.inputs <= k.inputs | a.outputs and k.outputs <= a.outputs | b.outputs), None)
-                if found:
-                    break
-            if found:
-                break
+        parts = (frozenset(p) for size in range(1, len(members)) for p in itertools.combinations(members, size))
+        found = next(((a, b) for part in parts
+                      for a in by_members.get(part, ()) if a.inputs <= k.inputs and a.cost_ns <= k.cost_ns
+                      for b in by_members.get(k.members - part, ()) if a.cost_ns + b.cost_ns <= k.cost_ns
+                      and b.inputs <= k.inputs | a.outputs and k.outputs <= a.outputs | b.outputs), None)
         if found:
             out[(k.members, k.inputs, k.outputs)] = tuple((c.members, c.inputs, c.outputs) for c in found)
     return out
