@@ -238,14 +238,9 @@ def solve_blocks(problem: Problem, blocks: Blocks, deadline: float, fallback: li
                 final = known.status in ("optimal", "within_gap") if isinstance(known, Solution) \
                     else time.perf_counter() < until  # proven infeasible, not out of time
                 if final:
-                    _SOLVED[key] = known
-                    while len(_SOLVED) > _SOLVED_MAX:
-                        _SOLVED.popitem(last=False)
+                    _remember(_SOLVED, key, known)
                 if isinstance(known, Solution):
-                    _LAST[(blocks.prims[b], pats)] = known.chosen
-                    _LAST.move_to_end((blocks.prims[b], pats))
-                    while len(_LAST) > _SOLVED_MAX:
-                        _LAST.popitem(last=False)
+                    _remember(_LAST, (blocks.prims[b], pats), known.chosen)
             if not isinstance(known, KernorchError):
                 solved[b][pats] = known
     picked = _agree(blocks, solved, lambda s: s.objective_ns)
@@ -268,6 +263,14 @@ def solve_blocks(problem: Problem, blocks: Blocks, deadline: float, fallback: li
              sum(map(len, solved)), fresh)
     return Solution(ids, status, obj, bound, gap, 0.0, sum(s.n_cuts for s in sols), sum(s.n_rows for s in sols),
                     sum(s.n_cols for s in sols), sum(s.n_nonzeros for s in sols))
+
+
+def _remember(cache: OrderedDict, key: tuple, value) -> None:
+    """Keep `value` as the newest entry of `cache`, the oldest dropped beyond _SOLVED_MAX."""
+    cache[key] = value
+    cache.move_to_end(key)
+    while len(cache) > _SOLVED_MAX:
+        cache.popitem(last=False)
 
 
 def _start(sub: Problem, *starts: Iterable[str]) -> list[Choice] | None:
