@@ -112,12 +112,13 @@ def main(argv=None) -> int:
                 ns = planned.plan.predicted_ns
                 base = base or ns
                 r = {"model": path.stem, "estimator": label, "fused_measured": fused, "measured": total,
-                     "rounds": planned.measured.stats.rounds, "solve_s": planned.seconds.get("orchestrate", 0.0), "never_measured": planned.measured.stats.estimated,
+                     "rounds": planned.measured.stats.rounds, "solve_s": planned.seconds.get("orchestrate", 0.0),
+                     "never_measured": planned.measured.stats.estimated,
                      "plan_ms": ns / 1e6, "plan_vs_all": ns / base, "replay_s": time.perf_counter() - t0}
                 results.append(r)
                 print(f"{path.stem} {label}: {fused} fused measured, {r['rounds']} rounds, plan {ns / 1e6:.3f} ms "
-                      f"({r['plan_vs_all']:.4f} of measuring all), solves {r['solve_s']:.0f} s, replayed in {r['replay_s']:.0f} s",
-                      flush=True)
+                      f"({r['plan_vs_all']:.4f} of measuring all), solves {r['solve_s']:.0f} s, "
+                      f"replayed in {r['replay_s']:.0f} s", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"machine": machine.to_json(), "results": results}, indent=1))

@@ -375,7 +375,7 @@ REFINE_GAP = 0.01   # solves between measurement rounds stop within 1 % of the o
 # re-optimize), the exact solve that follows reuses every block it proved optimal. A capped state
 # starts from its own last solution (kernorch.blocks), so 1 s only improves on it; replayed on
 # segformer_b0 (Zen 4), rounds took 3 s instead of 7-8 s and the solves 474 s instead of 569 s for as
-# many fusions measured (at 3 s without those starts, 1 s had cost 21 more rounds)
+# many fusions measured (before those starts, 1 s had cost 21 more rounds than 3 s)
 REFINE_BLOCK_SECONDS = 1.0
 
 
@@ -407,7 +407,7 @@ def promising(measured: Measured, wanted, solve_s: float, plan=None, near: Mappi
         rest = (i for i in rest if part(i) in touched)
     rest = sorted(rest, key=lambda i: (_promise(measured, i), i))
     if measured.predicted:
-        within = math.exp(-_sigma(measured))  # the run's spread, over all its errors: once, not per fusion
+        within = math.exp(-_sigma(measured))  # the run's spread (its last errors): once, not per fusion
         likely = [i for i in rest if _promise(measured, i) * within < 1.0]
         if len(likely) < more:
             chosen = set(likely)
