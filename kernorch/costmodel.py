@@ -32,13 +32,16 @@ PARAMS = {"max_depth": 6, "eta": 0.08, "subsample": 0.9, "colsample_bytree": 0.9
           "objective": "reg:squarederror", "nthread": 1, "seed": 0}
 ROUNDS = 300
 # the correction on a new machine: shallow, slow, few trees (50 rows must not be memorised)
-CORRECT_PARAMS = PARAMS | {"max_depth": 3, "eta": 0.1, "min_child_weight": 4, "subsample": 1.0}
+# the correction samples neither rows nor columns: continued training draws from XGBoost's global
+# generator, and the same rows must give the same model (a warm run's estimates repeat)
+CORRECT_PARAMS = PARAMS | {"max_depth": 3, "eta": 0.1, "min_child_weight": 4, "subsample": 1.0, "colsample_bytree": 1.0}
 CORRECT_ROUNDS = 20
 SHRINK = 8.0  # the run's residual counts n / (n + SHRINK) of its median: a few fusions move it little
 # the run's spread: over its last this many errors (0: all of them). The corrected model errs less than
 # the run's early errors say (segformer_b0, Zen 4: 0.34-0.40 against 0.47 over all); replayed, the
 # window measured 2431 fusions instead of 3514 (600: about 3000) for a plan 1.5 % above measuring all
 SPREAD_WINDOW = 300
+HELD_OUT_FOLDS = 5  # CostModel.held_out_errors: the folds a warm run's spread is estimated from
 
 
 def alone_times(measurements: Mapping) -> tuple[dict[str, int], int]:
@@ -160,6 +163,22 @@ class CostModel:
             return self
         booster = xgb.train(CORRECT_PARAMS, _matrix(rows, labelled=True), rounds, xgb_model=self.booster.copy())
         return CostModel(booster, self.summary | {"corrected_with": len(rows)})
+
+    def held_out_errors(self, rows: Sequence[Row], folds: int = HELD_OUT_FOLDS) -> tuple[float, ...]:
+        """The errors, log(measured / predicted), that this model corrected by `rows` makes on
+        fusions it has not seen: each row predicted by the model corrected with the other folds
+        (row i in fold i % folds), in the order of `rows`. A run that starts from fusions an
+        earlier run measured has no out-of-sample errors of its own; these stand in for them."""
+        rows = [r for r in rows if r.measured_ns]
+        if len(rows) < 2 * folds:
+            return ()
+        out: list[float] = [0.0] * len(rows)
+        for f in range(folds):
+            train = [r for i, r in enumerate(rows) if i % folds != f]
+            test = [i for i in range(f, len(rows), folds)]
+            for i, p in zip(test, self.corrected(train).predict_ns([rows[i] for i in test])):
+                out[i] = math.log(rows[i].measured_ns / p)
+        return tuple(out)
 
     def predict(self, rows: Sequence[Row]) -> list[float]:
         """Predicted log(time / base) per row."""

@@ -81,6 +81,7 @@ class Measured:
     rows: Mapping[tuple[str, str, str], cm.Row] = field(default_factory=dict)  # pending jobs' features
     seen: tuple[cm.Row, ...] = ()           # the fusions this run measured, with their times
     fitted: int = 0                         # how many of `seen` the estimates in use were made with
+    settled: bool = False                   # the estimates are `_settle`'s (a later run starts from them)
 
     def with_measurement(self, m: Measurement) -> "Measured":
         """A copy where `m` replaces the earlier measurements of its (key, impl)."""
@@ -313,9 +314,11 @@ def _with_pending(measured: Measured, pending: Mapping, options: Options, machin
     model's errors on them start the run's residual and, from CORRECT_AFTER of them, correct the
     model before the first solve, so that a second run starts where the first one ended instead of
     from the shipped model's spread (without this, a second optimize of segformer_b0 on a Zen 4
-    took 6 rounds and 243 new measurements)."""
+    took 6 rounds and 243 new measurements). The spread is then that of the corrected model on the
+    fusions it was not corrected with (`CostModel.held_out_errors`), not the shipped model's errors
+    on them."""
     if not pending:
-        return replace(measured, pending={}, estimates={}, bounds={}, members_ns={}, predicted={})
+        return replace(measured, pending={}, estimates={}, bounds={}, members_ns={}, predicted={}, settled=True)
     from .calibrate import calibrate
     from .estimate import fused_estimate_ns
     cal = calibrate(options.threads)
@@ -337,14 +340,30 @@ def _with_pending(measured: Measured, pending: Mapping, options: Options, machin
                                             measured.measurements) if r.measured_ns)
         residual = cm.Residual().add(zip(model.predict_ns(list(seen)), (r.measured_ns for r in seen))) if seen \
             else cm.Residual()
-        fitted = model
-        if len(seen) >= CORRECT_AFTER:
-            fitted, residual = model.corrected(seen), residual.corrected()
-        predicted = {r.ident: ns for r, ns in zip(rows, fitted.predict_ns(rows))}
+        predicted = {r.ident: ns for r, ns in zip(rows, model.predict_ns(rows))}
         measured = replace(measured, sigma=model.sigma, model=model, rows={r.ident: r for r in rows}, seen=seen,
                            residual=residual, fitted=len(seen))
     members_ns = {i: float(max(1, sum(prim_alone.get(p.name, 0) for p in j.graph.prims))) for i, j in pending.items()}
     out = replace(measured, pending=dict(pending), bounds=bounds, members_ns=members_ns, predicted=predicted)
+    if len(out.seen) >= CORRECT_AFTER:
+        return _settle(out)
+    return replace(out, estimates=_estimates(out), settled=True)
+
+
+def _settle(measured: Measured) -> Measured:
+    """The pending fusions predicted again by the model corrected with every fusion measured so far
+    (in the order of their idents), lowered by the spread of that correction's errors on fusions it
+    did not see (`CostModel.held_out_errors`). A run starts here from the fusions the database holds
+    (`_with_pending`) and ends here (the solve loop in `_plan_range`), so that a second run on the
+    same database starts exactly where the first ended: same estimates, same plan, and every block
+    of its program found solved in the database (kernorch.blocks)."""
+    if measured.model is None or len(measured.seen) < CORRECT_AFTER or not measured.pending:
+        return replace(measured, settled=True)  # no correction: the estimates depend on no order
+    seen = tuple(sorted(measured.seen, key=lambda r: r.ident))
+    fitted = measured.model.corrected(seen)
+    out = replace(measured, seen=seen, residual=cm.Residual(earlier=measured.model.held_out_errors(seen)),
+                  predicted=dict(zip(measured.rows, fitted.predict_ns(list(measured.rows.values())))),
+                  fitted=len(seen), settled=True)
     return replace(out, estimates=_estimates(out))
 
 
@@ -456,7 +475,7 @@ def refine(measured: Measured, idents, db: ProfileDB, options: Options, machine:
     out = replace(measured, measurements={**measured.measurements, **results}, stats=measured.stats.merged(stats),
                   pending=left, residual=residual, bounds={i: measured.bounds[i] for i in left},
                   predicted=predicted, rows=rows, seen=seen, members_ns={i: measured.members_ns[i] for i in left},
-                  fitted=len(seen) if refit else measured.fitted)
+                  fitted=len(seen) if refit else measured.fitted, settled=measured.settled and not results)
     if not refit and len(seen) >= CORRECT_AFTER:  # not corrected this round: the estimates are kept
         return replace(out, estimates={i: measured.estimates[i] for i in left})
     return replace(out, estimates=_estimates(out))
@@ -672,6 +691,9 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
                                        REFINE_BLOCK_SECONDS if gap and m.stats.rounds else None)
                 previous = plan
                 if not plan.estimated:
+                    if gap == 0.0 and not m.settled:  # end where a second run would start (`_settle`)
+                        m = _settle(m)
+                        continue
                     if gap == 0.0:
                         return plan, replace(m, stats=replace(m.stats, estimated=len(m.pending)))
                     gap = 0.0  # every kernel of the plan is measured: prove it optimal

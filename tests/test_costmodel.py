@@ -92,13 +92,16 @@ def test_measured_rows_are_kept_as_json_with_their_machine(tmp_path):
         cm.load_rows(tmp_path / "rows.json")
 
 
+def moved(rows):
+    """The rows as a 'new machine' times them: the label also rises with call_share."""
+    return [cm.Row(r.ident, r.features, r.base_ns, r.prims,
+                   int(r.measured_ns * math.exp(2.0 * r.features["call_share"])), "new") for r in rows]
+
+
 def test_a_model_from_another_machine_is_corrected_by_fifty_measurements():
     """On the 'new machine' the label also rises with call_share, which reorders the kernels: a
     shift of every prediction cannot fix that, a correction fitted to 50 of its rows does (and the
     model it starts from is left as it was)."""
-    def moved(rows):
-        return [cm.Row(r.ident, r.features, r.base_ns, r.prims,
-                       int(r.measured_ns * math.exp(2.0 * r.features["call_share"])), "new") for r in rows]
     from scipy.stats import spearmanr
     old = cm.CostModel.fit(synthetic_rows(300), rounds=80)
     seen, fresh = moved(synthetic_rows(50, seed=1)), moved(synthetic_rows(200, seed=2))
@@ -109,6 +112,22 @@ def test_a_model_from_another_machine_is_corrected_by_fifty_measurements():
     assert rho_after > rho_before + 0.1 and rho_after > 0.9
     assert old.predict(fresh) == pytest.approx(before) and fixed.summary["corrected_with"] == 50
     assert old.corrected([]) is old
+
+
+def test_held_out_errors_are_the_corrected_models_on_rows_it_did_not_see():
+    """Each row's error comes from the model corrected by the other folds, smaller than the
+    uncorrected model's errors on the new machine; too few rows give none."""
+    old = cm.CostModel.fit(synthetic_rows(300), rounds=80)
+    seen = moved(synthetic_rows(100, seed=1))
+
+    def errors(model, rows):
+        return [math.log(r.measured_ns / p) for r, p in zip(rows, model.predict_ns(rows))]
+    held = old.held_out_errors(seen)
+    assert len(held) == 100
+    assert np.std(held) < 0.5 * np.std(errors(old, seen))
+    without_fold0 = old.corrected([r for i, r in enumerate(seen) if i % cm.HELD_OUT_FOLDS])
+    assert held[0] == pytest.approx(errors(without_fold0, seen[:1])[0])
+    assert old.held_out_errors(seen[:2 * cm.HELD_OUT_FOLDS - 1]) == ()
 
 
 def test_loading_refuses_other_features_and_other_formats(tmp_path):
@@ -211,6 +230,9 @@ class Shifting:
     def corrected(self, seen):
         assert all(r.measured_ns for r in seen)
         return Shifting(float(len(seen)))
+
+    def held_out_errors(self, seen):  # each fusion left out of the correction in turn
+        return tuple(math.log(r.measured_ns / ((len(seen) - 1) * r.base_ns)) for r in seen)
 
 
 def test_refine_corrects_the_model_with_the_fusions_the_run_measured(monkeypatch):
@@ -327,6 +349,36 @@ def test_a_run_starts_from_the_model_errors_on_the_fusions_the_database_holds(tm
         measured = pipeline.measure_candidates(loaded.graph, en, db, options, machine)
     assert measured.pending and all(len(j.graph.prims) == 3 for j in measured.pending.values())
     assert len(measured.seen) >= 3 and all(r.measured_ns and len(r.prims) == 2 for r in measured.seen)
-    assert not measured.residual.errors and len(measured.residual.earlier) == len(measured.seen)
+    assert not measured.residual.errors
+    assert measured.residual.earlier == Shifting().held_out_errors(measured.seen)  # the corrected model's
     scale = float(len(measured.seen))  # Shifting corrected by n fusions predicts n times the base
     assert measured.predicted == pytest.approx({i: scale * r.base_ns for i, r in measured.rows.items()})
+
+
+def test_a_second_run_starts_where_the_first_ended(tmp_path, monkeypatch):
+    """A run ends with the estimates a later run on the same database starts with (`_settle`): the
+    second run finds the first one's plan without measuring anything or solving a round."""
+    from kernorch.database import ProfileDB
+    from kernorch.options import Options
+    class Pessimist(Shifting):  # corrected, it expects every fusion to take 50 times its base
+        def corrected(self, seen):
+            return Shifting(50.0)
+
+        def held_out_errors(self, seen):
+            return tuple(math.log(r.measured_ns / (50.0 * r.base_ns)) for r in seen)
+    monkeypatch.setattr(cm, "shipped", lambda: Pessimist())
+    monkeypatch.setattr(pipeline, "CORRECT_AFTER", 2)
+    chain_onnx(tmp_path / "chain.onnx", ["Tanh", "Neg", "Abs", "Relu", "Exp", "Sigmoid", "Erf", "Neg", "Floor", "Abs", "Ceil",
+                                        "Tanh", "Relu"])
+    options = Options(threads=1, max_kernel_size=4, repeats=3, min_repeat_ms=1.0, workers=2, compare_untuned=0,
+                      db_path=str(tmp_path / "db.sqlite"))
+    first = pipeline.plan_model(str(tmp_path / "chain.onnx"), options)
+    assert first.measured.settled and first.measured.pending and len(first.measured.seen) >= 2
+    with ProfileDB(options.resolved_db()) as db:
+        loaded = pipeline.load(str(tmp_path / "chain.onnx"), options)
+        en = pipeline.enumerate_candidates(loaded.graph, options)
+        again = pipeline.measure_candidates(loaded.graph, en, db, options, Machine.host())
+    assert again.settled and again.estimates == first.measured.estimates
+    second = pipeline.plan_model(str(tmp_path / "chain.onnx"), options)
+    assert second.measured.stats.measured == 0 and second.measured.stats.rounds == 0
+    assert [k.id for k in second.plan.kernels] == [k.id for k in first.plan.kernels]
