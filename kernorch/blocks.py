@@ -16,13 +16,17 @@ program, 17 s within 1 % and 36 s exact).
 """
 from __future__ import annotations
 
+import functools
+import hashlib
 import itertools
+import json
 import logging
 import math
 import time
 from collections import OrderedDict
-from dataclasses import replace
-from typing import Iterable, Mapping, Sequence
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Iterable, Mapping, Protocol, Sequence
 
 import highspy
 import numpy as np
@@ -199,10 +203,53 @@ def _signature(problem: Problem) -> tuple:
             tuple(sorted((c.id, c.members, c.inputs, c.outputs, c.cost_ns, c.schedule) for c in problem.choices)))
 
 
+class SolutionStore(Protocol):
+    """Where proven block solutions outlive the process (kernorch.database.ProfileDB): a second run
+    whose block programs are the same, costs and all, finds them solved."""
+
+    def solution(self, key: str) -> str | None: ...
+
+    def add_solution(self, key: str, doc: str) -> None: ...
+
+
+@functools.cache
+def _solver_source() -> str:
+    """The solver's own code (this module and kernorch.orchestrate): a change to either makes every
+    stored solution a stranger."""
+    import kernorch.orchestrate as orch
+    return hashlib.sha256(Path(orch.__file__).read_bytes() + Path(__file__).read_bytes()).hexdigest()
+
+
+def _digest(signature: tuple) -> str:
+    """A stored solution's key: its program's content (sets sorted: not the process's string
+    hashing) and the solver's code."""
+    prims, outputs, deps, choices = signature
+    canon = (_solver_source(), prims, outputs, deps,
+             tuple((i, *(tuple(sorted(x)) for x in (m, r, w)), cost, sched) for i, m, r, w, cost, sched in choices))
+    return hashlib.sha256(repr(canon).encode()).hexdigest()
+
+
+def _stored(store: SolutionStore, digest: str) -> Solution | KernorchError | None:
+    doc = store.solution(digest)
+    if doc is None:
+        return None
+    d = json.loads(doc)
+    if "infeasible" in d:
+        return KernorchError(d["infeasible"])
+    return Solution(**(d | {"chosen": tuple(d["chosen"])}))
+
+
+def _store(store: SolutionStore, digest: str, known: Solution | KernorchError) -> None:
+    store.add_solution(digest, json.dumps({"infeasible": str(known)} if isinstance(known, KernorchError)
+                                          else asdict(known)))
+
+
 def solve_blocks(problem: Problem, blocks: Blocks, deadline: float, fallback: list[Choice] | None,
-                  rel_gap: float, block_time_limit: float | None = None) -> Solution | None:
+                  rel_gap: float, block_time_limit: float | None = None,
+                  store: SolutionStore | None = None) -> Solution | None:
     """Each block solved in each of its states, the states chosen to agree (`_agree`); None when no
-    agreeing choice was solved in time (the caller then solves the whole)."""
+    agreeing choice was solved in time (the caller then solves the whole). A block state solved
+    before, in this process or (`store`) in an earlier one, is not solved again."""
     start = {c.id for c in fallback or ()}
     solved: list[dict[tuple, Solution]] = []  # per block: state -> its solution
     fresh = 0
@@ -223,6 +270,11 @@ def solve_blocks(problem: Problem, blocks: Blocks, deadline: float, fallback: li
                 continue
             key = _signature(sub)
             known = _SOLVED.get(key)
+            digest = _digest(key) if store is not None else ""
+            if known is None and store is not None:
+                known = _stored(store, digest)
+                if known is not None:
+                    _remember(_SOLVED, key, known)
             if known is not None and (isinstance(known, KernorchError) or known.gap <= rel_gap):
                 _SOLVED.move_to_end(key)
             else:
@@ -239,6 +291,8 @@ def solve_blocks(problem: Problem, blocks: Blocks, deadline: float, fallback: li
                     else time.perf_counter() < until  # proven infeasible, not out of time
                 if final:
                     _remember(_SOLVED, key, known)
+                    if store is not None:
+                        _store(store, digest, known)
                 if isinstance(known, Solution):
                     _remember(_LAST, (blocks.prims[b], pats), known.chosen)
             if not isinstance(known, KernorchError):

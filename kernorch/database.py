@@ -2,7 +2,8 @@
 
 A measurement is keyed by (target fingerprint, kernel key, implementation, schedule, versions).
 Each row is committed the moment it exists, so a killed run loses nothing it measured; a second
-run on the same model finds everything and measures nothing. A key measured more than once
+run on the same model finds everything and measures nothing (and, in `solutions`, the blocks of its
+orchestration program already solved). A key measured more than once
 (`measure --remeasure`) counts its fastest measurement: other work on the machine only ever makes
 a kernel slower.
 """
@@ -32,6 +33,11 @@ CREATE TABLE IF NOT EXISTS measurements (
     created REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS by_key ON measurements(target, key, impl, schedule, versions);
+CREATE TABLE IF NOT EXISTS solutions (  -- proven solutions of orchestration blocks (kernorch.blocks)
+    key TEXT PRIMARY KEY,               -- digest of the block's program: its kernels, their costs, its state
+    solution TEXT NOT NULL,             -- JSON
+    created REAL NOT NULL
+);
 """
 
 @dataclass(frozen=True)
@@ -113,6 +119,16 @@ class ProfileDB:
         """The measurement that counts for each (key, impl, schedule) (see `best`)."""
         return {k: best(ms) for k, ms in self.history(target, versions, keys).items()}
 
+    def solution(self, key: str) -> str | None:
+        """A block solution stored under `key` (kernorch.blocks.SolutionStore), or None."""
+        row = self.conn.execute("SELECT solution FROM solutions WHERE key=?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def add_solution(self, key: str, doc: str) -> None:
+        self.conn.execute("INSERT OR REPLACE INTO solutions(key, solution, created) VALUES (?,?,?)",
+                          (key, doc, time.time()))
+        self.conn.commit()
+
     def rows(self) -> Iterator[Measurement]:
         for row in self.conn.execute(
                 "SELECT target,key,impl,schedule,versions,status,median_ns,runs_ns,reason,build_s,description "
@@ -136,6 +152,8 @@ class ProfileDB:
         where = " WHERE status IN ('refused', 'failed')" if refused_only else ""
         n = self.conn.execute("SELECT COUNT(*) FROM measurements" + where).fetchone()[0]
         self.conn.execute("DELETE FROM measurements" + where)
+        if not refused_only:  # solved from costs that are gone
+            self.conn.execute("DELETE FROM solutions")
         self.conn.commit()
         return n
 

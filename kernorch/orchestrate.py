@@ -553,7 +553,7 @@ _STATUS = {
 
 
 def solve(problem: Problem, time_limit: float = 60.0, initial: list[str] | None = None,
-          rel_gap: float = 0.0, block_time_limit: float | None = None) -> Solution:
+          rel_gap: float = 0.0, block_time_limit: float | None = None, store=None) -> Solution:
     """Return the cheapest executable selection of choices (or the best found by `time_limit`;
     with `rel_gap` > 0, the first found within that fraction of the bound: status "within_gap";
     with `block_time_limit`, the best found in that many seconds per block: a refine round's plan
@@ -562,7 +562,8 @@ def solve(problem: Problem, time_limit: float = 60.0, initial: list[str] | None 
     `initial` is an optional list of choice ids used as the MIP start; by default the greedy
     baseline (or, failing that, the unfused one) is used, so a time-out still returns a plan at
     least as good as the heuristic. A problem that falls apart into blocks (kernorch.blocks) is solved
-    block by block, exactly; otherwise, or if that finds nothing, as a whole
+    block by block, exactly (the blocks' proven solutions kept in `store`, a
+    blocks.SolutionStore, when given); otherwise, or if that finds nothing, as a whole
     (`_solve_whole`).
     """
     t0 = time.perf_counter()
@@ -582,7 +583,7 @@ def solve(problem: Problem, time_limit: float = 60.0, initial: list[str] | None 
     from .blocks import Blocks, solve_blocks  # it builds on this module
     blocks = Blocks(problem)
     if len(blocks.prims) > 1:
-        sol = solve_blocks(problem, blocks, deadline, fallback, rel_gap, block_time_limit)
+        sol = solve_blocks(problem, blocks, deadline, fallback, rel_gap, block_time_limit, store)
         if sol is not None:
             return replace(sol, solve_seconds=time.perf_counter() - t0)
     if block_time_limit is not None:

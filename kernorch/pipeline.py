@@ -587,15 +587,17 @@ def uncovered(graph: Graph, enumeration, problem, measurements, options: Options
 
 def orchestrate(graph: Graph, enumeration, measured: Measured, options: Options,
                 meta: Mapping[str, str] | None = None, previous=None, rel_gap: float = 0.0,
-                block_time_limit: float | None = None):
-    """Solve the binary linear program over every measured candidate and make the plan."""
+                block_time_limit: float | None = None, db: ProfileDB | None = None):
+    """Solve the binary linear program over every measured candidate and make the plan (the proven
+    solutions of its blocks kept in `db`, where a later run finds them)."""
     from .plan import make_plan
     problem, by_id = problem_for(graph, enumeration.candidates, measured.measurements, options,
                                  estimates=_estimated(measured))
     why = uncovered(graph, enumeration, problem, measured.measurements, options)
     if why:
         raise KernorchError(why)
-    plan = make_plan(problem, options.solver_time_limit, previous, rel_gap, block_time_limit, baselines=rel_gap == 0.0)
+    plan = make_plan(problem, options.solver_time_limit, previous, rel_gap, block_time_limit, baselines=rel_gap == 0.0,
+                     store=db)
     # the plan's kernels take every tensor they read, in the order the lowering numbers them
     kernels = tuple(replace(k, inputs=by_id[k.id].inputs, outputs=by_id[k.id].outputs) for k in plan.kernels)
     wanted = [by_id[k.id].ident for k in plan.kernels if by_id[k.id].ident in measured.pending]
@@ -688,7 +690,7 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
                 t0 = time.perf_counter()
                 with clock("orchestrate"):
                     plan = orchestrate(loaded.graph, enumeration, m, options, meta, previous, gap,
-                                       REFINE_BLOCK_SECONDS if gap and m.stats.rounds else None)
+                                       REFINE_BLOCK_SECONDS if gap and m.stats.rounds else None, db)
                 previous = plan
                 if not plan.estimated:
                     if gap == 0.0 and not m.settled:  # end where a second run would start (`_settle`)

@@ -210,11 +210,12 @@ class Plan:
 
 
 def make_plan(problem: Problem, time_limit: float = 60.0, previous: "Plan | None" = None,
-              rel_gap: float = 0.0, block_time_limit: float | None = None, baselines: bool = True) -> Plan:
+              rel_gap: float = 0.0, block_time_limit: float | None = None, baselines: bool = True,
+              store=None) -> Plan:
     """Solve and compute both baselines; a baseline that does not exist is recorded as None.
     `previous`: a plan of an earlier solve of this problem (other costs), the solver's start when it
     is cheaper than the greedy baseline under today's costs. `rel_gap`, `block_time_limit`: see
-    orchestrate.solve. Without `baselines` (a refine round's plan, which only says what to measure
+    orchestrate.solve (and `store`). Without `baselines` (a refine round's plan, which only says what to measure
     next: 0.33 s of segformer_b0's rounds), `previous` is the start whenever it still runs."""
     found: dict[str, Solution | None] = {}
     for name, fn in (("unfused", unfused), ("greedy", greedy)) if baselines else ():
@@ -230,5 +231,6 @@ def make_plan(problem: Problem, time_limit: float = 60.0, previous: "Plan | None
         ids = [k.id for k in previous.kernels]
         if all(i in costs for i in ids) and (start is None or sum(costs[i] for i in ids) < start.objective_ns):
             initial = ids
-    sol = solve(problem, time_limit, initial=initial, rel_gap=rel_gap, block_time_limit=block_time_limit)
+    sol = solve(problem, time_limit, initial=initial, rel_gap=rel_gap, block_time_limit=block_time_limit,
+                store=store)
     return Plan.from_solution(problem, sol, found)

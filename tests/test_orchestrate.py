@@ -242,6 +242,35 @@ def test_a_block_is_solved_again_only_when_it_changed(monkeypatch):
     assert again.objective_ns == brute_force(replace(p, choices=cheaper)).objective_ns
 
 
+def test_blocks_solved_by_an_earlier_process_are_found_in_the_database(tmp_path, monkeypatch):
+    """Proven block solutions are kept in the profile database: a solve in a new process (the
+    in-memory cache empty) finds every block there and solves none; another version of the
+    solver's code finds none of them."""
+    from kernorch import blocks as blk
+    from kernorch.database import ProfileDB
+    p = segmented_problem(random.Random(7), [5, 5, 5])
+    calls = []
+    whole = blk._solve_whole
+    monkeypatch.setattr(blk, "_solve_whole", lambda sub, *a: calls.append(sub.prims) or whole(sub, *a))
+    with ProfileDB(tmp_path / "db.sqlite") as db:
+        blk._SOLVED.clear()
+        first = solve(p, store=db)
+        assert len(calls) >= 3
+        assert db.conn.execute("SELECT COUNT(*) FROM solutions").fetchone()[0] >= 3
+    calls.clear()
+    blk._SOLVED.clear()
+    with ProfileDB(tmp_path / "db.sqlite") as db:
+        again = solve(p, store=db)
+        assert not calls and again.chosen == first.chosen and again.objective_ns == first.objective_ns
+        assert again.objective_ns == brute_force(p).objective_ns
+        blk._SOLVED.clear()
+        monkeypatch.setattr(blk, "_solver_source", lambda: "another solver")
+        solve(p, store=db)
+        assert calls
+        db.clear()
+        assert db.conn.execute("SELECT COUNT(*) FROM solutions").fetchone()[0] == 0
+
+
 def test_a_changed_block_starts_from_its_last_solution(monkeypatch):
     """A block solved again (its costs moved) starts from its own last solution of the same state,
     not from the greedy baseline: a capped solve can then only improve on it."""
