@@ -2,7 +2,8 @@
 
 A measurement is keyed by (target fingerprint, kernel key, implementation, schedule, versions).
 Each row is committed the moment it exists, so a killed run loses nothing it measured; a second
-run on the same model finds everything and measures nothing (and, in `solutions`, the blocks of its
+run on the same model finds everything and measures nothing (and, in `estimates` and `solutions`,
+where the first run's estimates of the fusions it never measured ended, and the blocks of its
 orchestration program already solved). A key measured more than once
 (`measure --remeasure`) counts its fastest measurement: other work on the machine only ever makes
 a kernel slower.
@@ -33,6 +34,11 @@ CREATE TABLE IF NOT EXISTS measurements (
     created REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS by_key ON measurements(target, key, impl, schedule, versions);
+CREATE TABLE IF NOT EXISTS estimates (  -- a run's last estimates of the fusions it never measured
+    key TEXT PRIMARY KEY,               -- digest of the run's jobs, machine, tools and cost model
+    estimates TEXT NOT NULL,            -- JSON [[key, impl, schedule, ns], ...]
+    created REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS solutions (  -- proven solutions of orchestration blocks (kernorch.blocks)
     key TEXT PRIMARY KEY,               -- digest of the block's program: its kernels, their costs, its state
     solution TEXT NOT NULL,             -- JSON
@@ -129,6 +135,16 @@ class ProfileDB:
                           (key, doc, time.time()))
         self.conn.commit()
 
+    def estimates(self, key: str) -> dict[tuple[str, str, str], int] | None:
+        """The estimates a run kept under `key` (kernorch.pipeline._resumed), or None."""
+        row = self.conn.execute("SELECT estimates FROM estimates WHERE key=?", (key,)).fetchone()
+        return {(k, i, s): int(ns) for k, i, s, ns in json.loads(row[0])} if row else None
+
+    def keep_estimates(self, key: str, estimates) -> None:
+        self.conn.execute("INSERT OR REPLACE INTO estimates(key, estimates, created) VALUES (?,?,?)",
+                          (key, json.dumps([[*i, int(ns)] for i, ns in sorted(estimates.items())]), time.time()))
+        self.conn.commit()
+
     def rows(self) -> Iterator[Measurement]:
         for row in self.conn.execute(
                 "SELECT target,key,impl,schedule,versions,status,median_ns,runs_ns,reason,build_s,description "
@@ -152,8 +168,9 @@ class ProfileDB:
         where = " WHERE status IN ('refused', 'failed')" if refused_only else ""
         n = self.conn.execute("SELECT COUNT(*) FROM measurements" + where).fetchone()[0]
         self.conn.execute("DELETE FROM measurements" + where)
-        if not refused_only:  # solved from costs that are gone
+        if not refused_only:  # estimated and solved from costs that are gone
             self.conn.execute("DELETE FROM solutions")
+            self.conn.execute("DELETE FROM estimates")
         self.conn.commit()
         return n
 

@@ -356,16 +356,18 @@ def test_a_run_starts_from_the_model_errors_on_the_fusions_the_database_holds(tm
 
 
 def test_a_second_run_starts_where_the_first_ended(tmp_path, monkeypatch):
-    """A run ends with the estimates a later run on the same database starts with (`_settle`): the
-    second run finds the first one's plan without measuring anything or solving a round."""
+    """A run keeps the estimates it ended with in the database: the second run over the same jobs
+    starts from them and finds the first one's plan without measuring anything or solving a round.
+    Without them (another cost model, a cleared database) it estimates afresh."""
     from kernorch.database import ProfileDB
     from kernorch.options import Options
+
     class Pessimist(Shifting):  # corrected, it expects every fusion to take 50 times its base
         def corrected(self, seen):
             return Shifting(50.0)
 
-        def held_out_errors(self, seen):
-            return tuple(math.log(r.measured_ns / (50.0 * r.base_ns)) for r in seen)
+        def held_out_errors(self, seen):  # wider than the run's own errors: a fresh start estimates lower
+            return tuple((-1.0, 1.0)[i % 2] for i in range(len(seen)))
     monkeypatch.setattr(cm, "shipped", lambda: Pessimist())
     monkeypatch.setattr(pipeline, "CORRECT_AFTER", 2)
     chain_onnx(tmp_path / "chain.onnx", ["Tanh", "Neg", "Abs", "Relu", "Exp", "Sigmoid", "Erf", "Neg", "Floor", "Abs", "Ceil",
@@ -373,12 +375,26 @@ def test_a_second_run_starts_where_the_first_ended(tmp_path, monkeypatch):
     options = Options(threads=1, max_kernel_size=4, repeats=3, min_repeat_ms=1.0, workers=2, compare_untuned=0,
                       db_path=str(tmp_path / "db.sqlite"))
     first = pipeline.plan_model(str(tmp_path / "chain.onnx"), options)
-    assert first.measured.settled and first.measured.pending and len(first.measured.seen) >= 2
-    with ProfileDB(options.resolved_db()) as db:
-        loaded = pipeline.load(str(tmp_path / "chain.onnx"), options)
-        en = pipeline.enumerate_candidates(loaded.graph, options)
-        again = pipeline.measure_candidates(loaded.graph, en, db, options, Machine.host())
-    assert again.settled and again.estimates == first.measured.estimates
+    assert first.measured.pending and first.measured.stats.rounds >= 1
+
+    def start(options):
+        with ProfileDB(options.resolved_db()) as db:
+            loaded = pipeline.load(str(tmp_path / "chain.onnx"), options)
+            en = pipeline.enumerate_candidates(loaded.graph, options)
+            return pipeline.measure_candidates(loaded.graph, en, db, options, Machine.host())
+    again = start(options)
+    assert again.estimates == first.measured.estimates and again.state == first.measured.state
     second = pipeline.plan_model(str(tmp_path / "chain.onnx"), options)
     assert second.measured.stats.measured == 0 and second.measured.stats.rounds == 0
     assert [k.id for k in second.plan.kernels] == [k.id for k in first.plan.kernels]
+    analytic = start(options.with_(cost_model="analytic"))
+    assert analytic.state != again.state and analytic.estimates == analytic.bounds
+    with ProfileDB(options.resolved_db()) as db:
+        db.conn.execute("DELETE FROM estimates")
+        db.conn.commit()
+    fresh = start(options)  # corrected by the fusions measured: 50 times their base, lowered by the spread
+    spread = pipeline._sigma(fresh)
+    assert fresh.residual.earlier == Pessimist().held_out_errors(fresh.seen)
+    assert fresh.estimates == {i: max(b, int(50.0 * fresh.rows[i].base_ns * math.exp(-spread)))
+                               for i, b in fresh.bounds.items()}
+    assert fresh.estimates != again.estimates
