@@ -156,7 +156,9 @@ class ProfileDB:
         total = c.execute("SELECT COUNT(*) FROM measurements").fetchone()[0]
         by = c.execute("SELECT target, impl, status, COUNT(*), COUNT(DISTINCT key) FROM measurements "
                        "GROUP BY target, impl, status ORDER BY target, impl, status").fetchall()
-        return {"path": str(self.path), "measurements": total,
+        kept = {t: c.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ("estimates", "solutions")}
+        return {"path": str(self.path), "measurements": total, "runs_kept": kept["estimates"],
+                "block_solutions": kept["solutions"],
                 "size_bytes": self.path.stat().st_size if self.path.exists() else 0,
                 "groups": [{"target": t, "impl": i, "status": s, "rows": n, "distinct_keys": k}
                            for t, i, s, n, k in by]}

@@ -167,7 +167,9 @@ def test_cli_plan_and_db(optimized, tmp_path, capsys):
     assert len(rep["tiles"]) == 2 and all(t["kept"] in t["tiles_us"] for t in rep["tiles"])
     assert cli.main(["db", "stats", "--db", str(db), "--json"]) == 0
     st = json.loads(capsys.readouterr().out)
-    assert st["measurements"] > 0
+    assert st["measurements"] > 0 and st["block_solutions"] >= 0 and st["runs_kept"] >= 0
+    assert cli.main(["db", "stats", "--db", str(db)]) == 0
+    assert f"{st['block_solutions']} proven block solutions" in capsys.readouterr().out
 
 
 def test_cli_errors_are_clear(tmp_path, capsys):
