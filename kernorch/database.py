@@ -125,25 +125,29 @@ class ProfileDB:
         """The measurement that counts for each (key, impl, schedule) (see `best`)."""
         return {k: best(ms) for k, ms in self.history(target, versions, keys).items()}
 
+    def _kept(self, table: str, key: str) -> str | None:
+        """The text kept under `key` in `table` (estimates or solutions: its second column), or None."""
+        row = self.conn.execute(f"SELECT * FROM {table} WHERE key=?", (key,)).fetchone()
+        return row[1] if row else None
+
+    def _keep(self, table: str, key: str, text: str) -> None:
+        self.conn.execute(f"INSERT OR REPLACE INTO {table} VALUES (?,?,?)", (key, text, time.time()))
+        self.conn.commit()
+
     def solution(self, key: str) -> str | None:
         """A block solution stored under `key` (kernorch.blocks.SolutionStore), or None."""
-        row = self.conn.execute("SELECT solution FROM solutions WHERE key=?", (key,)).fetchone()
-        return row[0] if row else None
+        return self._kept("solutions", key)
 
     def add_solution(self, key: str, doc: str) -> None:
-        self.conn.execute("INSERT OR REPLACE INTO solutions(key, solution, created) VALUES (?,?,?)",
-                          (key, doc, time.time()))
-        self.conn.commit()
+        self._keep("solutions", key, doc)
 
     def estimates(self, key: str) -> dict[tuple[str, str, str], int] | None:
         """The estimates a run kept under `key` (kernorch.pipeline._resumed), or None."""
-        row = self.conn.execute("SELECT estimates FROM estimates WHERE key=?", (key,)).fetchone()
-        return {(k, i, s): int(ns) for k, i, s, ns in json.loads(row[0])} if row else None
+        text = self._kept("estimates", key)
+        return {(k, i, s): int(ns) for k, i, s, ns in json.loads(text)} if text else None
 
     def keep_estimates(self, key: str, estimates) -> None:
-        self.conn.execute("INSERT OR REPLACE INTO estimates(key, estimates, created) VALUES (?,?,?)",
-                          (key, json.dumps([[*i, int(ns)] for i, ns in sorted(estimates.items())]), time.time()))
-        self.conn.commit()
+        self._keep("estimates", key, json.dumps([[*i, int(ns)] for i, ns in sorted(estimates.items())]))
 
     def rows(self) -> Iterator[Measurement]:
         for row in self.conn.execute(
