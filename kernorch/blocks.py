@@ -229,8 +229,8 @@ def _digest(signature: tuple) -> str:
     return hashlib.sha256(repr(canon).encode()).hexdigest()
 
 
-def _stored(store: SolutionStore, digest: str) -> Solution | KernorchError | None:
-    doc = store.solution(digest)
+def _stored(store: SolutionStore, signature: tuple) -> Solution | KernorchError | None:
+    doc = store.solution(_digest(signature))
     if doc is None:
         return None
     d = json.loads(doc)
@@ -239,9 +239,9 @@ def _stored(store: SolutionStore, digest: str) -> Solution | KernorchError | Non
     return Solution(**(d | {"chosen": tuple(d["chosen"])}))
 
 
-def _store(store: SolutionStore, digest: str, known: Solution | KernorchError) -> None:
-    store.add_solution(digest, json.dumps({"infeasible": str(known)} if isinstance(known, KernorchError)
-                                          else asdict(known)))
+def _store(store: SolutionStore, signature: tuple, known: Solution | KernorchError) -> None:
+    doc = {"infeasible": str(known)} if isinstance(known, KernorchError) else asdict(known)
+    store.add_solution(_digest(signature), json.dumps(doc))
 
 
 def solve_blocks(problem: Problem, blocks: Blocks, deadline: float, fallback: list[Choice] | None,
@@ -270,9 +270,8 @@ def solve_blocks(problem: Problem, blocks: Blocks, deadline: float, fallback: li
                 continue
             key = _signature(sub)
             known = _SOLVED.get(key)
-            digest = _digest(key) if store is not None else ""
-            if known is None and store is not None:
-                known = _stored(store, digest)
+            if known is None and store is not None:  # the digest only when this process has not solved it
+                known = _stored(store, key)
                 if known is not None:
                     _remember(_SOLVED, key, known)
             if known is not None and (isinstance(known, KernorchError) or known.gap <= rel_gap):
@@ -292,7 +291,7 @@ def solve_blocks(problem: Problem, blocks: Blocks, deadline: float, fallback: li
                 if final:
                     _remember(_SOLVED, key, known)
                     if store is not None:
-                        _store(store, digest, known)
+                        _store(store, key, known)
                 if isinstance(known, Solution):
                     _remember(_LAST, (blocks.prims[b], pats), known.chosen)
             if not isinstance(known, KernorchError):
