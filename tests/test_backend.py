@@ -267,6 +267,23 @@ def test_default_schedule_picks_the_intended_rule(name, rule, target):
     assert mod["main"].attrs["kernorch.rule"] == rule
 
 
+@pytest.mark.parametrize("rows, cols, parallel", [(32, 64, False), (64, 256, True)])
+def test_the_row_rule_runs_small_rows_serially(rows, cols, parallel, target):
+    """A row-fused kernel shares its rows among threads only when they hold PARALLEL_MIN_WORK
+    elements: below that a parallel launch costs more than it saves (a 32x64 softmax or LayerNorm
+    took twice as long in parallel as serially, both on 2 threads)."""
+    from kernorch.backends.tvm.schedule import PARALLEL_MIN_WORK
+    assert (rows * cols >= PARALLEL_MIN_WORK) == parallel
+    graph, inputs = softmax_graph(rows, cols)
+    mod = kt.schedule(kt.lower(graph, list(graph.prims), inputs, list(graph.outputs)), target)
+    assert mod["main"].attrs["kernorch.rule"] == "row"
+    assert ("T.parallel" in mod.script()) == parallel
+    x = np.random.default_rng(3).standard_normal((rows, cols)).astype(np.float32)
+    got = kt.build(mod, target)(x)[0]
+    want = reference(graph, {"x": x}, list(graph.outputs))[0]
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
 def test_time_export_and_load(tmp_path, target):
     graph, inputs = softmax_graph(8, 64)
     k = kt.build(kt.schedule(kt.lower(graph, list(graph.prims), inputs, ["y"]), target), target)

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 4
+SCHEDULES_VERSION = 5
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -37,7 +37,11 @@ class _NotApplicable(Exception):
 
 
 BOUNDS_ATTR = "kernorch.bounds"  # a kernel over a range: {symbol: the largest value it serves}
-PARALLEL_MIN_WORK = 2048          # iterations x work each below which a loop stays serial
+# iterations x work each below which a loop (or the row rule's row loop) stays serial. A parallel
+# launch cost about 3 us on a 2-core Zen 4 VM (1.4 us on another day): transformer_block's 64-wide
+# row mean over 32 rows took 3.0 us in parallel and 0.2 serial, its 32x64 LayerNorm 1.2 and 0.6,
+# its 32x256 GELU 5.6 and 3.7, its 4x32x32 softmax 5.7 and 5.5 (each with 2 threads, alone)
+PARALLEL_MIN_WORK = 16384
 
 
 def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default",
@@ -846,7 +850,8 @@ def _rule_dlight_gemv(func, target) -> s_tir.Schedule | None:
 # -- rule: row fusion (softmax, layernorm, ...) --------------------------------------------------
 
 def _rule_row(func, lanes: int) -> s_tir.Schedule:
-    """All stages under one parallel loop over the leading (non-reduced) axes of the last stage:
+    """All stages under one loop over the leading (non-reduced) axes of the last stage, parallel when
+    the stage holds PARALLEL_MIN_WORK elements or more:
     each row's reductions and elementwise stages run back to back while the row is in cache."""
     sch = s_tir.Schedule(func)
     names = _root_blocks(sch)
@@ -918,7 +923,8 @@ def _rule_row(func, lanes: int) -> s_tir.Schedule:
         if _is_reduction(stmt):
             continue  # short or non-divisible reductions stay serial inside the row
         _vectorize_inner(sch, blk, lanes, skip_outer=1)
-    sch.parallel(row)
+    if any(e is None for e in ext[:n]) or _work(sch, sch.get_sblock(last)) >= PARALLEL_MIN_WORK:
+        sch.parallel(row)
     for blk, red in lane_inits:
         _init_every_lane(sch, blk, red)
     return sch
