@@ -341,6 +341,28 @@ def test_every_tile_of_the_host_computes_the_reference(shape, target):
         np.testing.assert_allclose(got[0], want[0], rtol=RTOL, atol=ATOL, err_msg=tile.name)
 
 
+def test_small_matmuls_race_serial_tiles_too(target):
+    """A matmul of at most SERIAL_MAX_MACS multiply-adds gets every tile once more without a
+    parallel loop (`s`): which is faster is measured, as between tiles. Larger ones do not."""
+    from kernorch.kernels import Tile, pack_args, prim_tiles
+    from kernorch.kernels.tiles import SERIAL_MAX_MACS
+    assert Tile.parse("t8x32prs") == Tile(8, 32, True, True, True) and Tile(8, 32, True, True, True).name == "t8x32prs"
+    graph, inputs = gemm_graph(m=32, k=64, n=64)
+    assert 32 * 64 * 64 <= SERIAL_MAX_MACS
+    tiles = prim_tiles(Machine.host(), graph, graph.prims[0])
+    serial = [t for t in tiles if t.serial]
+    assert serial and {replace(t, serial=False) for t in serial} == {t for t in tiles if not t.serial}
+    arrays = _arrays(graph, inputs, np.random.default_rng(4))
+    want = reference(graph, {"x": arrays[0]}, list(graph.outputs))[0]
+    for tile in (serial[0], replace(serial[0], serial=False)):
+        mod = kt.schedule(kt.lower(graph, list(graph.prims), inputs, list(graph.outputs), tile.name), target, tile.name)
+        assert ("T.parallel" in mod.script()) != tile.serial
+        got = kt.build(mod, target)(*pack_args(graph, inputs, tile.name, arrays))[0]
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL, err_msg=tile.name)
+    big, _ = gemm_graph(m=128, k=256, n=64)
+    assert not any(t.serial for t in prim_tiles(Machine.host(), big, big.prims[0]))
+
+
 def test_packed_weight_is_a_parameter_of_the_packed_shape(target):
     graph, inputs = gemm_graph(m=16, k=32, n=64)
     packs = variant_packs(graph, inputs, "t8x32p")

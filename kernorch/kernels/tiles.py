@@ -25,7 +25,10 @@ from dataclasses import dataclass
 
 MAX_ROWS = 16       # longer unrolled row tiles only grow the code: the register budget binds first
 MIN_ROWS = 3        # below this, the broadcast loads dominate
-_NAME = re.compile(r"t(\d+)x(\d+)(p?)(r?)")
+_NAME = re.compile(r"t(\d+)x(\d+)(p?)(r?)(s?)")
+# a contraction of at most this many multiply-adds is also offered serial tiles: a parallel launch
+# cost about 3 us on a 2-core Zen 4 VM, as long as 2**16 multiply-adds take on one core there
+SERIAL_MAX_MACS = 1 << 18
 
 
 @dataclass(frozen=True, order=True)
@@ -33,22 +36,26 @@ class Tile:
     """One register tile: `mr` rows x `nb` columns. `pack`: the constant operand is packed for it.
     `rows_outer`: the parallel loop walks row tiles outside column tiles (the whole right operand
     stays in L2 while each row panel is reused from L1); otherwise column panels are outside (each
-    packed K x nb panel stays in cache while every row tile passes over it)."""
+    packed K x nb panel stays in cache while every row tile passes over it). `serial`: no parallel
+    loop (a small contraction's whole work costs less than handing half of it to another thread)."""
 
     mr: int
     nb: int
     pack: bool = False
     rows_outer: bool = False
+    serial: bool = False
 
     @property
     def name(self) -> str:
-        """The schedule name stored in the profile database and the plan, e.g. "t14x32p"."""
-        return f"t{self.mr}x{self.nb}{'p' if self.pack else ''}{'r' if self.rows_outer else ''}"
+        """The schedule name stored in the profile database and the plan, e.g. "t14x32p", "t8x32rs"."""
+        return (f"t{self.mr}x{self.nb}{'p' if self.pack else ''}{'r' if self.rows_outer else ''}"
+                f"{'s' if self.serial else ''}")
 
     @staticmethod
     def parse(name: str) -> "Tile | None":
         m = _NAME.fullmatch(name)
-        return Tile(int(m.group(1)), int(m.group(2)), bool(m.group(3)), bool(m.group(4))) if m else None
+        return (Tile(int(m.group(1)), int(m.group(2)), bool(m.group(3)), bool(m.group(4)), bool(m.group(5)))
+                if m else None)
 
     def registers(self, lanes: int) -> int:
         """Vector registers the tile occupies (accumulators, operand vectors, one broadcast)."""

@@ -14,12 +14,13 @@ only its speed differs (measured, and chosen by the orchestration program).
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 import numpy as np
 
 from .pack import Pack
-from .tiles import Tile, contraction_tiles
+from .tiles import SERIAL_MAX_MACS, Tile, contraction_tiles
 from .winograd import Winograd, winograd_variants
 
 CONVERSIONS = ("block", "unblock")
@@ -131,7 +132,8 @@ def prim_tiles(machine, graph, prim, blocked_layout: bool = False) -> tuple[Tile
     """The micro-kernel tiles worth timing for linear prim `prim` of `graph` on `machine`.
 
     Matmuls (2-D or batched, constant or activation right operand): rows M, columns N, depth K;
-    the tile packs the right operand when it is a constant. Convolutions, only in a blocked
+    the tile packs the right operand when it is a constant; a matmul of at most SERIAL_MAX_MACS
+    multiply-adds also gets every tile serial (`s`, no parallel loop). Convolutions, only in a blocked
     variant (their vector is a block of output channels): rows are output columns, columns the
     output channels, depth C/g x kh x kw; the constant weight is packed OIHW>O{nb}. When the packed
     weight fits in half of L2, each tile also comes with rows outside the channel tiles (`r`: an
@@ -149,7 +151,10 @@ def prim_tiles(machine, graph, prim, blocked_layout: bool = False) -> tuple[Tile
     if prim.op == "matmul" and not blocked_layout:
         m, n = (int(d) for d in prim.type.shape[-2:])
         k = int(graph.type_of(prim.inputs[0]).shape[-1])
-        return contraction_tiles(machine, m, n, k, packable(graph, prim))
+        tiles = contraction_tiles(machine, m, n, k, packable(graph, prim))
+        if prim.type.size * k <= SERIAL_MAX_MACS:  # small: serial too, and the faster one is kept
+            tiles += tuple(replace(t, serial=True) for t in tiles)
+        return tiles
     if prim.op == "conv" and blocked_layout and prim.type.rank == 4 and prim.inputs[1] in graph.constants:
         o, ow = int(prim.type.shape[1]), int(prim.type.shape[3])
         w = np.shape(graph.constants[prim.inputs[1]])

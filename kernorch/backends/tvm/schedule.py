@@ -274,11 +274,14 @@ def _inline_pass(func) -> tirx.PrimFunc:
 
 # -- building blocks -----------------------------------------------------------------------------
 
-def _parallel(sch, loops, min_work: int = 0) -> object | None:
-    """Fuse `loops` (adjacent, outermost first) and parallelise them; returns the fused loop."""
+def _parallel(sch, loops, min_work: int = 0, serial: bool = False) -> object | None:
+    """Fuse `loops` (adjacent, outermost first) and parallelise them (not when `serial`); returns
+    the fused loop."""
     if not loops:
         return None
     fused = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+    if serial:
+        return fused
     ext = _extent(sch, fused)
     if ext is None:  # a symbolic extent (kernorch.dynamic): large, unless bounded small
         ext = _upper_bound(sch, sch.get(fused).extent)
@@ -400,7 +403,7 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None) -> s_tir.Sched
     red = loops[nsp:]
     inner = [x for x in (ri, vi) if x is not None]
     sch.reorder(*outer, *red, *inner)
-    par = _parallel(sch, outer)
+    par = _parallel(sch, outer, serial=tile is not None and tile.serial)
     # vectorize before decompose_reduction: afterwards the update block is no longer a "local
     # reduction block" under vi and vectorize() refuses it
     sch.vectorize(vi)
