@@ -27,7 +27,8 @@ MAX_ROWS = 16       # longer unrolled row tiles only grow the code: the register
 MIN_ROWS = 3        # below this, the broadcast loads dominate
 _NAME = re.compile(r"t(\d+)x(\d+)(p?)(r?)(s?)")
 # a contraction of at most this many multiply-adds is also offered serial tiles: a parallel launch
-# cost about 3 us on a 2-core Zen 4 VM, as long as 2**16 multiply-adds take on one core there
+# cost about 3 us on a 2-core Zen 4 VM, as long as about 2**17 multiply-adds take on one core there
+# (110 GFLOP/s); up to twice that, which of the two is faster is left to the measurement
 SERIAL_MAX_MACS = 1 << 18
 
 
