@@ -926,8 +926,7 @@ def _rule_row(func, lanes: int) -> s_tir.Schedule:
         if _is_reduction(stmt):
             continue  # short or non-divisible reductions stay serial inside the row
         _vectorize_inner(sch, blk, lanes, skip_outer=1)
-    if any(e is None for e in ext[:n]) or _work(sch, sch.get_sblock(last)) >= PARALLEL_MIN_WORK:
-        sch.parallel(row)
+    _parallel(sch, [row], min_work=_work(sch, sch.get_sblock(last)) // (_extent(sch, row) or 1))
     for blk, red in lane_inits:
         _init_every_lane(sch, blk, red)
     return sch
