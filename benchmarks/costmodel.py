@@ -138,9 +138,7 @@ def markdown(result: dict) -> str:
         return "-" if x is None else f"{x:.2f}"
     for name, by in result["held_out"].items():
         for pred in ("learned", "analytic", "members alone"):
-            e = by.get(pred)
-            if e is None:
-                continue
+            e = by[pred]
             lines.append(f"| {name} | {e['rows']} | {pred} | {f(e['rho_time'])} | {f(e['rho_ratio'])} | "
                          f"{f(e['pairwise'])} | {f(e['top3_recall'])} | {f(e['bias'])} | {f(e['sigma'])} |")
     return "\n".join(lines) + "\n"
