@@ -14,10 +14,10 @@ database of its own, wall time recorded:
 * pad-to-bucket: the static executables of the buckets (32, 128, 512 by default), each length
   running in the smallest bucket that holds it (the padding copy itself is not counted).
 
-Timing: for each length, each kernorch executable and ONNX Runtime (the same dynamic model, all
-optimizations; beside the one-plan executable also OpenVINO, f32, LATENCY hint, the dynamic model
-compiled once) run in processes of their own, in turns, with the same threads (kernorch.peers.Timer);
-the executables are compared through their ratio to ONNX Runtime measured beside them. Writes
+Timing: at each length, every kernorch executable, ONNX Runtime (the same dynamic model, all
+optimizations) and OpenVINO (f32, LATENCY hint, the dynamic model compiled once) run in processes
+of their own, in turns, with the same threads (kernorch.peers.Timer), and are compared by their
+medians from that one alternation. `--reuse` keeps the executables already in `--work`. Writes
 benchmarks/results/dynamic.json and .md.
 """
 from __future__ import annotations
@@ -53,23 +53,25 @@ def optimize(model: Path, out: Path, shape: str, args, extra=()) -> float:
     return time.perf_counter() - t0
 
 
-def timed(executable: Path, exe_len: int, model: Path, length: int, dim: int, args, openvino: bool = False) -> dict:
-    """kernorch `executable` at `exe_len` and ONNX Runtime at `length` (and OpenVINO, the dynamic model
-    compiled once for every length, f32, LATENCY hint), in turns: medians (ms)."""
+def timed(length: int, dim: int, systems: dict[str, tuple[Path, int]], model: Path, args) -> dict:
+    """Every system at `length`, each in a process of its own, in turns with the same threads
+    (kernorch.peers.Timer): the kernorch executables of `systems` ({label: (directory, the length
+    it runs at)}: a padded one runs at its bucket), ONNX Runtime and OpenVINO (the dynamic model,
+    compiled once for every length; f32, LATENCY hint). Returns the medians (ms) and the runs."""
     rng = np.random.default_rng(length)
     with Timer(args.threads) as t:
-        t.add("kernorch", str(executable), {"x": rng.standard_normal((1, exe_len, dim)).astype(np.float32)})
+        for label, (directory, at) in systems.items():
+            x = rng.standard_normal((1, at, dim)).astype(np.float32)
+            if t.add(label, str(directory), {"x": x}, peer="kernorch")["status"] != "ok":
+                raise SystemExit(f"{label}: {t.info[label]}")
         feeds = {"x": rng.standard_normal((1, length, dim)).astype(np.float32)}
         t.add("ort", str(model), feeds)
-        if openvino and t.add("openvino", str(model), feeds)["status"] != "ok":
+        if t.add("openvino", str(model), feeds)["status"] != "ok":
             print(f"OpenVINO: {t.info['openvino']}", flush=True)
         before = load_state()
         times = t.rounds(args.rounds, block=3)
-    k, o = (statistics.median(times[n]) * 1e3 for n in ("kernorch", "ort"))
-    out = {"kernorch_ms": k, "ort_ms": o, "ratio_to_ort": k / o, "runs": len(times["kernorch"]), "load": before}
-    if times.get("openvino"):
-        out["openvino_ms"] = statistics.median(times["openvino"]) * 1e3
-    return out
+    return {"ms": {n: statistics.median(v) * 1e3 for n, v in times.items() if v},
+            "runs": {n: len(v) for n, v in times.items()}, "load": before}
 
 
 def main(argv=None) -> int:
@@ -86,6 +88,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-kernel-size", type=int, default=8)
     ap.add_argument("--work", default="/tmp/kernorch-dynamic")
     ap.add_argument("--out", default=str(HERE / "results" / "dynamic"))
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep the executables already optimized in --work (their optimize times from its builds.json)")
     args = ap.parse_args(argv)
     import onnx
     work = Path(args.work)
@@ -94,81 +98,88 @@ def main(argv=None) -> int:
     onnx.save(examples.transformer_block(seq="seq", dim=args.dim, heads=args.heads, hidden=4 * args.dim), str(model))
     lengths = [int(x) for x in args.lengths.split(",")]
     buckets = [int(x) for x in args.buckets.split(",")]
-    builds = {"dynamic": optimize(model, work / "dynamic", f"seq={args.range}", args)}
-    print(f"dynamic: optimized in {builds['dynamic']:.0f} s", flush=True)
+    saved = work / "builds.json"  # optimize wall times, kept for --reuse
+    builds = json.loads(saved.read_text()) if args.reuse and saved.exists() else {}
+    jobs = [("dynamic", f"seq={args.range}", ())]
     if args.dispatch:
-        builds["dispatch"] = optimize(model, work / "dispatch", f"seq={args.range}", args, ["--buckets", args.dispatch])
-        print(f"dispatch ({args.dispatch}): optimized in {builds['dispatch']:.0f} s", flush=True)
-    for s in sorted(set(lengths) | set(buckets)):
-        builds[s] = optimize(model, work / f"static{s}", f"x=1x{s}x{args.dim}", args)
-        print(f"static {s}: optimized in {builds[s]:.0f} s", flush=True)
+        jobs.append(("dispatch", f"seq={args.range}", ("--buckets", args.dispatch)))
+    jobs += [(f"static{s}", f"x=1x{s}x{args.dim}", ()) for s in sorted(set(lengths) | set(buckets))]
+    for name, shape, extra in jobs:
+        if args.reuse and name in builds and (work / name / "model.so").exists():
+            continue
+        builds[name] = optimize(model, work / name, shape, args, extra)
+        saved.write_text(json.dumps(builds))
+        print(f"{name}: optimized in {builds[name]:.0f} s", flush=True)
     rows = []
     for s in lengths:
         bucket = next((b for b in sorted(buckets) if b >= s), None)
-        row = {"length": s, "bucket": bucket,
-               "dynamic": timed(work / "dynamic", s, model, s, args.dim, args, openvino=True),
-               "dispatch": timed(work / "dispatch", s, model, s, args.dim, args) if args.dispatch else None,
-               "static": timed(work / f"static{s}", s, model, s, args.dim, args),
-               "padded": timed(work / f"static{bucket}", bucket, model, s, args.dim, args) if bucket else None}
-        ov = row["dynamic"].get("openvino_ms")
-        row["best_peer"] = "openvino" if ov and ov < row["dynamic"]["ort_ms"] else "ort"
-        row["best_peer_to_ort"] = min(ov or float("inf"), row["dynamic"]["ort_ms"]) / row["dynamic"]["ort_ms"]
+        systems = {"dynamic": (work / "dynamic", s), "static": (work / f"static{s}", s)}
+        if args.dispatch:
+            systems["dispatch"] = (work / "dispatch", s)
+        if bucket:
+            systems["padded"] = (work / f"static{bucket}", bucket)
+        row = {"length": s, "bucket": bucket, **timed(s, args.dim, systems, model, args)}
+        ms = row["ms"]
+        row["best_peer"] = min((p for p in ("ort", "openvino") if p in ms), key=ms.get)
         rows.append(row)
-        print(f"seq {s}: dynamic {row['dynamic']['ratio_to_ort']:.2f}x ORT, static {row['static']['ratio_to_ort']:.2f}x, "
-              f"padded to {bucket} {row['padded']['ratio_to_ort'] if bucket else float('nan'):.2f}x", flush=True)
-    static_sum = sum(builds[s] for s in lengths)
-    vs_static = [r["dynamic"]["ratio_to_ort"] / r["static"]["ratio_to_ort"] for r in rows]
-    vs_pad = [r["padded"]["ratio_to_ort"] / r["dynamic"]["ratio_to_ort"] for r in rows if r["padded"]]
-    disp_static = [r["dispatch"]["ratio_to_ort"] / r["static"]["ratio_to_ort"] for r in rows if r["dispatch"]]
-    disp_pad = [r["padded"]["ratio_to_ort"] / r["dispatch"]["ratio_to_ort"] for r in rows if r["dispatch"] and r["padded"]]
+        print(f"seq {s}: " + ", ".join(f"{n} {v:.3f}" for n, v in ms.items()) + " ms", flush=True)
 
     def geomean(xs):
         return float(np.exp(np.mean(np.log(xs)))) if xs else None
-    peer = {name: [r[name]["ratio_to_ort"] / r["best_peer_to_ort"] for r in rows if r[name]]
-            for name in ("dynamic", "dispatch", "static")}
-    summary = {"dynamic_vs_static_max": max(vs_static), "dynamic_vs_static_geomean": float(np.exp(np.mean(np.log(vs_static)))),
-               "pad_over_dynamic_geomean": float(np.exp(np.mean(np.log(vs_pad)))) if vs_pad else None,
-               "optimize_dynamic_s": builds["dynamic"], "optimize_static_sum_s": static_sum,
-               "optimize_ratio": builds["dynamic"] / static_sum,
-               **({"dispatch_vs_static_max": max(disp_static), "dispatch_vs_static_geomean": geomean(disp_static),
-                   "pad_over_dispatch_geomean": geomean(disp_pad), "optimize_dispatch_s": builds["dispatch"],
-                   "optimize_dispatch_ratio": builds["dispatch"] / static_sum} if disp_static else {}),
-               **{f"{name}_vs_best_peer_max": max(v) for name, v in peer.items() if v},
-               **{f"{name}_vs_best_peer_geomean": geomean(v) for name, v in peer.items() if v}}
+
+    def ratios(num: str, den: str) -> list[float]:
+        return [r["ms"][num] / r["ms"][den] for r in rows if num in r["ms"] and den in r["ms"]]
+    static_sum = sum(builds[f"static{s}"] for s in lengths)
+    summary = {"optimize_dynamic_s": builds["dynamic"], "optimize_static_sum_s": static_sum,
+               "optimize_ratio": builds["dynamic"] / static_sum}
+    for name in ("dynamic", "dispatch"):
+        if not any(name in r["ms"] for r in rows):
+            continue
+        vs_static, vs_pad = ratios(name, "static"), ratios("padded", name)
+        vs_peer = [r["ms"][name] / r["ms"][r["best_peer"]] for r in rows if name in r["ms"]]
+        summary[name] = {"vs_static_max": max(vs_static), "vs_static_geomean": geomean(vs_static),
+                         "pad_over_geomean": geomean(vs_pad), "vs_best_peer_max": max(vs_peer),
+                         "vs_best_peer_geomean": geomean(vs_peer)}
+    summary["static"] = {"vs_best_peer_max": max(r["ms"]["static"] / r["ms"][r["best_peer"]] for r in rows),
+                         "vs_best_peer_geomean": geomean([r["ms"]["static"] / r["ms"][r["best_peer"]] for r in rows])}
+    if "dispatch" in builds:
+        summary["optimize_dispatch_s"] = builds["dispatch"]
+        summary["optimize_dispatch_ratio"] = builds["dispatch"] / static_sum
     result = {"args": vars(args), "builds_s": {str(k): v for k, v in builds.items()}, "rows": rows, "summary": summary}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    names = ["dynamic", "dispatch", "static", "padded", "ort", "openvino"]
     lines = [f"# One executable over seq={args.range} (transformer block, dim {args.dim}, {args.threads} threads, "
              f"max kernel size {args.max_kernel_size})", "",
-             "Time relative to ONNX Runtime on the same dynamic model, measured beside it in turns (each system in "
-             f"its own process, {args.rounds} rounds of 3 runs, medians); < 1: faster than ORT.", "",
-             f"One plan over the range (dynamic) and a plan per bucket ({args.dispatch}) dispatched inside the "
-             "executable (dispatched).", "",
-             "| seq | dynamic / ORT | dispatched / ORT | static plan / ORT | padded to bucket / ORT | OpenVINO / ORT | "
-             "ORT ms | dynamic vs static | dispatched vs static |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r, v in zip(rows, vs_static):
-        ov = r["dynamic"].get("openvino_ms")
-        ov = f"{ov / r['dynamic']['ort_ms']:.2f}" if ov else "-"
-        pad = f"{r['padded']['ratio_to_ort']:.2f} ({r['bucket']})" if r["padded"] else "-"
-        disp = (f"{r['dispatch']['ratio_to_ort']:.2f}", f"{r['dispatch']['ratio_to_ort'] / r['static']['ratio_to_ort']:.2f}x") \
-            if r["dispatch"] else ("-", "-")
-        lines.append(f"| {r['length']} | {r['dynamic']['ratio_to_ort']:.2f} | {disp[0]} | {r['static']['ratio_to_ort']:.2f} | "
-                     f"{pad} | {ov} | {r['dynamic']['ort_ms']:.3f} | {v:.2f}x | {disp[1]} |")
-    s = summary
-    lines += ["", f"Dynamic vs per-length static plans: worst {s['dynamic_vs_static_max']:.2f}x, geomean "
-              f"{s['dynamic_vs_static_geomean']:.2f}x; pad-to-bucket over dynamic: geomean "
-              f"{s['pad_over_dynamic_geomean'] or float('nan'):.2f}x. Optimize time: dynamic {s['optimize_dynamic_s']:.0f} s, "
-              f"the static lengths together {s['optimize_static_sum_s']:.0f} s (ratio {s['optimize_ratio']:.2f})."]
-    lines += ["", "Against the best peer (ONNX Runtime or OpenVINO, whichever is faster at that length; > 1: slower): "
-              + "; ".join(f"{name} worst {s[f'{name}_vs_best_peer_max']:.2f}x, geomean {s[f'{name}_vs_best_peer_geomean']:.2f}x"
-                          for name in ("dynamic", "dispatch", "static") if f"{name}_vs_best_peer_max" in s) + "."]
-    if "dispatch_vs_static_max" in s:
-        lines += ["", f"Dispatched vs per-length static plans: worst {s['dispatch_vs_static_max']:.2f}x, geomean "
-                  f"{s['dispatch_vs_static_geomean']:.2f}x; pad-to-bucket over dispatched: geomean "
-                  f"{s['pad_over_dispatch_geomean'] or float('nan'):.2f}x. Optimize time: {s['optimize_dispatch_s']:.0f} s "
-                  f"(ratio to the static lengths {s['optimize_dispatch_ratio']:.2f})."]
+             f"Median ms; at each length every system runs in its own process, in turns ({args.rounds} rounds of 3 "
+             "runs). dynamic: one plan over the range; dispatch: a plan per bucket "
+             f"({args.dispatch or 'none'}) chosen inside the executable; static: a plan made for that length; "
+             "padded: the static plan of the smallest bucket that holds the length (the padding copy not "
+             "counted); ONNX Runtime and OpenVINO run the same dynamic model.", "",
+             "| seq | " + " | ".join(names) + " | dynamic / static | dispatch / static | dynamic / best peer |",
+             "|---|" + "---|" * (len(names) + 3)]
+    for r in rows:
+        ms = r["ms"]
+        cells = [f"{ms[n]:.3f}" if n in ms else "-" for n in names]
+        cells[names.index("padded")] += f" ({r['bucket']})" if "padded" in ms else ""
+        rel = [f"{ms[a] / ms[b]:.2f}x" if a in ms and b in ms else "-"
+               for a, b in (("dynamic", "static"), ("dispatch", "static"), ("dynamic", r["best_peer"]))]
+        lines.append(f"| {r['length']} | " + " | ".join(cells + rel) + " |")
+    sm = summary
+    for name in ("dynamic", "dispatch"):
+        if name in sm:
+            d = sm[name]
+            lines += ["", f"{name}: against the per-length static plans worst {d['vs_static_max']:.2f}x, geomean "
+                      f"{d['vs_static_geomean']:.2f}x; pad-to-bucket takes {d['pad_over_geomean'] or float('nan'):.2f}x "
+                      f"its time (geomean); against the best peer worst {d['vs_best_peer_max']:.2f}x, geomean "
+                      f"{d['vs_best_peer_geomean']:.2f}x (> 1: slower)."]
+    lines += ["", f"static plans against the best peer: worst {sm['static']['vs_best_peer_max']:.2f}x, geomean "
+              f"{sm['static']['vs_best_peer_geomean']:.2f}x.", "",
+              f"Optimize time: dynamic {sm['optimize_dynamic_s']:.0f} s"
+              + (f", dispatch {sm['optimize_dispatch_s']:.0f} s" if "optimize_dispatch_s" in sm else "")
+              + f", the static lengths together {sm['optimize_static_sum_s']:.0f} s (dynamic / static "
+              f"{sm['optimize_ratio']:.2f})."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

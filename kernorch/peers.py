@@ -150,10 +150,10 @@ PEERS: dict[str, Peer] = {p.name: p for p in (
 _PREPARED: dict[str, tuple] = {}
 
 
-def _prepare_task(name: str, model, feeds: dict, threads: int, extra: dict) -> dict:
+def _prepare_task(name: str, model, feeds: dict, threads: int, extra: dict, peer: str | None = None) -> dict:
     t0 = time.perf_counter()
     try:
-        call, outputs, info = PEERS[name].prepare(model, feeds, threads, **extra)
+        call, outputs, info = PEERS[peer or name].prepare(model, feeds, threads, **extra)
     except Skip as e:
         return {"status": "skipped", "note": str(e)}
     _PREPARED[name] = (call, outputs)
@@ -221,13 +221,15 @@ class Timer:
             raise KernorchError(f"{name}: {r.error}")
         return r.value
 
-    def add(self, name: str, model, feeds: Mapping[str, np.ndarray], **extra) -> dict:
-        """Prepare system `name` in a new process; returns its info (status ok/skipped/failed)."""
+    def add(self, name: str, model, feeds: Mapping[str, np.ndarray], peer: str | None = None, **extra) -> dict:
+        """Prepare system `name` in a new process; returns its info (status ok/skipped/failed).
+        `peer`: which system of PEERS it is, when `name` is only its label (two kernorch
+        executables timed side by side: "kernorch-dynamic", "kernorch-static")."""
         from .workers import WorkerPool
         from .backends.tvm import thread_env
         self.pools[name] = WorkerPool(1, thread_env(self.threads))
         try:
-            info = self._call(name, _prepare_task, name, model, dict(feeds), self.threads, extra)
+            info = self._call(name, _prepare_task, name, model, dict(feeds), self.threads, extra, peer)
         except KernorchError as e:
             info = {"status": "failed", "error": str(e)[:2000]}
         if info["status"] != "ok":

@@ -143,24 +143,28 @@ def tile_jobs(graph: Graph, candidates, options: Options, machine: Machine) -> d
     """Per contraction prim and layout class: its kernel alone in every micro-kernel tile (the tile
     that wins alone is the one its fused candidates use: epilogues do not change the register tile)."""
     out: dict[tuple, list[meas.KernelJob]] = {}
-    sized = graph
-    if options.ranges:  # over a range: tiles sized at the middle length, for static columns and depth only
+    sized = end = graph
+    if options.ranges:  # over a range: tiles sized at the middle length; a symbolic column or depth at the end
         from .dynamic import bind, middle
         sized = bind(graph, middle(options.ranges, options.lengths))
+        end = bind(graph, {name: hi for name, _, hi in options.ranges})
     for c in candidates:
         if len(c.members) == 1 and c.linear:
             prim = graph.by_name[c.linear]
-            if options.ranges and not (isinstance(prim.type.shape[-1], int)
-                                       and isinstance(graph.type_of(prim.inputs[0]).shape[-1], int)):
-                continue
+            # attention over a symbolic length (scores x keys: seq columns; probabilities x values:
+            # seq depth): its tiles pad the columns to the tile and read a symbolic depth guarded,
+            # so they are sized where the work is, at the range's end, and the default races them
+            symbolic = bool(options.ranges) and not (isinstance(prim.type.shape[-1], int)
+                                                     and isinstance(graph.type_of(prim.inputs[0]).shape[-1], int))
+            at = end if symbolic else sized
             for cls in _variant_classes(graph, c, options, machine):
                 if (c.linear, cls) in out:
                     continue
-                prim = sized.by_name[c.linear]
-                tiles = prim_tiles(machine, sized, prim, blocked_layout=cls is not None)
+                prim = at.by_name[c.linear]
+                tiles = prim_tiles(machine, at, prim, blocked_layout=cls is not None)
                 if tiles:
                     out[(c.linear, cls)] = [_job(graph, c, "tvm", _in_class(cls, t.name)) for t in tiles]
-                    if cls is None and prim.op == "conv":  # its plain tiles are new: the default competes
+                    if cls is None and (prim.op == "conv" or symbolic):  # new tiles: the default competes
                         out[(c.linear, cls)].append(_job(graph, c, "tvm", "default"))
     return out
 

@@ -189,6 +189,33 @@ def test_symbolic_kernels_compile_once_and_are_right_at_every_length(block, fuse
                                        err_msg=f"{kg.prims[0].op} kernel {out} at seq={s}")
 
 
+def test_a_kernel_over_a_range_launches_threads_only_where_the_length_makes_enough_work(block):
+    """A kernel scheduled for seq up to 512 (the max over seq keys of the scores, 4 x seq x seq)
+    runs its parallel loops only where their work at the actual length is enough: the script holds
+    each parallel loop and a serial copy under an `if` on the work; a bound of 8 leaves no parallel loop
+    at all; both branches compute the reference (seq 3: serial, seq 300: parallel)."""
+    import tvm
+    from kernorch.backends.tvm.lower import lower
+    from kernorch.backends.tvm.schedule import PARALLEL_MIN_WORK, schedule
+    from kernorch.backends.tvm.target import make_target
+    from kernorch.ir import kernel_graph
+    _, generic = block
+    p = next(q for q in generic.prims
+             if q.op == "reduce_max" and sum(not isinstance(d, int) for d in generic.type_of(q.inputs[0]).shape) == 2)
+    kg = kernel_graph(generic, [p.name], list(p.inputs), [p.name])
+    target = make_target(2)
+    wide = schedule(lower(kg, kg.prims, list(p.inputs), [p.name]), target, bounds={"seq": 512})
+    script = wide["main"].script()
+    parallel = script.count("T.parallel(")
+    assert parallel >= 1 and script.count(f">= T.int64({PARALLEL_MIN_WORK}):") == parallel, script
+    short = schedule(lower(kg, kg.prims, list(p.inputs), [p.name]), target, bounds={"seq": 8})
+    assert "T.parallel(" not in short["main"].script()
+    ex = tvm.compile(wide, target=target)
+    for s in (3, 300):
+        got, want = _run_symbolic(kg, list(p.inputs), p.name, ex, s)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=f"seq={s}")
+
+
 def test_one_executable_serves_the_whole_range(tmp_path):
     """optimize over seq=1..512: one plan, one compiled module; right against ONNX Runtime at 20
     lengths, both ends included, and a length outside the range is refused by name."""

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 5
+SCHEDULES_VERSION = 6
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -125,7 +125,62 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
 
 
 def _scheduled(sch: s_tir.Schedule, rule: str) -> tvm.IRModule:
-    return tvm.IRModule({"main": sch.mod["main"].with_attr("tirx.is_scheduled", True).with_attr("kernorch.rule", rule)})
+    func = _serial_when_small(sch.mod["main"])
+    return tvm.IRModule({"main": func.with_attr("tirx.is_scheduled", True).with_attr("kernorch.rule", rule)})
+
+
+def _iterations(stmt) -> object:
+    """How many times the innermost statements under `stmt` run (a PrimExpr over a range)."""
+    if isinstance(stmt, tirx.For):
+        return stmt.extent * _iterations(stmt.body)
+    if isinstance(stmt, tirx.SeqStmt):
+        return sum((_iterations(s) for s in stmt.seq), 0)
+    if isinstance(stmt, s_tir.stmt.SBlockRealize):
+        return _iterations(stmt.block.body)
+    if isinstance(stmt, tirx.IfThenElse):
+        return _iterations(stmt.then_case)
+    body = getattr(stmt, "body", None)
+    return 1 if body is None else _iterations(body)
+
+
+def _serial_when_small(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """A kernel over a range (kernorch.dynamic): each outermost parallel loop whose work depends on
+    the length is decided at run time, `if work >= PARALLEL_MIN_WORK: parallel loop else: the same
+    loop serial`, so one kernel launches threads at seq=512 and none at seq=1 (a launch costs more
+    than a short row). Static work was decided when the loop was scheduled."""
+    root = func.body
+    if not isinstance(root, s_tir.stmt.SBlockRealize):
+        return func
+    blk = root.block
+    stmts = list(blk.body.seq) if isinstance(blk.body, tirx.SeqStmt) else [blk.body]
+    from tvm.sym.analyzer import Analyzer
+    ana = Analyzer()
+    bounds = func.attrs[BOUNDS_ATTR] if func.attrs is not None and BOUNDS_ATTR in func.attrs else {}
+    bound: set[str] = set()
+    out, changed = [], False
+    for st in stmts:
+        if isinstance(st, tirx.For) and st.kind == tirx.ForKind.PARALLEL:
+            work = st.extent * _iterations(st.body)
+            for var in tirx.analysis.undefined_vars(work):  # a symbol is at least 1 (and at most its bound)
+                if var.name not in bound:
+                    bound.add(var.name)
+                    ana.bind(var, tvm.ir.Range.from_min_extent(1, int(bounds.get(var.name, 2 ** 31))))
+            work = ana.simplify(work)
+            # (work that is enough at the shortest length stays parallel: the serial branch would be dead)
+            if not isinstance(work, tirx.IntImm) and ana.const_int_bound(work).min_value < PARALLEL_MIN_WORK:
+                serial = tirx.For(st.loop_var, st.min, st.extent, tirx.ForKind.SERIAL, st.body,
+                                  st.thread_binding, st.annotations)
+                st = tirx.IfThenElse(work >= tirx.const(PARALLEL_MIN_WORK, "int64"), st, serial)
+                changed = True
+        out.append(st)
+    if not changed:
+        return func
+    body = tirx.SeqStmt(out) if len(out) > 1 else out[0]
+    new = s_tir.stmt.SBlock(blk.iter_vars, blk.reads, blk.writes, blk.name_hint, body, blk.init,
+                            blk.alloc_buffers, blk.match_buffers, blk.annotations)
+    func = func.with_body(s_tir.stmt.SBlockRealize(root.iter_values, root.predicate, new))
+    # the two copies define the same loop and block variables: SSA gives the serial one its own
+    return s_tir.transform.ConvertSSA()(tvm.IRModule({"main": func}))["main"]
 
 
 def _first_line(e: Exception) -> str:
@@ -232,10 +287,19 @@ def _extent(sch, loop) -> int | None:
     return int(ext) if isinstance(ext, tirx.IntImm) else None
 
 
+def _span(sch, loop) -> int:
+    """A loop's extent; a symbolic one (kernorch.dynamic) counts as its largest value under the
+    function's bounds, or as plenty of work when it has none."""
+    ext = _extent(sch, loop)
+    if ext is None:
+        ext = _upper_bound(sch, sch.get(loop).extent)
+    return PARALLEL_MIN_WORK if ext is None else ext
+
+
 def _work(sch, block) -> int:
     n = 1
     for lp in sch.get_loops(block):
-        n *= _extent(sch, lp) or 1
+        n *= _span(sch, lp)
     return n
 
 
@@ -735,7 +799,7 @@ def _schedule_block(sch, blk, lanes: int) -> None:
             return
         red_work = 1
         for lp in loops[nsp:]:
-            red_work *= _extent(sch, lp) or 1
+            red_work *= _span(sch, lp)
         if _vectorize_across_outputs(sch, blk, lanes, nsp, red_work):
             return
         try:
@@ -926,7 +990,7 @@ def _rule_row(func, lanes: int) -> s_tir.Schedule:
         if _is_reduction(stmt):
             continue  # short or non-divisible reductions stay serial inside the row
         _vectorize_inner(sch, blk, lanes, skip_outer=1)
-    _parallel(sch, [row], min_work=_work(sch, sch.get_sblock(last)) // (_extent(sch, row) or 1))
+    _parallel(sch, [row], min_work=_work(sch, sch.get_sblock(last)) // _span(sch, row))
     for blk, red in lane_inits:
         _init_every_lane(sch, blk, red)
     return sch
