@@ -478,6 +478,9 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None) -> s_tir.Sched
     if not padded:  # a padded domain: the copy-out keeps its own guarded loop (inlined, it would write the padding)
         _reverse_inline_chain(sch, wb, func)
     sch.reverse_compute_at(wb, par, preserve_unit_loops=True)
+    moved: set[str] = set()
+    if padded:
+        sch, moved = _copy_out_per_tile(sch, wb, par)
     wb_loops = sch.get_loops(wb)
     if len(wb_loops) > 1:
         sch.vectorize(wb_loops[-1])
@@ -486,7 +489,7 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None) -> s_tir.Sched
     sch.vectorize(init_loops[-1])
     # everything else (producers like pad, epilogues that could not be inlined, the padding blocks
     # of a symbolic extent): the blocks at the root apart from the contraction
-    _schedule_rest(sch, set(names) - {cname}, lanes)
+    _schedule_rest(sch, set(names) - {cname} - moved, lanes)
     if (tile is not None and tile.pack and not tile.rows_outer and not padded and par is not None
             and vo is not None and (row is None or ext[row] % r == 0)):
         weight = _packed_weight(stmt, lambda s: len(s) == 3 and s[2] == vt and s[0] * vt == ext[v])
@@ -764,6 +767,35 @@ def _pick_vec_tile(ev: int, lanes: int) -> int:
         if c >= 4 and ev % c == 0:
             return c
     return ev if ev <= lanes else lanes
+
+
+def _copy_out_per_tile(sch, producer, par) -> tuple[s_tir.Schedule, set[str]]:
+    """A contraction over a padded symbolic extent: the elementwise chain that copies the padded
+    result out (bias, activation included) runs per tile right after the tile's write-back, its
+    rows past the length guarded, while the tile is in L1 (as a pass of its own after the whole
+    contraction it read and wrote the output once more). A stage whose tile region is not a static
+    box (a reshape that splits the symbolic rows) stays a pass of its own. Returns the schedule and
+    the names of the blocks moved into the tile loop."""
+    moved: set[str] = set()
+    while True:
+        consumers = sch.get_consumers(producer)
+        if len(consumers) != 1 or _is_reduction(sch.get(consumers[0])):
+            return sch, moved
+        trial = sch.copy()
+        c = consumers[0]
+        try:
+            trial.reverse_compute_at(c, par, preserve_unit_loops=True)
+        except Exception:  # noqa: BLE001 - the stage cannot follow the tile
+            return sch, moved
+        loops = list(trial.get_loops(c))
+        at = next((i for i, lp in enumerate(loops) if trial.get(lp).same_as(trial.get(par))), len(loops))
+        inner = loops[at + 1:]
+        if not inner or any(_extent(trial, lp) is None for lp in inner):
+            return sch, moved
+        trial.vectorize(inner[-1])
+        sch = trial
+        moved.add(sch.get(c).name_hint)
+        producer = c
 
 
 def _reverse_inline_chain(sch, producer, func) -> None:
