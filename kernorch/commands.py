@@ -273,7 +273,9 @@ def _print_optimize(rep: dict, outdir) -> None:
     ctx = rep.get("context") or {}
     ranges = plan.get("meta", {}).get("ranges")
     buckets = plan.get("meta", {}).get("buckets")
+    samples = plan.get("meta", {}).get("samples")
     basis = (f"the kernels' times measured alone, weighted over {ranges}"
+             + (f" at {samples} (each length relative to the model's floor there)" if samples else "")
              + (f" in buckets {buckets}, one plan each, dispatched at run time" if buckets else "")
              + "; timing below at the middle length" if ranges else "sum of the kernels measured alone")
     print(f"predicted {rep['predicted_ms']:.3f} ms ({basis}); inside the executable "

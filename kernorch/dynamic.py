@@ -77,15 +77,33 @@ def points(ranges, lengths=()) -> tuple[dict[str, int], dict[str, int], dict[str
     return tuple({name: p} for p in pts)
 
 
-def samples(ranges, lengths=()) -> tuple:
+def samples(ranges, lengths=(), weights=()) -> tuple:
     """Where a kernel over a range is timed, with weights: the three `points`, weighted 1/4, 1/2,
     1/4 (without observed lengths, the trapezoid rule over a log-uniform length: each octave of the
-    range counts the same); a point met twice counts once with both weights."""
-    weights: dict[tuple, float] = {}
+    range counts the same); a point met twice counts once with both weights. `weights` (one per
+    sample, from `relative_weights`) replace them."""
+    out: dict[tuple, float] = {}
     for binding, w in zip(points(ranges, lengths), (0.25, 0.5, 0.25)):
         key = tuple(sorted(binding.items()))
-        weights[key] = weights.get(key, 0.0) + w
-    return tuple(weights.items())
+        out[key] = out.get(key, 0.0) + w
+    if weights:
+        if len(weights) != len(out):
+            raise KernorchError(f"{len(weights)} sample weights for {len(out)} samples")
+        return tuple(zip(out, (float(w) for w in weights)))
+    return tuple(out.items())
+
+
+def relative_weights(graph, ranges, lengths, floor_ns) -> tuple[float, ...]:
+    """The samples' weights when each length counts by its time *relative* to the model there: each
+    share of `samples` divided by the model's floor at that length (`floor_ns(bound graph)`), then
+    normalized; two significant digits, so a run's database namespace stays the same when the
+    machine's calibration moves a little. A plain weighted sum of times lets the longest length
+    decide every choice (seq=512 takes 150 times as long as seq=1: a tile that is 2x slower at
+    seq=1 and 1 % faster at 512 wins); relative, each octave of lengths counts the same in the
+    ratio to its own best, which is what a user of every length sees."""
+    raw = [w / max(float(floor_ns(bind(graph, dict(b)))), 1.0) for b, w in samples(ranges, lengths)]
+    total = sum(raw)
+    return tuple(float(f"{x / total:.2g}") for x in raw)
 
 
 def middle(ranges, lengths=()) -> dict[str, int]:

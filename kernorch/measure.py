@@ -383,12 +383,13 @@ def _history(jobs: Iterable[KernelJob], db: ProfileDB, target: str) -> dict[tupl
 def target_of(machine: Machine, options: Options) -> str:
     """The database namespace of a run's measurements: the machine and threads, and the range of a
     symbolic dimension (a kernel over seq=1..512 costs its weighted time over that range), with
-    the sampled lengths and weights when observed lengths chose them."""
+    the sampled lengths and their weights when observed lengths or the model chose them."""
     fp = machine.fingerprint(options.threads)
     if not options.ranges:
         return fp
     from .dynamic import samples
-    at = ",".join(f"{dict(b)}:{w:g}" for b, w in samples(options.ranges, options.lengths)) if options.lengths else ""
+    at = ",".join(f"{dict(b)}:{w:g}" for b, w in samples(options.ranges, options.lengths, options.sample_weights)) \
+        if options.lengths or options.sample_weights else ""
     return fp + "".join(f"|{n}={lo}..{hi}" for n, lo, hi in options.ranges) + (f"@{at}" if at else "")
 
 
@@ -428,7 +429,8 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
     jobs = list({j.ident: j for j in jobs}.values())
     if options.ranges:
         from .dynamic import samples, symbols
-        at, bounds = samples(options.ranges, options.lengths), tuple((n, hi) for n, _, hi in options.ranges)
+        at = samples(options.ranges, options.lengths, options.sample_weights)
+        bounds = tuple((n, hi) for n, _, hi in options.ranges)
         jobs = [replace(j, samples=at, bounds=bounds) if symbols(j.graph) else j for j in jobs]
     stats = MeasureStats(jobs=len(jobs))
     results: dict[tuple[str, str, str], Measurement] = {}

@@ -130,6 +130,9 @@ class Options:
     ranges: tuple[tuple[str, int, int], ...] = ()   # a symbolic dimension over a range: ("seq", 1, 512)
     lengths: tuple[int, ...] = ()                     # observed values of that dimension (weights the range)
     bucket_edges: tuple[int, ...] = ()                # cut the range after these values: a plan per bucket
+    # the weights of the lengths a range is timed at (dynamic.samples), set by the pipeline from the
+    # model: each length counts by its time relative to the model's floor there (dynamic.relative_weights)
+    sample_weights: tuple[float, ...] = ()
     db_path: str | None = None          # None: the user's cache directory
     max_partition: int = 48             # prims per partition (automatic cuts)
     max_kernel_size: int = 8            # prims per candidate kernel (a LayerNorm is 9, a softmax 5)

@@ -629,6 +629,10 @@ def plan_meta(source: str, machine: Machine, options: Options) -> dict[str, str]
     meta = {"model": source, "machine": machine.name, "threads": str(options.threads)}
     if options.ranges:  # the emitter bounds the symbol, the runtime checks it
         meta["ranges"] = ",".join(f"{n}={lo}..{hi}" for n, lo, hi in options.ranges)
+        if options.sample_weights:
+            from .dynamic import samples
+            meta["samples"] = ",".join(f"{'/'.join(f'{n}={v}' for n, v in b)}:{w:g}"
+                                       for b, w in samples(options.ranges, options.lengths, options.sample_weights))
     if options.budget:  # where the emitter finds the schedules of "tvm-tuned" kernels
         from .tune import tune_dir
         meta["tune_dir"] = str(tune_dir(options, machine))
@@ -690,8 +694,17 @@ def _plan_buckets(model, options: Options, db: ProfileDB, machine: Machine, cloc
 
 
 def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock: Clock) -> Planned:
-    """One plan over the range (or the static shapes) of `options`."""
+    """One plan over the range (or the static shapes) of `options`. Over a range, its lengths are
+    weighted relative to the model's floor at each (dynamic.relative_weights)."""
     loaded = load(model, options, clock)
+    if options.ranges and not options.sample_weights:
+        from .calibrate import calibrate
+        from .dynamic import relative_weights
+        from .estimate import kernel_floor_ns
+        cal = calibrate(options.threads)
+        options = options.with_(sample_weights=relative_weights(
+            loaded.graph, options.ranges, options.lengths,
+            lambda g: kernel_floor_ns(g, cal["peak_gflops"], cal["bandwidth_gbs"])))
     with clock("enumerate"):
         enumeration = enumerate_candidates(loaded.graph, options)
     meta = plan_meta(loaded.source, machine, options)

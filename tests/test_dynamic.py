@@ -329,6 +329,30 @@ def test_the_python_api_takes_a_range(tmp_path):
     assert compiled.run({"x": np.ones((1, 16, 64), np.float32)})["y"].shape == (1, 16, 64)
 
 
+def test_lengths_are_weighted_relative_to_the_model_there(block):
+    """Over a range, each sampled length weighs its share (1/4, 1/2, 1/4) divided by the model's floor
+    at that length: a transformer block's seq=1 weighs more than its seq=512 (a plain sum of times
+    would let 512 decide every choice); the weights are normalized, rounded to two digits, used by
+    `samples` and named in the database namespace."""
+    from kernorch.estimate import kernel_floor_ns
+    from kernorch.measure import target_of
+    from kernorch.options import Machine, Options
+    _, generic = block
+    r = (("seq", 1, 512),)
+    w = dynamic.relative_weights(generic, r, (), lambda g: kernel_floor_ns(g, 100.0, 10.0))
+    assert len(w) == 3 and abs(sum(w) - 1) < 0.02 and w[0] > w[1] > w[2] > 0
+    assert all(float(f"{x:.2g}") == x for x in w)
+    assert [x for _, x in dynamic.samples(r, (), w)] == list(w)
+    floors = [kernel_floor_ns(dynamic.bind(generic, dict(b)), 100.0, 10.0) for b, _ in dynamic.samples(r)]
+    assert floors[2] > 10 * floors[0]  # what the weights undo
+    with pytest.raises(KernorchError, match="2 sample weights for 3 samples"):
+        dynamic.samples(r, (), (0.5, 0.5))
+    machine = Machine.host()
+    plain = target_of(machine, Options(threads=1, ranges=r))
+    weighted = target_of(machine, Options(threads=1, ranges=r, sample_weights=w))
+    assert weighted.startswith(plain) and weighted != plain and f"{w[2]:g}" in weighted
+
+
 def test_buckets_cut_a_range_and_weigh_it():
     """--buckets 8,64 over 1..512: 1..8, 9..64, 65..512, weighted by their share of the log-uniform
     length (or of the observed lengths); edges outside the range or buckets too small are refused."""
