@@ -216,6 +216,42 @@ def test_a_kernel_over_a_range_launches_threads_only_where_the_length_makes_enou
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=f"seq={s}")
 
 
+def test_a_tile_over_symbolic_rows_carries_a_small_tile_for_short_lengths(block):
+    """A weight GEMM over seq rows in a 6-row tile (its weight packed in 64 columns) also holds a
+    2-row copy of the same packing, chosen at run time by the length (a short length padded to 6
+    rows computes 6); both copies compute the reference, at lengths either picks (1, 7: 2 rows;
+    23, 64: 6 rows), and a static GEMM has no second copy."""
+    import tvm
+    from kernorch.backends.tvm.lower import lower
+    from kernorch.backends.tvm.schedule import SMALL_ROWS, schedule
+    from kernorch.backends.tvm.target import make_target
+    from kernorch.ir import kernel_graph
+    from kernorch.kernels import pack_args
+    from kernorch.executor import run as reference
+    _, generic = block
+    p = next(q for q in generic.prims if q.op == "matmul" and q.inputs[1] in generic.constants
+             and int(np.shape(generic.constants[q.inputs[1]])[-1]) % 64 == 0)
+    ins = list(p.inputs)
+    kg = kernel_graph(generic, [p.name], ins, [p.name])
+    target = make_target(1)
+    mod = schedule(lower(kg, kg.prims, ins, [p.name], "t6x64p"), target, "t6x64p", bounds={"seq": 512})
+    assert int(mod["main"].attrs["kernorch.small_rows"]) == SMALL_ROWS
+    script = mod["main"].script()
+    assert "T.unroll(T.int64(6))" in script and f"T.unroll(T.int64({SMALL_ROWS}))" in script, script
+    ex = tvm.compile(mod, target=target)
+    for s in (1, 7, 23, 64):
+        b = dynamic.bind(kg, {"seq": s})
+        x = np.random.default_rng(s).standard_normal(b.type_of(ins[0]).shape).astype(np.float32)
+        args = pack_args(b, ins, "t6x64p", [x, np.asarray(b.constants[ins[1]], np.float32)])
+        got = tvm.runtime.empty(b.type_of(p.name).shape, "float32", tvm.cpu())
+        ex["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args], got)
+        np.testing.assert_allclose(got.numpy(), reference(b, {ins[0]: x})[p.name], rtol=1e-4, atol=1e-4,
+                                   err_msg=f"seq={s}")
+    static = dynamic.bind(kg, {"seq": 23})
+    smod = schedule(lower(static, static.prims, ins, [p.name], "t6x64p"), target, "t6x64p")
+    assert "kernorch.small_rows" not in smod["main"].attrs
+
+
 def test_one_executable_serves_the_whole_range(tmp_path):
     """optimize over seq=1..512: one plan, one compiled module; right against ONNX Runtime at 20
     lengths, both ends included, and a length outside the range is refused by name."""

@@ -9,6 +9,7 @@ on a Relax module leave it alone.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Callable
 
 import numpy as np
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 7
+SCHEDULES_VERSION = 8
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -84,15 +85,18 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
     tile = Tile.parse(inner)
     if tile is not None:  # a micro-kernel variant: exactly this tile, or a refusal (never another rule)
         try:
-            base = _inline_pass(_pad_symbolic(func, lanes, tile))
-            # a convolution's tile in a blocked variant: the conv micro-kernel (output channels
-            # as vectors); in the plain layout: the GEMM over output channels x output width
-            conv_kernel = _contraction_name(base).startswith("conv") and split(mode)[0] is not None
-            rule = _rule_conv if conv_kernel else _rule_contraction
-            sch = rule(base, lanes, tile)
+            out = _scheduled(_tiled(func, lanes, tile, mode), f"contraction {mode}")
         except Exception as e:  # noqa: BLE001 - the variant does not apply to this kernel
             raise KernorchError(f"tile {mode} does not apply: {type(e).__name__}: {_first_line(e)}") from None
-        return _scheduled(sch, f"contraction {mode}")
+        rows = _symbolic_rows(func)
+        if rows is not None and tile.mr > SMALL_ROWS:
+            try:
+                small = _scheduled(_tiled(func, lanes, replace(tile, mr=SMALL_ROWS), mode), f"contraction {mode}")
+            except Exception as e:  # noqa: BLE001 - the tile alone serves every length
+                log.debug("no small-row tile for %s: %s", mode, _first_line(e))
+            else:
+                out = tvm.IRModule({"main": _by_rows(out["main"], small["main"], rows, tile.mr)})
+        return out
     if inner not in ("default", *CONVERSIONS):
         raise KernorchError(f"unknown schedule mode {mode!r} (expected 'none', 'default', a tile like 't14x32p', "
                             "optionally after a layout like 'b16/')")
@@ -122,6 +126,57 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
         return _scheduled(sch, name)
     log.warning("no schedule rule applied; the kernel stays untuned")
     return mod
+
+
+def _tiled(func, lanes: int, tile: Tile, mode: str) -> s_tir.Schedule:
+    """The micro-kernel `tile` on `func`: a convolution's tile in a blocked variant is the conv
+    micro-kernel (output channels as vectors); otherwise the GEMM (in the plain layout a conv's
+    GEMM over output channels x output width)."""
+    base = _inline_pass(_pad_symbolic(func, lanes, tile))
+    conv_kernel = _contraction_name(base).startswith("conv") and split(mode)[0] is not None
+    return (_rule_conv if conv_kernel else _rule_contraction)(base, lanes, tile)
+
+
+# the row tile of a contraction's second copy over a symbolic row extent (see _by_rows); measured
+# on a 2-core Zen 4 (a seq x 384 x 384 GEMM with its bias, 64 columns wide): 2 rows cost per row
+# what 4, 6, 8 and 14 do up to 64 rows, and 1.05-1.13x as much at 128-512 rows
+SMALL_ROWS = 2
+SMALL_ROWS_COST = 1.1  # a row of the small tile against a row of the large one
+
+
+def _symbolic_rows(func):
+    """The symbolic row extent a contraction's tile pads (kernorch.dynamic: seq rows), or None: the
+    func has one contraction with exactly one symbolic spatial axis before the column axis."""
+    sch = s_tir.Schedule(func)
+    names = [n for n in _root_blocks(sch) if _contraction_operands(sch.get(sch.get_sblock(n))) is not None]
+    if len(names) != 1:
+        return None
+    blk = sch.get_sblock(names[0])
+    stmt = sch.get(blk)
+    loops = list(sch.get_loops(blk))
+    nsp = sum(1 for iv in stmt.iter_vars if int(iv.iter_type) == _DATA_PAR)
+    if len(loops) != len(stmt.iter_vars):
+        return None
+    rows = [sch.get(lp).extent for lp in loops[:nsp - 1] if _extent(sch, lp) is None]
+    return rows[0] if len(rows) == 1 else None
+
+
+def _by_rows(large: tirx.PrimFunc, small: tirx.PrimFunc, rows, mr: int) -> tirx.PrimFunc:
+    """One kernel of two schedules of the same contraction over a symbolic row extent `rows`, chosen
+    at run time by the actual length: rows are padded to the tile, so a short length pays for a
+    whole tile (seq=1 in a 6-row tile: 6 rows); the small tile runs when its padded rows, at
+    SMALL_ROWS_COST each, cost less than the large tile's (seq 1, 7, 13 with 6-row tiles; not 512)."""
+    def padded(m: int):
+        return (rows + (m - 1)) // m * m
+    cond = tirx.const(int(SMALL_ROWS_COST * 10), "int64") * padded(SMALL_ROWS) < tirx.const(10, "int64") * padded(mr)
+    a, b = large.body.block, small.body.block
+    allocs = list(a.alloc_buffers)  # (an intermediate both copies keep is one buffer: only one copy runs)
+    allocs += [buf for buf in b.alloc_buffers if not any(buf.same_as(x) for x in allocs)]
+    root = s_tir.stmt.SBlock(a.iter_vars, a.reads, a.writes, a.name_hint, tirx.IfThenElse(cond, b.body, a.body),
+                             a.init, allocs, a.match_buffers, a.annotations)
+    func = large.with_body(s_tir.stmt.SBlockRealize(large.body.iter_values, large.body.predicate, root))
+    # the two copies define the same loop and block variables: SSA gives each its own
+    return s_tir.transform.ConvertSSA()(tvm.IRModule({"main": func}))["main"].with_attr("kernorch.small_rows", SMALL_ROWS)
 
 
 def _scheduled(sch: s_tir.Schedule, rule: str) -> tvm.IRModule:
