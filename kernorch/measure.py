@@ -245,7 +245,9 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
         per_sample = []
         for binding, weight in job.samples:
             bj = job.at(binding)
-            runs = _timed(kernel, kernel_args(bj, make_inputs(bj)), repeats, min_repeat_ms, cold,
+            # the timing a static kernel gets, shared among the samples (their weighted sum averages them)
+            runs = _timed(kernel, kernel_args(bj, make_inputs(bj)), repeats, min_repeat_ms / len(job.samples), cold,
+                          max_calls=COLD_MAX_CALLS // len(job.samples),
                           out_shapes=[bj.graph.type_of(o).shape for o in bj.outputs])
             per_sample.append(weight * np.array(runs))
         n = min(len(r) for r in per_sample)
@@ -267,11 +269,12 @@ def cold_args(job: KernelJob) -> list[int]:
     return [i for i, t in enumerate(job.inputs) if t in job.graph.constants]
 
 
-def _timed(kernel, inputs, repeats: int, min_repeat_ms: float, cold: Sequence[int], out_shapes=None) -> list[float]:
+def _timed(kernel, inputs, repeats: int, min_repeat_ms: float, cold: Sequence[int], out_shapes=None,
+           max_calls: int = COLD_MAX_CALLS) -> list[float]:
     """Seconds per call of a built kernel, as it runs inside the model: its weights (`cold`) flushed
     from the caches before each call, its activations and outputs warm (they were just written by
     the kernel before, or are buffers the executable reuses). Each call is one repeat, as many as
-    `repeats` repeats of `min_repeat_ms` would hold (at most COLD_MAX_CALLS). A kernel without
+    `repeats` repeats of `min_repeat_ms` would hold (at most `max_calls`). A kernel without
     weights is timed hot, `repeats` repeats of at least `min_repeat_ms` each.
 
     Measured on gpt2_mini (2 threads): the sum of its 86 kernels timed so, 7.43 ms, end to end
@@ -280,7 +283,7 @@ def _timed(kernel, inputs, repeats: int, min_repeat_ms: float, cold: Sequence[in
     if not cold:
         return kernel.time(*inputs, number=1, repeat=repeats, min_repeat_ms=int(min_repeat_ms), out_shapes=out_shapes)
     one = kernel.time(*inputs, repeat=1, cold=cold, out_shapes=out_shapes)[0]
-    calls = int(min(COLD_MAX_CALLS, max(repeats, repeats * min_repeat_ms / 1e3 / max(one, 1e-7))))
+    calls = int(min(max_calls, max(repeats, repeats * min_repeat_ms / 1e3 / max(one, 1e-7))))
     return kernel.time(*inputs, repeat=calls, cold=cold, out_shapes=out_shapes, warmup=0)
 
 
