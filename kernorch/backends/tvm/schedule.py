@@ -144,9 +144,10 @@ SMALL_ROWS = 2
 SMALL_ROWS_COST = 1.1  # a row of the small tile against a row of the large one
 
 
-def _symbolic_rows(func):
-    """The symbolic row extent a contraction's tile pads (kernorch.dynamic: seq rows), or None: the
-    func has one contraction with exactly one symbolic spatial axis before the column axis."""
+def _single_contraction(func):
+    """(a fresh Schedule of `func`, its one contraction block, the block's loops, how many of them
+    are spatial), or None: no contraction or several, or loops that are not the
+    block's own iteration variables."""
     sch = s_tir.Schedule(func)
     names = [n for n in _root_blocks(sch) if _contraction_operands(sch.get(sch.get_sblock(n))) is not None]
     if len(names) != 1:
@@ -154,9 +155,18 @@ def _symbolic_rows(func):
     blk = sch.get_sblock(names[0])
     stmt = sch.get(blk)
     loops = list(sch.get_loops(blk))
-    nsp = sum(1 for iv in stmt.iter_vars if int(iv.iter_type) == _DATA_PAR)
     if len(loops) != len(stmt.iter_vars):
         return None
+    return sch, blk, loops, sum(1 for iv in stmt.iter_vars if int(iv.iter_type) == _DATA_PAR)
+
+
+def _symbolic_rows(func):
+    """The symbolic row extent a contraction's tile pads (kernorch.dynamic: seq rows), or None: the
+    func has one contraction with exactly one symbolic spatial axis before the column axis."""
+    found = _single_contraction(func)
+    if found is None:
+        return None
+    sch, _, loops, nsp = found
     rows = [sch.get(lp).extent for lp in loops[:nsp - 1] if _extent(sch, lp) is None]
     return rows[0] if len(rows) == 1 else None
 
@@ -633,16 +643,12 @@ def _pad_symbolic(func, lanes: int, tile: Tile | None):
     through guarded loads when the depth is symbolic too), the result copied out of a padded
     buffer. A symbolic reduction extent stays a plain loop. Returns `func`
     unchanged when it has no contraction over a symbolic spatial extent."""
-    sch = s_tir.Schedule(func)
-    names = [n for n in _root_blocks(sch) if _contraction_operands(sch.get(sch.get_sblock(n))) is not None]
-    if len(names) != 1:
+    found = _single_contraction(func)
+    if found is None:
         return func
-    blk = sch.get_sblock(names[0])
-    stmt = sch.get(blk)
-    loops = list(sch.get_loops(blk))
-    nsp = sum(1 for iv in stmt.iter_vars if int(iv.iter_type) == _DATA_PAR)
+    sch, blk, loops, nsp = found
     ext = [_extent(sch, lp) for lp in loops]
-    if len(loops) != len(stmt.iter_vars) or not any(e is None for e in ext[:nsp]):
+    if not any(e is None for e in ext[:nsp]):
         return func
     sch.pad_einsum(blk, _pad_factors(ext, nsp, lanes, tile))
     if any(e is None for e in ext[nsp:]):
