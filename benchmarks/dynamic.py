@@ -140,9 +140,9 @@ def main(argv=None) -> int:
         summary[name] = {"vs_static_max": max(vs_static), "vs_static_geomean": geomean(vs_static),
                          "pad_over_geomean": geomean(vs_pad), "vs_best_peer_max": max(vs_peer),
                          "vs_best_peer_geomean": geomean(vs_peer)}
-    summary["static"] = {"vs_best_peer_max": max(r["ms"]["static"] / r["ms"][r["best_peer"]] for r in rows),
-                         "vs_best_peer_geomean": geomean([r["ms"]["static"] / r["ms"][r["best_peer"]] for r in rows])}
-    if "dispatch" in builds:
+    static_peer = [r["ms"]["static"] / r["ms"][r["best_peer"]] for r in rows]
+    summary["static"] = {"vs_best_peer_max": max(static_peer), "vs_best_peer_geomean": geomean(static_peer)}
+    if args.dispatch:
         summary["optimize_dispatch_s"] = builds["dispatch"]
         summary["optimize_dispatch_ratio"] = builds["dispatch"] / static_sum
     result = {"args": vars(args), "builds_s": {str(k): v for k, v in builds.items()}, "rows": rows, "summary": summary}
