@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 8
+SCHEDULES_VERSION = 9
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -358,7 +358,7 @@ def _span(sch, loop) -> int:
     ext = _extent(sch, loop)
     if ext is None:
         ext = _upper_bound(sch, sch.get(loop).extent)
-    return PARALLEL_MIN_WORK if ext is None else ext
+    return PARALLEL_MIN_WORK if ext is None else max(ext, 1)  # (a loop empty at every length: no work)
 
 
 def _work(sch, block) -> int:
@@ -908,6 +908,7 @@ def _schedule_block(sch, blk, lanes: int) -> None:
             _init_every_lane(sch, rf_blk, sch.get_loops(rf_blk)[-2])
             return
         _parallel(sch, loops[:nsp], min_work=red_work)
+        _init_outside(sch, blk)
         return
     symbolic_inner = _extent(sch, loops[-1]) is None
     if not symbolic_inner and _tile_transpose(sch, blk, lanes):
@@ -1063,7 +1064,7 @@ def _rule_row(func, lanes: int) -> s_tir.Schedule:
     for name in names:
         if _work(sch, sch.get_sblock(name)) > 1.01 * before[name]:
             raise _NotApplicable(f"compute_at would recompute {name}")
-    lane_inits = []
+    lane_inits, serial_reductions = [], []
     for name in names:
         blk = sch.get_sblock(name)
         stmt = sch.get(blk)
@@ -1081,12 +1082,26 @@ def _rule_row(func, lanes: int) -> s_tir.Schedule:
                 lane_inits.append((blk, red[0]))
             continue
         if _is_reduction(stmt):
+            serial_reductions.append(blk)
             continue  # short or non-divisible reductions stay serial inside the row
         _vectorize_inner(sch, blk, lanes, skip_outer=1)
     _parallel(sch, [row], min_work=_work(sch, sch.get_sblock(last)) // _span(sch, row))
     for blk, red in lane_inits:
         _init_every_lane(sch, blk, red)
+    for blk in serial_reductions:
+        _init_outside(sch, blk)
     return sch
+
+
+def _init_outside(sch, blk) -> None:
+    """A reduction over a symbolic extent (kernorch.dynamic) may run no iteration at some length
+    (the chunks of a short row); its init, inside the reduction loops, would then never run: it
+    moves out of them. Call it last (vectorize and parallel refuse a decomposed block)."""
+    stmt = sch.get(blk)
+    loops = list(sch.get_loops(blk))
+    nred = sum(1 for iv in stmt.iter_vars if int(iv.iter_type) == _COMM_REDUCE)
+    if nred and len(loops) >= nred and any(_extent(sch, lp) is None for lp in loops[-nred:]):
+        sch.decompose_reduction(blk, loops[-nred])
 
 
 def _rfactor_lanes(sch, block, lanes: int):
