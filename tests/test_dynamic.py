@@ -154,8 +154,9 @@ def test_symbolic_kernels_compile_once_and_are_right_at_every_length(block, fuse
     add; `rows`: each layer norm and softmax whole, reductions over seq included) lowers with a TIR
     variable for seq, is scheduled by the default rules (a contraction over symbolic rows is padded
     to its tile, a reduction over seq split by the lanes under a guard) and compiled once; it then
-    matches the numpy reference at lengths 1, 7 and 37 (shorter than a vector, no multiple of the
-    row tile), and writes nothing outside its output."""
+    matches the numpy reference at lengths 1, 7, 16, 32 and 37 (shorter than a vector, whole
+    chunks of a reduction over seq and a rest, no multiple of the row tile), and writes nothing
+    outside its output."""
     import tvm
     from kernorch.backends.tvm.lower import lower
     from kernorch.backends.tvm.schedule import schedule
@@ -183,7 +184,7 @@ def test_symbolic_kernels_compile_once_and_are_right_at_every_length(block, fuse
     assert len(kernels) >= {"single": 10, "epilogue": 2, "rows": 2}[fused]
     for kg, ins, out in kernels:
         ex = tvm.compile(schedule(lower(kg, kg.prims, ins, [out]), target), target=target)
-        for s in (1, 7, 37):
+        for s in (1, 7, 16, 32, 37):
             got, want = _run_symbolic(kg, ins, out, ex, s)
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, equal_nan=True,
                                        err_msg=f"{kg.prims[0].op} kernel {out} at seq={s}")
@@ -214,6 +215,35 @@ def test_a_kernel_over_a_range_launches_threads_only_where_the_length_makes_enou
     for s in (3, 300):
         got, want = _run_symbolic(kg, list(p.inputs), p.name, ex, s)
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=f"seq={s}")
+
+
+def test_a_reduction_over_seq_keys_runs_whole_chunks_unguarded_and_a_rest(block):
+    """The max over seq keys lowers to whole chunks of REDUCE_CHUNK (vectorized: no guard in their
+    loop) and a rest of 1 to REDUCE_CHUNK keys, combined; right at lengths where the chunks are
+    empty (1, 16), exact (32) and partial (33, 300)."""
+    import tvm
+    from kernorch.backends.tvm.lower import lower
+    from kernorch.backends.tvm.schedule import schedule
+    from kernorch.backends.tvm.target import make_target, vector_bits
+    from kernorch.ir import kernel_graph
+    from kernorch.primitives import REDUCE_CHUNK
+    _, generic = block
+    p = next(q for q in generic.prims
+             if q.op == "reduce_max" and sum(not isinstance(d, int) for d in generic.type_of(q.inputs[0]).shape) == 2)
+    kg = kernel_graph(generic, [p.name], list(p.inputs), [p.name])
+    target = make_target(2)
+    mod = schedule(lower(kg, kg.prims, list(p.inputs), [p.name]), target, bounds={"seq": 512})
+    script = mod["main"].script()
+    assert 'T.sblock("reduce_max_chunks_rf_update")' in script and 'T.sblock("reduce_max_rest_update")' in script, script
+    chunks = script[script.index('T.sblock("reduce_max_chunks_rf_update")'):]
+    chunks = chunks[:chunks.index("T.max(")]
+    lanes = max(vector_bits(target) // 32, 4)  # (the chunks split by the vector lanes: 16 divides by 8 and 16)
+    assert "T.where" not in chunks and REDUCE_CHUNK % lanes == 0
+    assert re.search(rf'T\.vectorized\(T\.int64\({lanes}\)\):\s*with T\.sblock\("reduce_max_chunks_rf_update"\)', script)
+    ex = tvm.compile(mod, target=target)
+    for s in (1, 16, 32, 33, 300):
+        got, want = _run_symbolic(kg, list(p.inputs), p.name, ex, s)
+        np.testing.assert_array_equal(got, want, err_msg=f"seq={s}")
 
 
 def test_a_tile_over_symbolic_rows_carries_a_small_tile_for_short_lengths(block):
