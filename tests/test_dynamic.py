@@ -130,6 +130,15 @@ def _run_symbolic(kg, names_in, out, ex, s):
     return got.numpy(), want
 
 
+def _scores_max(generic):
+    """The max over seq keys of the attention scores (batch x heads x seq x seq) as a kernel: its
+    prim and its kernel graph."""
+    from kernorch.ir import kernel_graph
+    p = next(q for q in generic.prims
+             if q.op == "reduce_max" and sum(not isinstance(d, int) for d in generic.type_of(q.inputs[0]).shape) == 2)
+    return p, kernel_graph(generic, [p.name], list(p.inputs), [p.name])
+
+
 def _row_kernels(generic):
     """The prims of each normalization node (LayerNormalization, Softmax) as one kernel: the row
     rule's reductions over a symbolic extent (softmax rows of seq keys)."""
@@ -199,11 +208,7 @@ def test_a_kernel_over_a_range_launches_threads_only_where_the_length_makes_enou
     from kernorch.backends.tvm.lower import lower
     from kernorch.backends.tvm.schedule import PARALLEL_MIN_WORK, schedule
     from kernorch.backends.tvm.target import make_target
-    from kernorch.ir import kernel_graph
-    _, generic = block
-    p = next(q for q in generic.prims
-             if q.op == "reduce_max" and sum(not isinstance(d, int) for d in generic.type_of(q.inputs[0]).shape) == 2)
-    kg = kernel_graph(generic, [p.name], list(p.inputs), [p.name])
+    p, kg = _scores_max(block[1])
     target = make_target(2)
     wide = schedule(lower(kg, kg.prims, list(p.inputs), [p.name]), target, bounds={"seq": 512})
     script = wide["main"].script()
@@ -225,12 +230,8 @@ def test_a_reduction_over_seq_keys_runs_whole_chunks_unguarded_and_a_rest(block)
     from kernorch.backends.tvm.lower import lower
     from kernorch.backends.tvm.schedule import schedule
     from kernorch.backends.tvm.target import make_target, vector_bits
-    from kernorch.ir import kernel_graph
     from kernorch.primitives import REDUCE_CHUNK
-    _, generic = block
-    p = next(q for q in generic.prims
-             if q.op == "reduce_max" and sum(not isinstance(d, int) for d in generic.type_of(q.inputs[0]).shape) == 2)
-    kg = kernel_graph(generic, [p.name], list(p.inputs), [p.name])
+    p, kg = _scores_max(block[1])
     target = make_target(2)
     mod = schedule(lower(kg, kg.prims, list(p.inputs), [p.name]), target, bounds={"seq": 512})
     script = mod["main"].script()
