@@ -182,11 +182,18 @@ def _by_rows(large: tirx.PrimFunc, small: tirx.PrimFunc, rows, mr: int) -> tirx.
     a, b = large.body.block, small.body.block
     allocs = list(a.alloc_buffers)  # (an intermediate both copies keep is one buffer: only one copy runs)
     allocs += [buf for buf in b.alloc_buffers if not any(buf.same_as(x) for x in allocs)]
-    root = s_tir.stmt.SBlock(a.iter_vars, a.reads, a.writes, a.name_hint, tirx.IfThenElse(cond, b.body, a.body),
-                             a.init, allocs, a.match_buffers, a.annotations)
-    func = large.with_body(s_tir.stmt.SBlockRealize(large.body.iter_values, large.body.predicate, root))
-    # the two copies define the same loop and block variables: SSA gives each its own
-    return s_tir.transform.ConvertSSA()(tvm.IRModule({"main": func}))["main"].with_attr("kernorch.small_rows", SMALL_ROWS)
+    return _with_root_body(large, tirx.IfThenElse(cond, b.body, a.body), allocs).with_attr("kernorch.small_rows",
+                                                                                          SMALL_ROWS)
+
+
+def _with_root_body(func: tirx.PrimFunc, body, allocs=None) -> tirx.PrimFunc:
+    """`func` with its root block's body (and buffers, `allocs`) replaced by code that holds two
+    copies of some loops (one run or the other): SSA gives each copy its own variables."""
+    root = func.body.block
+    new = s_tir.stmt.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint, body, root.init,
+                            root.alloc_buffers if allocs is None else allocs, root.match_buffers, root.annotations)
+    func = func.with_body(s_tir.stmt.SBlockRealize(func.body.iter_values, func.body.predicate, new))
+    return s_tir.transform.ConvertSSA()(tvm.IRModule({"main": func}))["main"]
 
 
 def _scheduled(sch: s_tir.Schedule, rule: str) -> tvm.IRModule:
@@ -221,15 +228,11 @@ def _serial_when_small(func: tirx.PrimFunc) -> tirx.PrimFunc:
     from tvm.sym.analyzer import Analyzer
     ana = Analyzer()
     bounds = func.attrs[BOUNDS_ATTR] if func.attrs is not None and BOUNDS_ATTR in func.attrs else {}
-    bound: set[str] = set()
     out, changed = [], False
     for st in stmts:
         if isinstance(st, tirx.For) and st.kind == tirx.ForKind.PARALLEL:
             work = st.extent * _iterations(st.body)
-            for var in tirx.analysis.undefined_vars(work):  # a symbol is at least 1 (and at most its bound)
-                if var.name not in bound:
-                    bound.add(var.name)
-                    ana.bind(var, tvm.ir.Range.from_min_extent(1, int(bounds.get(var.name, 2 ** 31))))
+            _bind_symbols(ana, work, bounds)
             work = ana.simplify(work)
             # (work that is enough at the shortest length stays parallel: the serial branch would be dead)
             if not isinstance(work, tirx.IntImm) and ana.const_int_bound(work).min_value < PARALLEL_MIN_WORK:
@@ -240,12 +243,7 @@ def _serial_when_small(func: tirx.PrimFunc) -> tirx.PrimFunc:
         out.append(st)
     if not changed:
         return func
-    body = tirx.SeqStmt(out) if len(out) > 1 else out[0]
-    new = s_tir.stmt.SBlock(blk.iter_vars, blk.reads, blk.writes, blk.name_hint, body, blk.init,
-                            blk.alloc_buffers, blk.match_buffers, blk.annotations)
-    func = func.with_body(s_tir.stmt.SBlockRealize(root.iter_values, root.predicate, new))
-    # the two copies define the same loop and block variables: SSA gives the serial one its own
-    return s_tir.transform.ConvertSSA()(tvm.IRModule({"main": func}))["main"]
+    return _with_root_body(func, tirx.SeqStmt(out) if len(out) > 1 else out[0])
 
 
 def _first_line(e: Exception) -> str:
@@ -427,15 +425,22 @@ def _upper_bound(sch, expr) -> int | None:
     attrs = sch.mod["main"].attrs
     if attrs is None or BOUNDS_ATTR not in attrs:
         return None
-    bounds = attrs[BOUNDS_ATTR]
     from tvm.sym.analyzer import Analyzer
     ana = Analyzer()
-    for v in tirx.analysis.undefined_vars(expr):
-        if v.name not in bounds:
-            return None
-        ana.bind(v, tvm.ir.Range.from_min_extent(1, int(bounds[v.name])))
+    if not _bind_symbols(ana, expr, attrs[BOUNDS_ATTR]):
+        return None
     top = ana.const_int_bound(expr).max_value
     return int(top) if top < 2 ** 62 else None
+
+
+def _bind_symbols(ana, expr, bounds) -> bool:
+    """Bind each symbol of `expr` (kernorch.dynamic: seq) in `ana` to 1..its bound in `bounds`
+    (1..2**31 without one); returns whether every one had a bound."""
+    known = True
+    for v in tirx.analysis.undefined_vars(expr):
+        known = known and v.name in bounds
+        ana.bind(v, tvm.ir.Range.from_min_extent(1, int(bounds[v.name]) if v.name in bounds else 2 ** 31))
+    return known
 
 
 def _vectorize_inner(sch, block, lanes: int, skip_outer: int = 0):
