@@ -35,7 +35,9 @@ def markdown(results: list[dict]) -> str:
         for t in r["threads"]:
             s = r["summary"].get(str(t), {})
             lines += [f"## {Path(r['model']).stem}, {t} thread(s): geomean {s.get('geomean_ratio', float('nan')):.2f}x, "
-                      f"lowest {s.get('min_ratio', float('nan')):.2f}x over {s.get('kernels', 0)} kernels", "",
+                      f"lowest {s.get('min_ratio', float('nan')):.2f}x over {s.get('kernels', 0)} kernels"
+                      + (f"; convolutions: geomean {s['conv_geomean_ratio']:.2f}x, lowest {s['conv_min_ratio']:.2f}x "
+                         f"over {s['conv_kernels']}" if "conv_kernels" in s else ""), "",
                       "| kernel | n | kernorch µs | tile | kernorch GFLOP/s | ORT µs | ORT GFLOP/s | ratio | of peak |",
                       "|---|---|---|---|---|---|---|---|---|"]
             for k in r["kernels"]:
@@ -74,7 +76,9 @@ def main(argv=None) -> int:
         r = bench_kernels(str(p), Options(db_path=args.db), threads=tuple(int(t) for t in args.threads.split(",")))
         results.append(r)
         print(f"{p.stem}: {time.perf_counter() - t0:.0f} s, " + ", ".join(
-            f"{t} thr {s['geomean_ratio']:.2f}x (lowest {s['min_ratio']:.2f}x)" for t, s in r["summary"].items()))
+            f"{t} thr {s['geomean_ratio']:.2f}x (lowest {s['min_ratio']:.2f}x"
+            + (f"; convs {s['conv_geomean_ratio']:.2f}x, lowest {s['conv_min_ratio']:.2f}x" if "conv_kernels" in s else "")
+            + ")" for t, s in r["summary"].items()))
         (out / "kernels.json").write_text(json.dumps(results, indent=1))
         (out / "kernels.md").write_text(markdown(results))
     print((out / "kernels.md").read_text())

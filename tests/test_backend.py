@@ -538,6 +538,27 @@ def test_blocked_conv_tiles_compute_the_reference(shape, target):
         assert {(t.mr, t.nb) for t in direct if t.rows_outer} == {(t.mr, t.nb) for t in direct if not t.rows_outer}
 
 
+@pytest.mark.parametrize("shape, per_row", [(dict(cin=3, k=7, stride=4, pad=3, hw=21), True),
+                                             (dict(cin=3, stride=2, hw=13), True), (dict(), False),
+                                             (dict(cin=3, k=1, pad=0), None)])
+def test_a_plain_input_is_padded_row_by_row_inside_the_parallel_loop(shape, per_row, target):
+    """A padded 3-channel image: each output row pads the input rows it reads inside the parallel
+    loop (no pass over the whole padded image first), with the tile's write-back after its column
+    tile; a blocked input keeps its pad pass; exact either way."""
+    lanes = Machine.host().lanes
+    graph, inputs = conv_epilogue_graph(**shape)
+    for tile in ("t8x32p", "t8x32pr"):
+        mod = _run_variant(graph, inputs, f"b{lanes}/{tile}", target)
+        text = mod["main"].script()
+        if per_row is None:
+            assert "conv_pad" not in text
+            continue
+        # per row: one parallel loop, the padding inside it; a pass: a parallel loop of its own first
+        pars = [i for i in range(len(text)) if text.startswith("T.parallel(", i)]
+        pad = text.index('T.sblock("conv_pad")')
+        assert (len(pars) == 1 and pad > pars[0]) if per_row else (len(pars) == 2 and pars[0] < pad < pars[1]), tile
+
+
 def test_winograd_transforms_compute_a_correlation_and_the_weight_transform_inverts():
     """Numpy only: A^T[(G g) * (B^T d)] is the 3-tap correlation of every m-output tile, and the
     packed weight transform comes back to the weight through G's pseudo-inverse."""

@@ -134,3 +134,16 @@ def test_kernel_benchmark_offers_a_conv_without_blocked_tiles_its_plain_ones():
     (c,) = contractions(g)
     schedules = [j.schedule for j in kernel_jobs(c, Machine.host())]
     assert schedules[-1] == "default" and len(schedules) > 1 and not any("/" in s for s in schedules)
+
+
+def test_kernel_benchmark_summarizes_the_convolutions_apart():
+    """The blocked-layout target is per model over its convolutions: the summary gives their geomean
+    and lowest ratio beside those of every contraction; a kernel without a ratio counts in neither."""
+    from kernorch.kbench import summary
+    def row(kernel, ratio=None):
+        return {"kernel": kernel, "by_threads": {"2": {} if ratio is None else {"ratio": ratio}}}
+    s = summary([row("conv 1x8x8x8 · W8x8x3x3 s1 g1", 2.0), row("conv 1x8x8x8 · W8x8x1x1 s1 g1", 0.5),
+                 row("matmul 4x16 · W16x32", 0.25), row("conv 1x3x8x8 · W8x3x3x3 s1 g1")], 2)
+    assert s["kernels"] == 3 and s["min_ratio"] == 0.25 and abs(s["geomean_ratio"] - 0.25 ** (1 / 3)) < 1e-9
+    assert s["conv_kernels"] == 2 and s["conv_min_ratio"] == 0.5 and abs(s["conv_geomean_ratio"] - 1.0) < 1e-9
+    assert "conv_kernels" not in summary([row("matmul 4x16 · W16x32", 1.0)], 2)
