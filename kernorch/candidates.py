@@ -5,7 +5,8 @@ of candidates that produces every output; legality here only says what *may* be 
 should be (legality, cost and choice stay separate).
 
 Legal means (see `legality`): at most one linear prim (matmul/conv) with any elementwise, broadcast,
-layout or reduce prologue and epilogue around it; an opaque prim only alone; convex (no path leaves
+layout or reduce prologue and epilogue around it, or two matmuls in the shape of attention (the
+second contracts a softmax-like row-wise function of the first over its columns: `_attention`); an opaque prim only alone; convex (no path leaves
 the set and re-enters it, so the kernel can run as one launch); weakly connected through prim-to-prim
 edges (sharing a graph input or weight does not connect); at most `max_outputs` outputs; at most
 `max_size` prims.
@@ -14,9 +15,10 @@ Enumeration grows sets breadth-first by size, one adjacent prim at a time, and k
 sets in the frontier. That is complete: every convex connected set of two or more prims has a
 member whose removal leaves a convex connected set (a source or sink of a leaf block of the set), so
 it is reached from a smaller convex set. Sets are bitmasks over the partition's prims and are
-deduplicated per size, so each set is examined once. Supersets of a set with two linear prims or an
-opaque prim are never legal and are not grown, nor are sets with more than `max_outputs` members
-that are graph outputs or read outside the partition (those stay outputs in every superset); other
+deduplicated per size, so each set is examined once. Supersets of a set with two linear prims (not
+in the shape of attention) or an opaque prim are never legal and are not grown, nor are sets with
+more than `max_outputs` members that are graph outputs or read outside the partition (those stay
+outputs in every superset); other
 sets with too many outputs are grown (absorbing a consumer can remove outputs) but not emitted.
 Rejection counts therefore count the sets examined, not every illegal superset.
 """
@@ -73,15 +75,12 @@ class Candidate:
     key: str
     partition: int
     deps: tuple[str, ...] = ()
-    linear: str | None = None  # the member matmul/conv, if any
+    linear: str | None = None  # the member matmul/conv, if any (attention: the scores' matmul)
 
     @property
     def size(self) -> int:
         return len(self.members)
 
-    @property
-    def n_linear(self) -> int:
-        return int(self.linear is not None)
 
 
 @dataclass(frozen=True)
@@ -173,6 +172,47 @@ def _convex(graph: Graph, inside: set[str]) -> bool:
     return True
 
 
+def _attention(graph: Graph, inside: set[str]) -> bool:
+    """Two matmuls where the second contracts, over the first's columns, a row-wise function of the
+    first's result that holds a reduction over those columns (scores -> softmax -> x values): one
+    kernel computes it a row tile at a time, the scores of a row tile never leaving the cache."""
+    lin = sorted((m for m in inside if primitives.kind(graph.by_name[m].op) == "linear"),
+                 key=lambda m: graph_index(graph, m))
+    if len(lin) != 2:
+        return False
+    s, o = (graph.by_name[m] for m in lin)
+    if s.op != "matmul" or o.op != "matmul" or o.inputs[0] not in inside or o.inputs[1] in inside:
+        return False
+    if tuple(graph.type_of(o.inputs[0]).shape) != tuple(s.type.shape) or len(s.type.shape) < 2:
+        return False
+    # the members between: downstream of the scores and upstream of the probabilities
+    down, todo = {s.name}, [s.name]
+    while todo:
+        for c in graph.consumers.get(todo.pop(), ()):
+            if c.name in inside and c.name not in down and c.name != o.name:
+                down.add(c.name)
+                todo.append(c.name)
+    up, todo = {o.inputs[0]}, [o.inputs[0]]
+    while todo:
+        for t in graph.by_name[todo.pop()].inputs:
+            if t in inside and t not in up:
+                up.add(t)
+                todo.append(t)
+    chain = (down & up) - {s.name}
+    reduces = 0
+    for m in chain:
+        p = graph.by_name[m]
+        k = primitives.kind(p.op)
+        if k == "reduce":
+            rank = len(graph.type_of(p.inputs[0]).shape)
+            if tuple(a % rank for a in p.attr("axes")) != (rank - 1,):
+                return False
+            reduces += 1
+        elif k != "elementwise":
+            return False
+    return reduces > 0
+
+
 def legality(graph: Graph, members: Iterable[str], opts: EnumOptions | None = None) -> str | None:
     """None if `members` may form one kernel, else the reason it may not (one of the constants above).
 
@@ -191,7 +231,7 @@ def legality(graph: Graph, members: Iterable[str], opts: EnumOptions | None = No
     kinds = [primitives.kind(graph.by_name[m].op) for m in inside]
     if "opaque" in kinds and len(inside) > 1:
         return OPAQUE
-    if kinds.count("linear") > 1:
+    if kinds.count("linear") > 1 and not _attention(graph, inside):
         return TWO_LINEAR
     if not _connected(graph, inside):
         return NOT_CONNECTED
@@ -294,7 +334,8 @@ def enumerate_partition(graph: Graph, part: Partition, opts: EnumOptions | None 
                 visited += 1
                 if opaque_mask >> v & 1:
                     reject(new, OPAQUE)
-                elif (linear_mask & new).bit_count() > 1:
+                elif (linear_mask & new).bit_count() > 1 and not (
+                        (linear_mask & new).bit_count() == 2 and _attention(graph, {names[i] for i in _bits(new)})):
                     reject(new, TWO_LINEAR)
                 elif (d | desc[v]) & (a | anc[v]) & ~new:
                     reject(new, NOT_CONVEX)

@@ -26,11 +26,12 @@ from . import candidates as cands
 from . import costmodel as cm
 from . import fission as fis
 from . import measure as meas
+from . import primitives
 from .backends import registry
 from .database import Measurement, ProfileDB
 from .frontend import onnx as frontend
 from .ir import Graph, KernorchError, kernel_graph
-from .kernels import Winograd, blocked, has_blocked_variant, prim_tiles, split
+from .kernels import Tile, Winograd, blocked, has_blocked_variant, prim_tiles, split
 from .kernels.variants import CONVERSIONS
 from .layouts import candidate_io, conversion, conversion_key, conversions
 from .options import Machine, Options
@@ -170,14 +171,16 @@ def tile_jobs(graph: Graph, candidates, options: Options, machine: Machine) -> d
 
 
 def fastest_schedules(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob]],
-                      direct: bool = False) -> dict[tuple, str]:
+                      direct: bool = False, rows_outer: bool = False) -> dict[tuple, str]:
     """Per (contraction prim, layout class): the schedule of its fastest successfully measured tile
-    (`direct`: of its register tiles and default schedule, leaving out the Winograd variants)."""
+    (`direct`: of its register tiles and default schedule, leaving out the Winograd variants;
+    `rows_outer`: of its tiles with rows outside the column tiles)."""
     out = {}
     for prim, jobs in jobs_by_prim.items():
         ok = [(measurements[j.ident].median_ns, j.schedule) for j in jobs
               if j.ident in measurements and measurements[j.ident].ok
-              and not (direct and Winograd.parse(split(j.schedule)[1]))]
+              and not (direct and Winograd.parse(split(j.schedule)[1]))
+              and not (rows_outer and not _rows_outside(j.schedule))]
         if ok:
             out[prim] = min(ok)[1]
     return out
@@ -202,11 +205,32 @@ def conversion_jobs(graph: Graph, jobs: Sequence[meas.KernelJob], machine: Machi
     return list(out.values())
 
 
+def _rows_outside(schedule: str) -> bool:
+    tile = Tile.parse(split(schedule)[1])
+    return tile is not None and tile.rows_outer
+
+
+def _row_wise(graph: Graph, c) -> bool:
+    """A candidate whose contraction is followed by a reduction over its last axis (a softmax, a
+    LayerNorm): its rows-outside tile computes that epilogue per row tile, in cache. (An attention
+    kernel runs row tile by row tile in every tile.)"""
+    if not c.linear or sum(primitives.kind(graph.by_name[m].op) == "linear" for m in c.members) > 1:
+        return False
+    for m in c.members:
+        p = graph.by_name[m]
+        if primitives.kind(p.op) == "reduce":
+            rank = len(graph.type_of(p.inputs[0]).shape)
+            if tuple(a % rank for a in p.attr("axes")) == (rank - 1,):
+                return True
+    return False
+
+
 def candidate_jobs(graph: Graph, candidates, options: Options, machine: Machine,
-                   tiles: Mapping[tuple, str]) -> list[meas.KernelJob]:
+                   tiles: Mapping[tuple, str], row_tiles: Mapping[tuple, str] | None = None) -> list[meas.KernelJob]:
     """Every distinct (key, implementation, schedule) the solver may choose, in each layout class;
     untuned TVM for a few, for comparison. A candidate around a contraction uses its contraction's
-    fastest tile in that class."""
+    fastest tile in that class; one with a row-wise epilogue also its fastest rows-outside tile
+    (`row_tiles`: the one that runs the epilogue in cache, which the contraction alone cannot show)."""
     jobs: dict[tuple, meas.KernelJob] = {}
     untuned = 0
     impls = registry.measured(options)
@@ -218,8 +242,11 @@ def candidate_jobs(graph: Graph, candidates, options: Options, machine: Machine,
             classes = _variant_classes(graph, c, options, machine) if impl.native else [None]
             for cls in classes:
                 schedule = tiles.get((c.linear, cls), _in_class(cls, "default")) if impl.native else "-"
-                jobs.setdefault((c.key, impl.name, schedule),
-                                meas.KernelJob(c.key, impl.name, schedule, kg, c.inputs, c.outputs))
+                schedules = [schedule]
+                if impl.native and row_tiles and (c.linear, cls) in row_tiles and _row_wise(graph, c):
+                    schedules.append(row_tiles[(c.linear, cls)])
+                for s in schedules:
+                    jobs.setdefault((c.key, impl.name, s), meas.KernelJob(c.key, impl.name, s, kg, c.inputs, c.outputs))
         if (untuned < options.compare_untuned and len(c.members) > 1 and (c.key, "tvm", "none") not in jobs
                 and registry.get("tvm").supports(kg, kg.prims, c.inputs, c.outputs) is None):
             jobs[(c.key, "tvm", "none")] = meas.KernelJob(c.key, "tvm", "none", kg, c.inputs, c.outputs)
@@ -279,7 +306,8 @@ def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Option
                                   workers=workers)
     tiles = fastest_schedules(results, by_prim)
     direct = fastest_schedules(results, by_prim, direct=True)
-    jobs = candidate_jobs(graph, enumeration.candidates, options, machine, tiles)
+    jobs = candidate_jobs(graph, enumeration.candidates, options, machine, tiles,
+                          fastest_schedules(results, by_prim, rows_outer=True))
     pending: dict = {}
     known: list = []
     if options.prune:
@@ -540,7 +568,6 @@ def problem_for(graph: Graph, candidates, measurements, options: Options, machin
     for every tensor some choice reads or writes blocked. Returns the problem and a map from choice
     id to its Spec."""
     from . import orchestrate as orch
-    from . import primitives
     costs = best_costs(measurements)
     for k, m in best_costs(estimates or {}).items():
         costs.setdefault(k, m)  # a measured variant of the class counts; the estimate fills the gap

@@ -322,6 +322,61 @@ def gemm_graph(m=50, k=96, n=64, batch=(), const=True, epilogue=True):
     return g, ["x", "w"] + (["bias"] if epilogue else [])
 
 
+def scores_softmax_graph(m=100, k=32, n=128, batch=(2,), axis=-1):
+    """scores = q[batch, m, k] @ kt[batch, k, n], then a softmax over `axis` (-1: the columns)."""
+    o = f32(*batch, m, n)
+    red = P.infer("reduce_max", [o], dict(axes=(axis,), keepdims=1))
+    ps = [make_prim("s", "matmul", ["q", "kt"], o),
+          make_prim("mx", "reduce_max", ["s"], red, axes=(axis,), keepdims=1), make_prim("d", "sub", ["s", "mx"], o),
+          make_prim("e", "exp", ["d"], o), make_prim("z", "reduce_sum", ["e"], red, axes=(axis,), keepdims=1),
+          make_prim("y", "div", ["e", "z"], o)]
+    g = Graph((("q", f32(*batch, m, k)), ("kt", f32(*batch, k, n))), ("y",), tuple(ps))
+    return g, ["q", "kt"]
+
+
+@pytest.mark.parametrize("tile, axis, per_row", [("t8x32r", -1, True), ("t4x64r", -1, True), ("t8x32", -1, False),
+                                                 ("t8x32r", -2, False)])
+def test_a_softmax_over_the_columns_runs_per_row_tile_in_cache(tile, axis, per_row, target):
+    """A contraction followed by a reduction over its columns (a softmax): with rows outside the
+    column tiles, the parallel loop walks row tiles, each finishes its whole rows and runs the
+    softmax on them (one parallel loop, the scores a row tile's buffer); columns outside, or a
+    reduction over the rows, keep the epilogue's passes. Exact either way (rows that do not divide
+    the tile included)."""
+    graph, inputs = scores_softmax_graph(axis=axis)
+    mod = _run_variant(graph, inputs, tile, target)
+    text = mod["main"].script()
+    assert (text.count("T.parallel(") == 1) == per_row
+    assert not per_row or 'reduce_max_rf")' in text  # the row's max by vector lanes
+
+
+def attention_graph(m=50, d=32, n=128, batch=2):
+    """Per batch: q[m, d] @ kt[d, n] scaled, a softmax over the n keys, @ v[n, d], heads moved
+    next to the rows (the transpose of a multi-head attention's output)."""
+    s, red, o = f32(batch, m, n), f32(batch, m, 1), f32(batch, m, d)
+    ps = [make_prim("s", "matmul", ["q", "kt"], s), make_prim("sc", "mul", ["s", "c"], s),
+          make_prim("mx", "reduce_max", ["sc"], red, axes=(-1,), keepdims=1), make_prim("sh", "sub", ["sc", "mx"], s),
+          make_prim("e", "exp", ["sh"], s), make_prim("z", "reduce_sum", ["e"], red, axes=(-1,), keepdims=1),
+          make_prim("p", "div", ["e", "z"], s), make_prim("o", "matmul", ["p", "v"], o),
+          make_prim("y", "transpose", ["o"], f32(m, batch, d), perm=(1, 0, 2))]
+    g = Graph((("q", f32(batch, m, d)), ("kt", f32(batch, d, n)), ("v", f32(batch, n, d))), ("y",), tuple(ps),
+              constants={"c": np.full((1,), 0.125, np.float32)})
+    return g, ["q", "kt", "c", "v"]
+
+
+@pytest.mark.parametrize("tile", ["t8x32r", "t14x32", "t4x64r", "t6x64rs"])
+@pytest.mark.parametrize("shape", [dict(), dict(m=16, n=64, d=64, batch=1)])
+def test_attention_runs_row_tile_by_row_tile_in_one_parallel_loop(tile, shape, target):
+    """Scores, softmax and values in one kernel: the parallel loop walks row tiles, each computes its
+    rows' scores, their softmax and their share of the output, the scores never leaving the tile's
+    buffers; exact against the reference (rows that do not divide the tile included), in every
+    tile (the row tile and the score columns' tile come from it; 's': no parallel loop)."""
+    graph, inputs = attention_graph(**shape)
+    mod = _run_variant(graph, inputs, tile, target)
+    text = mod["main"].script()
+    assert text.count("T.parallel(") == (0 if tile.endswith("s") else 1)
+    assert '_rf")' in text  # the reductions over the keys by vector lanes
+
+
 @pytest.mark.parametrize("shape", [dict(), dict(m=7), dict(batch=(1,)), dict(batch=(2, 3), const=False),
                                    dict(epilogue=False, m=33, n=128)])
 def test_every_tile_of_the_host_computes_the_reference(shape, target):

@@ -114,9 +114,25 @@ def brute_outputs(g, s) -> list[str]:
             (p.name in g.outputs or any(c.name not in s for c in g.consumers.get(p.name, ())))]
 
 
+def brute_attention(g, s, desc) -> bool:
+    """Two matmuls a, b: b's left operand is computed in the set from a by elementwise prims and
+    reductions over the last axis (at least one), with a's shape; b's right operand from outside."""
+    a, b = sorted((g.by_name[m] for m in s if primitives.kind(g.by_name[m].op) == "linear"),
+                  key=lambda p: [q.name for q in g.prims].index(p.name))
+    p_in, v_in = b.inputs
+    if a.op != b.op or a.op != "matmul" or p_in not in s or v_in in s or g.type_of(p_in).shape != a.type.shape:
+        return False
+    between = [g.by_name[m] for m in s if m in desc[a.name] and (m == p_in or p_in in desc[m])]
+    kinds = [primitives.kind(p.op) for p in between]
+    lasts = all(tuple(x % len(g.type_of(p.inputs[0]).shape) for x in p.attr("axes"))
+                == (len(g.type_of(p.inputs[0]).shape) - 1,) for p in between if primitives.kind(p.op) == "reduce")
+    return set(kinds) <= {"elementwise", "reduce"} and "reduce" in kinds and lasts
+
+
 def brute_legal(g, s, desc, opts) -> bool:
     kinds = [primitives.kind(g.by_name[m].op) for m in s]
-    return (len(s) <= opts.max_size and kinds.count("linear") <= 1 and ("opaque" not in kinds or len(s) == 1)
+    pairs_ok = kinds.count("linear") <= 1 or (kinds.count("linear") == 2 and brute_attention(g, s, desc))
+    return (len(s) <= opts.max_size and pairs_ok and ("opaque" not in kinds or len(s) == 1)
             and brute_connected(g, s) and brute_convex(g, s, desc) and len(brute_outputs(g, s)) <= opts.max_outputs)
 
 
@@ -159,7 +175,9 @@ def test_candidates_of_larger_graphs_are_convex_connected_with_exact_io(seed):
         reads = [t for m in c.members for t in g.by_name[m].inputs if t not in s]
         assert c.inputs == tuple(dict.fromkeys(reads))  # ordered by first use, constants included
         assert c.deps == tuple(t for t in c.inputs if t in g.by_name)
-        assert c.n_linear == sum(primitives.kind(g.by_name[m].op) == "linear" for m in c.members) <= 1
+        linear = [m for m in c.members if primitives.kind(g.by_name[m].op) == "linear"]
+        assert c.linear == (linear[0] if linear else None)
+        assert len(linear) <= 1 or (len(linear) == 2 and brute_attention(g, s, desc))
 
 
 def test_every_singleton_is_a_candidate_even_when_capped():
@@ -274,6 +292,49 @@ def small_graph() -> Graph:
 ])
 def test_legality_reasons(members, reason):
     assert legality(small_graph(), members) == reason
+
+
+def attention_graph(axis=-1, chain=True, v_first=False):
+    """q @ kt, scaled, a softmax over `axis` (`chain=False`: a relu instead), then @ v (or v @ it)."""
+    b = Builder()
+    q, kt, v = b.input("q", (2, 8, 4)), b.input("kt", (2, 4, 8)), b.input("v", (2, 4, 8) if v_first else (2, 8, 4))
+    b.add("matmul", q, kt, name="s")
+    b.add("mul", "s", b.const("c", (1,)), name="sc")
+    if chain:
+        b.add("reduce_max", "sc", axes=(axis,), keepdims=1, name="mx")
+        b.add("sub", "sc", "mx", name="sh")
+        b.add("exp", "sh", name="ex")
+        b.add("reduce_sum", "ex", axes=(axis,), keepdims=1, name="sm")
+        b.add("div", "ex", "sm", name="p")
+    else:
+        b.add("relu", "sc", name="p")
+    b.add("matmul", *(("v", "p") if v_first else ("p", "v")), name="o")
+    b.add("neg", "o", name="y")
+    return b.graph()
+
+
+ATTENTION = ("s", "sc", "mx", "sh", "ex", "sm", "p", "o")
+
+
+@pytest.mark.parametrize("kw, members, reason", [
+    (dict(), ATTENTION, None),  # scores, softmax over the keys, values: one kernel
+    (dict(), ATTENTION[1:], None),  # one linear prim
+    (dict(axis=-2), ATTENTION, TWO_LINEAR),  # a softmax over the queries needs all of them
+    (dict(chain=False), ("s", "sc", "p", "o"), TWO_LINEAR),  # no reduction: two GEMMs
+    (dict(v_first=True), ATTENTION, TWO_LINEAR),  # the probabilities as the right operand
+])
+def test_attention_is_the_one_legal_pair_of_linear_prims(kw, members, reason):
+    assert legality(attention_graph(**kw), members) == reason
+
+
+def test_attention_kernels_are_enumerated_and_grown():
+    from kernorch.candidates import EnumOptions
+    g = attention_graph()
+    found = {c.members for c in enumerate_candidates(g, whole(g), EnumOptions(max_size=9))[0]}
+    assert ATTENTION in found and (*ATTENTION, "y") in found
+    assert {c.linear for c in enumerate_candidates(g, whole(g))[0] if c.members == ATTENTION} == {"s"}
+    g2 = attention_graph(axis=-2)
+    assert not any({"s", "o"} <= set(m) for m in (c.members for c in enumerate_candidates(g2, whole(g2))[0]))
 
 
 def test_legality_rejects_unknown_prims():

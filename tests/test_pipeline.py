@@ -377,3 +377,30 @@ def test_the_fill_up_weighs_a_fusion_against_what_the_plan_spends_on_its_prims()
     assert pipeline.promising(m, [], solve_s=1.0, plan=plan) == [b]
     with mock.patch.object(pipeline, "FILL_AGAINST_PLAN", False):  # the replay's other fill: members alone
         assert set(pipeline.promising(m, [], solve_s=1.0, plan=plan)) == {a, b}
+
+
+def test_a_fusion_with_a_row_wise_epilogue_is_also_offered_its_rows_outside_tile():
+    """The fastest tile of a contraction alone may walk column panels outside; a fusion that ends
+    in a reduction over the columns (a softmax) is also timed in the contraction's fastest
+    rows-outside tile, which runs that epilogue per row tile in cache; a fusion with an elementwise
+    epilogue, or a reduction over the rows, only in the fastest tile."""
+    from kernorch import candidates as cands
+    from kernorch.ir import Graph, TensorType, make_prim
+    from kernorch.options import Machine
+    f32 = lambda *s: TensorType(s, "float32")  # noqa: E731
+    s, red, rows = f32(64, 128), f32(64, 1), f32(1, 128)
+    g = Graph((("q", f32(64, 32)), ("kt", f32(32, 128))), ("y", "z2"), (
+        make_prim("s", "matmul", ["q", "kt"], s), make_prim("r", "relu", ["s"], s),
+        make_prim("mx", "reduce_max", ["r"], red, axes=(1,), keepdims=1), make_prim("y", "sub", ["r", "mx"], s),
+        make_prim("z", "reduce_sum", ["r"], rows, axes=(0,), keepdims=1), make_prim("z2", "neg", ["z"], rows)))
+    tiles = {("s", None): "t8x32"}
+    row_tiles = {("s", None): "t8x32r"}
+    opts = Options(threads=1, layouts=False, compare_untuned=0)
+    def schedules(members):
+        c = cands.make_candidate(g, members)
+        return sorted(j.schedule for j in pipeline.candidate_jobs(g, [c], opts, Machine.host(), tiles, row_tiles)
+                      if j.impl == "tvm")
+    assert schedules(["s", "r", "mx", "y"]) == ["t8x32", "t8x32r"]
+    assert schedules(["s", "r"]) == ["t8x32"]
+    assert schedules(["s", "r", "z"]) == ["t8x32"]
+    assert schedules(["mx", "y"]) == ["default"]

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 10
+SCHEDULES_VERSION = 11
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -133,8 +133,16 @@ def _tiled(func, lanes: int, tile: Tile, mode: str) -> s_tir.Schedule:
     micro-kernel (output channels as vectors); otherwise the GEMM (in the plain layout a conv's
     GEMM over output channels x output width)."""
     base = _inline_pass(_pad_symbolic(func, lanes, tile))
+    found = _single_contraction(base)
+    if found is None and _count_contractions(base) == 2:
+        return _rule_attention(base, lanes, tile)
     conv_kernel = _contraction_name(base).startswith("conv") and split(mode)[0] is not None
     return (_rule_conv if conv_kernel else _rule_contraction)(base, lanes, tile)
+
+
+def _count_contractions(func) -> int:
+    sch = s_tir.Schedule(func)
+    return sum(1 for n in _root_blocks(sch) if _contraction_operands(sch.get(sch.get_sblock(n))) is not None)
 
 
 # the row tile of a contraction's second copy over a symbolic row extent (see _by_rows); measured
@@ -537,7 +545,11 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None) -> s_tir.Sched
     red = loops[nsp:]
     inner = [x for x in (ri, vi) if x is not None]
     sch.reorder(*outer, *red, *inner)
-    par = _parallel(sch, outer, serial=tile is not None and tile.serial)
+    # a row-wise epilogue (a softmax over the columns): the parallel loop walks row tiles, each
+    # computes its whole rows column tile by column tile, and the epilogue runs on them in cache
+    row_wise = (_row_epilogue(sch, cname, names) if tile is not None and tile.rows_outer and not padded
+                and ro is not None and vo is not None and outer[-1].same_as(vo) else [])
+    par = _parallel(sch, outer[:-1] if row_wise else outer, serial=tile is not None and tile.serial)
     # vectorize before decompose_reduction: afterwards the update block is no longer a "local
     # reduction block" under vi and vectorize() refuses it
     sch.vectorize(vi)
@@ -547,10 +559,12 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None) -> s_tir.Sched
     wb = sch.cache_write(blk, 0, "local")
     if not padded:  # a padded domain: the copy-out keeps its own guarded loop (inlined, it would write the padding)
         _reverse_inline_chain(sch, wb, func)
-    sch.reverse_compute_at(wb, par, preserve_unit_loops=True)
+    sch.reverse_compute_at(wb, vo if row_wise else par, preserve_unit_loops=True)
     moved: set[str] = set()
     if padded:
         sch, moved = _copy_out_per_tile(sch, wb, par)
+    if row_wise:
+        moved = _epilogue_per_row_tile(sch, row_wise, par, lanes)
     wb_loops = sch.get_loops(wb)
     if len(wb_loops) > 1:
         sch.vectorize(wb_loops[-1])
@@ -565,6 +579,158 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None) -> s_tir.Sched
         weight = _packed_weight(stmt, lambda s: len(s) == 3 and s[2] == vt and s[0] * vt == ext[v])
         if weight is not None:
             _prefetch_next_panel(sch, par, red[0], weight, ext[v] // vt, ext[row] // r if row is not None else 1)
+    return sch
+
+
+def _row_epilogue(sch, cname: str, names: list[str]) -> list[str]:
+    """The blocks after contraction `cname` (in order) when they form a row-wise epilogue, such as
+    a softmax or a LayerNorm over the columns: at least one reduction, and every reduction runs over
+    the last axis (the contraction's columns) of the intermediates it reads. [] otherwise."""
+    after = [n for n in names if n != cname and cname in _upstream(sch, n)]
+    inside = {b.name for n in [cname, *after] for b in (sch.get(sch.get_sblock(n)).writes[0].source,)}
+    reductions = 0
+    for n in after:
+        stmt = sch.get(sch.get_sblock(n))
+        red = [iv.var for iv in stmt.iter_vars if int(iv.iter_type) == _COMM_REDUCE]
+        if not red:
+            continue
+        reductions += 1
+        if len(red) != 1:
+            return []
+        for region in stmt.reads:
+            if region.source.name not in inside:
+                continue
+            *lead, last = [r.min for r in region.region]
+            uses = [red[0].name in _var_names(e) for e in lead]
+            if any(uses) or red[0].name not in _var_names(last):
+                return []
+    return after if reductions else []
+
+
+def _epilogue_per_row_tile(sch, blocks: list[str], par, lanes: int) -> set[str]:
+    """Each block of a row-wise epilogue computed under `par` (a row tile) on the tile's rows:
+    elementwise blocks vectorized along the row; a reduction along it first rfactored by vector
+    lanes (lane partials, vectorized, then the lanes combined)."""
+    order = _rfactor_by_lanes(sch, blocks, lanes)
+    for blk in order:
+        sch.reverse_compute_at(blk, par, preserve_unit_loops=True)
+    _vectorize_rows(sch, order, lanes)
+    return set(blocks)
+
+
+def _rfactor_by_lanes(sch, blocks: list[str], lanes: int) -> list:
+    """The blocks (at the root) in order, each reduction over a long enough last axis preceded by
+    its rfactor block over `lanes` lane partials (rfactor needs the block's own loops, so before
+    any compute_at)."""
+    order = []
+    for name in blocks:
+        blk = sch.get_sblock(name)
+        stmt = sch.get(blk)
+        loops = sch.get_loops(blk)
+        if _is_reduction(stmt) and len(loops) == len(stmt.iter_vars):
+            ext = _extent(sch, loops[-1])
+            if ext is not None and ext % lanes == 0 and ext >= 2 * lanes:
+                _, li = sch.split(loops[-1], factors=[None, lanes])
+                nsp = sum(1 for iv in stmt.iter_vars if int(iv.iter_type) == _DATA_PAR)
+                order.append(sch.rfactor(li, factor_axis=nsp))
+        order.append(sch.get_sblock(name))
+    return order
+
+
+def _vectorize_rows(sch, blocks: list, lanes: int) -> None:
+    """Blocks moved under a row tile's loop: an rfactor block's lane axis innermost and vectorized;
+    an elementwise block's row vectorized by `lanes`; other reductions stay scalar (a few lanes)."""
+    for blk in blocks:
+        stmt = sch.get(blk)
+        loops = sch.get_loops(blk)
+        inner = loops[len(loops) - len(stmt.iter_vars):]
+        if stmt.name_hint.endswith("_rf"):
+            lane = next(lp for lp, iv in zip(inner, stmt.iter_vars)
+                        if int(iv.iter_type) == _DATA_PAR and _extent(sch, lp) == lanes)
+            sch.reorder(*[lp for lp in inner if not lp.same_as(lane)], lane)
+            sch.vectorize(lane)
+        elif not _is_reduction(stmt):
+            ext = _extent(sch, loops[-1])
+            if ext is not None and ext % lanes == 0:
+                _, li = sch.split(loops[-1], factors=[None, lanes])
+                sch.vectorize(li)
+
+
+def _rule_attention(func, lanes: int, tile: Tile) -> s_tir.Schedule:
+    """Two contractions in the shape of attention (kernorch.candidates._attention): scores S = Q K,
+    a row-wise chain over S's columns (a softmax: reductions and elementwise), O = P V.
+
+    The parallel loop walks tiles of `mr` query rows (O's batch axes and row tiles, fused). In each,
+    the tile's scores are computed a column tile of `nb` at a time (the micro-kernel: `mr` rows
+    unrolled x `nb` columns vectorized, accumulated over Q's depth in a local cache), the chain
+    runs on the tile's rows (reductions rfactored by vector lanes), and O's `mr` rows are
+    accumulated over the keys (rows unrolled x V's columns vectorized) and written back with their
+    epilogue: the scores and probabilities never leave a row tile's buffers."""
+    sch = s_tir.Schedule(func)
+    names = _root_blocks(sch)
+    cons = [n for n in names if _contraction_operands(sch.get(sch.get_sblock(n))) is not None]
+    if len(cons) != 2:
+        raise _NotApplicable(f"{len(cons)} contraction blocks")
+    c1, c2 = cons
+    chain = [n for n in names if n not in cons and c1 in _upstream(sch, n) and n in _upstream(sch, c2)]
+    b2 = sch.get_sblock(c2)
+    stmt2 = sch.get(b2)
+    loops2 = list(sch.get_loops(b2))
+    kinds = [int(iv.iter_type) for iv in stmt2.iter_vars]
+    nsp = kinds.count(_DATA_PAR)
+    if len(loops2) != len(kinds) or kinds != [_DATA_PAR] * nsp + [_COMM_REDUCE] or nsp < 2:
+        raise _NotApplicable("the second contraction is not a batched matmul")
+    ext2 = [_extent(sch, lp) for lp in loops2]
+    if None in ext2:
+        raise _NotApplicable("a symbolic extent")
+    depth = ext2[nsp - 1]  # V's columns
+    if depth % lanes:
+        raise _NotApplicable(f"{depth} value columns are no multiple of the lanes")
+    r = row_tile(tile.mr, ext2[nsp - 2])
+    order = _rfactor_by_lanes(sch, chain, lanes)
+    io, ii = sch.split(loops2[nsp - 2], factors=[None, r])
+    red = loops2[nsp:]
+    # the output's rows in register tiles: rows x V's columns accumulators, V's vectors, a broadcast
+    v = depth // lanes
+    fits = max(1, ((32 if lanes >= 16 else 16) - v - 1) // v)  # AVX-512: 32 registers, AVX2: 16
+    r2 = next(x for x in range(min(r, fits), 0, -1) if r % x == 0)
+    i2o, i2i = sch.split(ii, factors=[None, r2])
+    sch.reorder(*loops2[:nsp - 2], io, i2o, *red, i2i, loops2[nsp - 1])
+    par = _parallel(sch, [*loops2[:nsp - 2], io], serial=tile.serial)
+    sch.vectorize(loops2[nsp - 1])
+    sch.unroll(i2i)
+    wb2 = sch.cache_write(b2, 0, "local")
+    _reverse_inline_chain(sch, wb2, func)
+    sch.reverse_compute_at(wb2, i2o, preserve_unit_loops=True)
+    wl = sch.get_loops(wb2)
+    sch.vectorize(wl[-1])
+    init2 = sch.decompose_reduction(b2, red[0])
+    sch.vectorize(sch.get_loops(init2)[-1])
+    # the chain and the scores under the row tile, consumers first
+    for blk in reversed(order):
+        sch.compute_at(blk, par, preserve_unit_loops=True)
+    b1 = sch.get_sblock(c1)
+    sch.compute_at(b1, par, preserve_unit_loops=True)
+    _vectorize_rows(sch, order, lanes)
+    # the scores' micro-kernel: rows x a column tile, over Q's depth
+    stmt1 = sch.get(b1)
+    loops1 = list(sch.get_loops(b1))[-len(stmt1.iter_vars):]
+    n1 = sum(1 for iv in stmt1.iter_vars if int(iv.iter_type) == _DATA_PAR)
+    rows1, cols1, red1 = loops1[n1 - 2], loops1[n1 - 1], loops1[n1:]
+    nb = tile.nb if _extent(sch, cols1) % tile.nb == 0 else lanes
+    if _extent(sch, cols1) % nb:
+        raise _NotApplicable("the score columns are no multiple of the lanes")
+    jo, ji = sch.split(cols1, factors=[None, nb])
+    sch.reorder(jo, *red1, rows1, ji)
+    sch.vectorize(ji)
+    sch.unroll(rows1)
+    wb1 = sch.cache_write(b1, 0, "local")
+    sch.reverse_compute_at(wb1, jo, preserve_unit_loops=True)
+    sch.vectorize(sch.get_loops(wb1)[-1])
+    init1 = sch.decompose_reduction(b1, red1[0])
+    sch.vectorize(sch.get_loops(init1)[-1])
+    rest = set(names) - set(cons) - set(chain)
+    _schedule_rest(sch, rest, lanes)
     return sch
 
 
