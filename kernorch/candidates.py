@@ -172,6 +172,15 @@ def _convex(graph: Graph, inside: set[str]) -> bool:
     return True
 
 
+def reduces_last_axis(graph: Graph, prim: Prim) -> bool:
+    """A reduction over its input's last axis alone (a softmax's or a LayerNorm's, row by row)."""
+    axes = prim.attr("axes")
+    if primitives.kind(prim.op) != "reduce" or not axes:
+        return False
+    rank = len(graph.type_of(prim.inputs[0]).shape)
+    return tuple(int(a) % rank for a in axes) == (rank - 1,)
+
+
 def _attention(graph: Graph, inside: set[str]) -> bool:
     """Two matmuls where the second contracts, over the first's columns, a row-wise function of the
     first's result that holds a reduction over those columns (scores -> softmax -> x values): one
@@ -204,8 +213,7 @@ def _attention(graph: Graph, inside: set[str]) -> bool:
         p = graph.by_name[m]
         k = primitives.kind(p.op)
         if k == "reduce":
-            rank = len(graph.type_of(p.inputs[0]).shape)
-            if tuple(a % rank for a in p.attr("axes")) != (rank - 1,):
+            if not reduces_last_axis(graph, p):
                 return False
             reduces += 1
         elif k != "elementwise":

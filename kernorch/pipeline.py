@@ -216,13 +216,7 @@ def _row_wise(graph: Graph, c) -> bool:
     kernel runs row tile by row tile in every tile.)"""
     if not c.linear or sum(primitives.kind(graph.by_name[m].op) == "linear" for m in c.members) > 1:
         return False
-    for m in c.members:
-        p = graph.by_name[m]
-        if primitives.kind(p.op) == "reduce":
-            rank = len(graph.type_of(p.inputs[0]).shape)
-            if tuple(a % rank for a in p.attr("axes")) == (rank - 1,):
-                return True
-    return False
+    return any(cands.reduces_last_axis(graph, graph.by_name[m]) for m in c.members)
 
 
 def candidate_jobs(graph: Graph, candidates, options: Options, machine: Machine,

@@ -124,7 +124,7 @@ def brute_attention(g, s, desc) -> bool:
         return False
     between = [g.by_name[m] for m in s if m in desc[a.name] and (m == p_in or p_in in desc[m])]
     kinds = [primitives.kind(p.op) for p in between]
-    lasts = all(tuple(x % len(g.type_of(p.inputs[0]).shape) for x in p.attr("axes"))
+    lasts = all(tuple(x % len(g.type_of(p.inputs[0]).shape) for x in p.attr("axes") or ())
                 == (len(g.type_of(p.inputs[0]).shape) - 1,) for p in between if primitives.kind(p.op) == "reduce")
     return set(kinds) <= {"elementwise", "reduce"} and "reduce" in kinds and lasts
 

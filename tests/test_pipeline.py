@@ -404,3 +404,13 @@ def test_a_fusion_with_a_row_wise_epilogue_is_also_offered_its_rows_outside_tile
     assert schedules(["s", "r"]) == ["t8x32"]
     assert schedules(["s", "r", "z"]) == ["t8x32"]
     assert schedules(["mx", "y"]) == ["default"]
+
+
+def test_a_pooling_is_no_row_wise_epilogue():
+    """A reduction without axes (a pooling window) neither makes a fusion row-wise nor attention."""
+    from kernorch import candidates as cands
+    from kernorch.ir import Graph, TensorType, make_prim
+    attrs = dict(mode="max", kernel=(2, 2), strides=(2, 2), pads=(0, 0, 0, 0), dilations=(1, 1))
+    x, y = TensorType((1, 4, 8, 8), "float32"), TensorType((1, 4, 4, 4), "float32")
+    g = Graph((("x", x),), ("y",), (make_prim("y", "pool", ["x"], y, **attrs),))
+    assert not cands.reduces_last_axis(g, g.by_name["y"])
