@@ -6,10 +6,10 @@ should be (legality, cost and choice stay separate).
 
 Legal means (see `legality`): at most one linear prim (matmul/conv) with any elementwise, broadcast,
 layout or reduce prologue and epilogue around it, or two matmuls in the shape of attention (the
-second contracts a softmax-like row-wise function of the first over its columns: `_attention`); an opaque prim only alone; convex (no path leaves
-the set and re-enters it, so the kernel can run as one launch); weakly connected through prim-to-prim
-edges (sharing a graph input or weight does not connect); at most `max_outputs` outputs; at most
-`max_size` prims.
+second contracts a softmax-like row-wise function of the first over its columns: `_attention`); an
+opaque prim only alone; convex (no path leaves the set and re-enters it, so the kernel can run as
+one launch); weakly connected through prim-to-prim edges (sharing a graph input or weight does not
+connect); at most `max_outputs` outputs; at most `max_size` prims.
 
 Enumeration grows sets breadth-first by size, one adjacent prim at a time, and keeps only convex
 sets in the frontier. That is complete: every convex connected set of two or more prims has a
@@ -18,8 +18,8 @@ it is reached from a smaller convex set. Sets are bitmasks over the partition's 
 deduplicated per size, so each set is examined once. Supersets of a set with two linear prims (not
 in the shape of attention) or an opaque prim are never legal and are not grown, nor are sets with
 more than `max_outputs` members that are graph outputs or read outside the partition (those stay
-outputs in every superset); other
-sets with too many outputs are grown (absorbing a consumer can remove outputs) but not emitted.
+outputs in every superset); other sets with too many outputs are grown (absorbing a consumer can
+remove outputs) but not emitted.
 Rejection counts therefore count the sets examined, not every illegal superset.
 """
 from __future__ import annotations
@@ -80,7 +80,6 @@ class Candidate:
     @property
     def size(self) -> int:
         return len(self.members)
-
 
 
 @dataclass(frozen=True)

@@ -130,11 +130,11 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
 
 def _tiled(func, lanes: int, tile: Tile, mode: str) -> s_tir.Schedule:
     """The micro-kernel `tile` on `func`: a convolution's tile in a blocked variant is the conv
-    micro-kernel (output channels as vectors); otherwise the GEMM (in the plain layout a conv's
-    GEMM over output channels x output width)."""
+    micro-kernel (output channels as vectors); an attention's, its scores' tile and query-row
+    tile; otherwise the GEMM (in the plain layout a conv's GEMM over output channels x output
+    width)."""
     base = _inline_pass(_pad_symbolic(func, lanes, tile))
-    found = _single_contraction(base)
-    if found is None and _count_contractions(base) == 2:
+    if _count_contractions(base) == 2:  # an attention (kernorch.candidates._attention)
         return _rule_attention(base, lanes, tile)
     conv_kernel = _contraction_name(base).startswith("conv") and split(mode)[0] is not None
     return (_rule_conv if conv_kernel else _rule_contraction)(base, lanes, tile)
