@@ -227,7 +227,9 @@ def bench_kernels(model, options, threads: Sequence[int] = (1, 2), repeats: int 
     out["kernels"] = [results[id(c)] for c in cs]
     out["summary"] = {}
     for t in threads:
-        out["summary"][str(t)] = summary(out["kernels"], t)
+        s = summary(out["kernels"], t)
+        if s:  # no kernel timed at t: no entry
+            out["summary"][str(t)] = s
     out["created"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     return out
 
