@@ -141,8 +141,12 @@ def _tiled(func, lanes: int, tile: Tile, mode: str) -> s_tir.Schedule:
 
 
 def _count_contractions(func) -> int:
-    sch = s_tir.Schedule(func)
-    return sum(1 for n in _root_blocks(sch) if _contraction_operands(sch.get(sch.get_sblock(n))) is not None)
+    return len(_contraction_blocks(s_tir.Schedule(func)))
+
+
+def _contraction_blocks(sch) -> list[str]:
+    """The names of the root blocks that are contractions (matmul/conv), in order."""
+    return [n for n in _root_blocks(sch) if _contraction_operands(sch.get(sch.get_sblock(n))) is not None]
 
 
 # the row tile of a contraction's second copy over a symbolic row extent (see _by_rows); measured
@@ -157,7 +161,7 @@ def _single_contraction(func):
     are spatial), or None: no contraction or several, or loops that are not the
     block's own iteration variables."""
     sch = s_tir.Schedule(func)
-    names = [n for n in _root_blocks(sch) if _contraction_operands(sch.get(sch.get_sblock(n))) is not None]
+    names = _contraction_blocks(sch)
     if len(names) != 1:
         return None
     blk = sch.get_sblock(names[0])
@@ -488,7 +492,7 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None) -> s_tir.Sched
     without it a rule picks them (power-of-two column tiles, rows dividing the extent)."""
     sch = s_tir.Schedule(func)
     names = _root_blocks(sch)
-    contractions = [n for n in names if _contraction_operands(sch.get(sch.get_sblock(n))) is not None]
+    contractions = _contraction_blocks(sch)
     if len(contractions) != 1:
         raise _NotApplicable(f"{len(contractions)} contraction blocks")
     cname = contractions[0]
@@ -668,7 +672,7 @@ def _rule_attention(func, lanes: int, tile: Tile) -> s_tir.Schedule:
     epilogue: the scores and probabilities never leave a row tile's buffers."""
     sch = s_tir.Schedule(func)
     names = _root_blocks(sch)
-    cons = [n for n in names if _contraction_operands(sch.get(sch.get_sblock(n))) is not None]
+    cons = _contraction_blocks(sch)
     if len(cons) != 2:
         raise _NotApplicable(f"{len(cons)} contraction blocks")
     c1, c2 = cons
@@ -836,7 +840,7 @@ def _pad_symbolic(func, lanes: int, tile: Tile | None):
 
 def _contraction_name(func) -> str:
     sch = s_tir.Schedule(func)
-    names = [n for n in _root_blocks(sch) if _contraction_operands(sch.get(sch.get_sblock(n))) is not None]
+    names = _contraction_blocks(sch)
     if len(names) != 1:
         raise _NotApplicable(f"{len(names)} contraction blocks")
     return names[0]
