@@ -628,15 +628,9 @@ def _rfactor_by_lanes(sch, blocks: list[str], lanes: int) -> list:
     any compute_at)."""
     order = []
     for name in blocks:
-        blk = sch.get_sblock(name)
-        stmt = sch.get(blk)
-        loops = sch.get_loops(blk)
-        if _is_reduction(stmt) and len(loops) == len(stmt.iter_vars):
-            ext = _extent(sch, loops[-1])
-            if ext is not None and ext % lanes == 0 and ext >= 2 * lanes:
-                _, li = sch.split(loops[-1], factors=[None, lanes])
-                nsp = sum(1 for iv in stmt.iter_vars if int(iv.iter_type) == _DATA_PAR)
-                order.append(sch.rfactor(li, factor_axis=nsp))
+        rf = _rfactor_lanes(sch, sch.get_sblock(name), lanes, min_vectors=2)
+        if rf is not None:
+            order.append(rf)
         order.append(sch.get_sblock(name))
     return order
 
@@ -1319,15 +1313,16 @@ def _init_outside(sch, blk) -> None:
         sch.decompose_reduction(blk, loops[-nred])
 
 
-def _rfactor_lanes(sch, block, lanes: int):
+def _rfactor_lanes(sch, block, lanes: int, min_vectors: int = 4):
     """Split the innermost reduction loop by `lanes` and rfactor the lane loop; returns the rf
-    block (lane partials, a spatial lane axis) or None if the loop is short or not divisible."""
+    block (lane partials, a spatial lane axis) or None if the loop is shorter than `min_vectors`
+    vectors or not divisible."""
     stmt = sch.get(block)
     loops = sch.get_loops(block)
     if len(loops) != len(stmt.iter_vars) or int(stmt.iter_vars[-1].iter_type) != _COMM_REDUCE:
         return None
     ext = _extent(sch, loops[-1])
-    if ext is not None and (ext < 4 * lanes or ext % lanes):
+    if ext is not None and (ext < min_vectors * lanes or ext % lanes):
         return None
     _, li = sch.split(loops[-1], factors=[None, lanes])
     nsp = sum(1 for iv in stmt.iter_vars if int(iv.iter_type) == _DATA_PAR)
