@@ -23,7 +23,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_VERSION = 3
+CALIBRATION_VERSION = 4
 # M, K, N of the peak measurement: square, and panels that fit the L2 of every machine seen
 GEMM_SHAPES = ((1024, 1024, 1024), (256, 512, 512), (512, 256, 1024))
 COPY_MIB = 64
@@ -78,6 +78,81 @@ def measure_gemm(threads: int, shapes=GEMM_SHAPES) -> dict:
     return {"peak_gflops": r.value[best], "peak_kernel": best, "gemm_gflops_by_tile": r.value}
 
 
+# A chain of BOUNDARY_CHAIN small kernels, BOUNDARY_FLOATS floats each (in L1), measures a kernel
+# boundary: what a kernel costs inside the executable beyond its time measured alone.
+BOUNDARY_CHAIN = 21
+BOUNDARY_FLOATS = 4096
+
+
+def chain_model(n: int, size: int):
+    """A graph of `n` elementwise steps (x * 1.0001 + 0.5 on `size` floats) and its plan of one
+    kernel per step, in order: what a kernel boundary costs, measured end to end."""
+    from .ir import Graph, TensorType, make_prim
+    from .plan import Kernel, Plan, SolverStats
+    t = TensorType((size,))
+    prims, prev = [], "x"
+    for i in range(n):
+        m, a = f"m{i}", f"a{i}"
+        prims += [make_prim(m, "mul", [prev, "c"], t), make_prim(a, "add", [m, "d"], t)]
+        prev = a
+    consts = {"c": np.full((1,), 1.0001, np.float32), "d": np.full((1,), 0.5, np.float32)}
+    g = Graph((("x", t),), (prev,), tuple(prims), consts)
+    kernels = []
+    for i in range(n):
+        members = (prims[2 * i].name, prims[2 * i + 1].name)
+        ins = tuple(dict.fromkeys(x for m in members for x in g.by_name[m].inputs if x not in members))
+        kernels.append(Kernel(f"k{i}", f"key{i}", "tvm", members, ins, (members[-1],), 0, (), "default"))
+    return g, Plan(tuple(kernels), (), (prev,), SolverStats("optimal", 0, 0, 0.0, 0.0, 0))
+
+
+def time_chain(n: int, size: int, threads: int, calls: int = 200, repeats: int = 7) -> float:
+    """Seconds per end-to-end call of the executable of `chain_model(n, size)` (median of `repeats`
+    repeats of `calls` calls, from Python as CompiledModel calls it)."""
+    from .backends.tvm import relax as rx
+    g, plan = chain_model(n, size)
+    call = rx.build_executable(g, plan, threads).bind({"x": np.random.default_rng(0).standard_normal(size).astype(np.float32)})
+    for _ in range(calls // 2):
+        call()
+    reps = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        reps.append((time.perf_counter() - t0) / calls)
+    return float(np.median(reps))
+
+
+def _boundary_seconds(threads: int, n: int, size: int) -> dict:
+    """A kernel boundary: the chain's time per kernel, less one step's kernel timed alone as the
+    profile database times a kernel without weights (runs in a process of its own)."""
+    from .backends import tvm as tb
+    from .options import Options
+    g, plan = chain_model(1, size)
+    target = tb.make_target(threads)
+    step = tb.build(tb.schedule(tb.lower(g, g.prims, ["x", "c", "d"], list(g.outputs), "default"), target, "default"),
+                    target)
+    x = np.random.default_rng(0).standard_normal(size).astype(np.float32)
+    alone = float(np.median(step.time(x, g.constants["c"], g.constants["d"], number=1, repeat=Options.repeats,
+                                      min_repeat_ms=int(Options.min_repeat_ms))))
+    per_kernel = (time_chain(n, size, threads) - time_chain(1, size, threads)) / (n - 1)
+    return {"boundary_ns": max(0.0, per_kernel - alone) * 1e9, "boundary_step_alone_ns": alone * 1e9,
+            "boundary_step_in_chain_ns": per_kernel * 1e9}
+
+
+def measure_boundary(threads: int, n: int = BOUNDARY_CHAIN, size: int = BOUNDARY_FLOATS) -> dict:
+    """What a kernel costs inside the executable beyond its time alone (the VM's call, the thread
+    pool handing the parallel loop out and back), measured in a fresh process with `threads` TVM
+    threads. The orchestration program adds it to every kernel: a plan's prediction then counts
+    its kernel boundaries."""
+    from .backends.tvm import thread_env
+    from .workers import WorkerPool
+    with WorkerPool(1, thread_env(threads)) as pool:
+        r = pool.call(_boundary_seconds, (threads, n, size), 600)
+    if not r.ok:
+        raise RuntimeError(f"measuring the kernel boundary failed: {r.error}")
+    return r.value
+
+
 def measure_bandwidth() -> dict:
     """np.copyto of 64 MiB, best of a few; bandwidth counts bytes read plus bytes written."""
     n = COPY_MIB * 2 ** 20 // 4
@@ -112,6 +187,7 @@ def calibrate(threads: int = 2, force: bool = False, path: Path | None = None) -
               "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
     result.update(measure_gemm(threads))
     result.update(measure_bandwidth())
+    result.update(measure_boundary(threads))
     result["seconds"] = time.perf_counter() - t0
     result["load_average"] = _loadavg()
     result["cpu_pressure_avg10"] = cpu_pressure()
@@ -120,9 +196,11 @@ def calibrate(threads: int = 2, force: bool = False, path: Path | None = None) -
         # a ceiling only drops under load: keep the best of this and the cached (loaded) measurement
         for k in ("peak_gflops", "bandwidth_gbs"):
             result[k] = max(result[k], old.get(k, 0.0))
+        result["boundary_ns"] = min(result["boundary_ns"], old.get("boundary_ns", float("inf")))
         result["loaded"] = result["loaded"] and old.get("loaded", True)
-    log.info("calibration (%d threads): %.0f GFLOP/s (%s), %.1f GB/s in %.1f s", threads, result["peak_gflops"],
-             result["peak_kernel"], result["bandwidth_gbs"], result["seconds"])
+    log.info("calibration (%d threads): %.0f GFLOP/s (%s), %.1f GB/s, kernel boundary %.2f us in %.1f s", threads,
+             result["peak_gflops"], result["peak_kernel"], result["bandwidth_gbs"], result["boundary_ns"] / 1e3,
+             result["seconds"])
     cache[key] = result
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -278,6 +278,8 @@ def _print_optimize(rep: dict, outdir) -> None:
              + (f" at {samples} (each length relative to the model's floor there)" if samples else "")
              + (f" in buckets {buckets}, one plan each, dispatched at run time" if buckets else "")
              + "; timing below at the middle length" if ranges else "sum of the kernels measured alone")
+    boundary = int(plan.get("meta", {}).get("boundary_ns", 0))
+    basis += f", each plus a kernel boundary of {boundary / 1e3:.2f} us" if boundary else ""
     print(f"predicted {rep['predicted_ms']:.3f} ms ({basis}); inside the executable "
           f"the kernels take {ctx.get('in_model_ms', float('nan')):.3f} ms, end to end "
           f"{t.get('kernorch_ms', float('nan')):.3f} ms; "

@@ -556,11 +556,13 @@ def _estimated(measured: Measured) -> dict:
 
 
 def problem_for(graph: Graph, candidates, measurements, options: Options, machine: Machine | None = None,
-                estimates: Mapping | None = None):
+                estimates: Mapping | None = None, boundary_ns: int = 0):
     """The orchestration problem: one choice per (candidate, allowed implementation, layout class)
     with a measured cost (or, not measured yet, its estimate), and a conversion choice per direction
-    for every tensor some choice reads or writes blocked. Returns the problem and a map from choice
-    id to its Spec."""
+    for every tensor some choice reads or writes blocked. Every choice's cost is its kernel's time
+    alone plus `boundary_ns`, what a kernel costs inside the executable beyond that (the VM's call;
+    calibrate.measure_boundary): the plan's prediction counts its kernel boundaries. Returns the
+    problem and a map from choice id to its Spec."""
     from . import orchestrate as orch
     costs = best_costs(measurements)
     for k, m in best_costs(estimates or {}).items():
@@ -579,7 +581,7 @@ def problem_for(graph: Graph, candidates, measurements, options: Options, machin
                 reads = frozenset(q for t, q in zip(io.inputs, io.reads) if t in c.deps or "@" in q)
                 cid = f"c{i}.{impl.name}" + (f".b{cls}" if cls else "")
                 choices.append(orch.Choice(cid, c.key, impl.name, frozenset(c.members), reads, frozenset(io.writes),
-                                           int(m.median_ns), tuple(c.members), m.schedule))
+                                           int(m.median_ns) + boundary_ns, tuple(c.members), m.schedule))
                 by_id[cid] = Spec(tuple(c.members), tuple(c.inputs), tuple(c.outputs), (c.key, impl.name, m.schedule))
                 for q in (*reads, *io.writes):
                     if "@" in q:
@@ -599,8 +601,8 @@ def problem_for(graph: Graph, candidates, measurements, options: Options, machin
                 continue  # a graph input is plain already
             reads = frozenset(r for r in io.reads if r != t or t not in sources)  # sources are not tracked
             cid = f"{split(sched)[1]}:{t}"
-            choices.append(orch.Choice(cid, key, "tvm", frozenset(), reads, frozenset(io.writes), int(m.median_ns),
-                                       (), sched))
+            choices.append(orch.Choice(cid, key, "tvm", frozenset(), reads, frozenset(io.writes),
+                                       int(m.median_ns) + boundary_ns, (), sched))
             by_id[cid] = Spec((), (t,), (t,), (key, "tvm", sched))
     deps = {p.name: tuple(t for t in dict.fromkeys(p.inputs) if t in graph.by_name) for p in graph.prims}
     problem = orch.Problem(tuple(p.name for p in graph.prims), deps, tuple(graph.outputs), tuple(choices),
@@ -630,9 +632,11 @@ def orchestrate(graph: Graph, enumeration, measured: Measured, options: Options,
                 block_time_limit: float | None = None, db: ProfileDB | None = None):
     """Solve the binary linear program over every measured candidate and make the plan (the proven
     solutions of its blocks kept in `db`, where a later run finds them)."""
+    from .calibrate import calibrate
     from .plan import make_plan
+    boundary = round(calibrate(options.threads)["boundary_ns"], -1)
     problem, by_id = problem_for(graph, enumeration.candidates, measured.measurements, options,
-                                 estimates=_estimated(measured))
+                                 estimates=_estimated(measured), boundary_ns=int(boundary))
     why = uncovered(graph, enumeration, problem, measured.measurements, options)
     if why:
         raise KernorchError(why)
@@ -643,7 +647,8 @@ def orchestrate(graph: Graph, enumeration, measured: Measured, options: Options,
     wanted = [by_id[k.id].ident for k in plan.kernels if by_id[k.id].ident in measured.pending]
     wanted += [by_id[a.id].ident for k in plan.kernels for a in k.alternatives
                if by_id[a.id].ident in measured.pending and a.cost_ns < k.cost_ns]
-    return replace(plan, kernels=kernels, meta=dict(meta or {}), estimated=tuple(dict.fromkeys(wanted)))
+    return replace(plan, kernels=kernels, meta={**(meta or {}), "boundary_ns": str(int(boundary))},
+                   estimated=tuple(dict.fromkeys(wanted)))
 
 
 def plan_meta(source: str, machine: Machine, options: Options) -> dict[str, str]:

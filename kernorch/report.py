@@ -337,13 +337,15 @@ def _summary_section(report: Mapping, plan, bench: Mapping | None) -> str:
     if measured is None and bench:
         measured = (bench.get("systems", {}).get("kernorch") or {}).get("median_ms")
     ctx = report.get("context") or {}
-    tot = [["predicted (sum of the kernels measured alone)", _ms(pred), ""],
+    boundary = int((plan.meta if plan else {}).get("boundary_ns", 0))
+    tot = [["predicted (sum of the kernels measured alone, each plus a kernel boundary)", _ms(pred),
+            f"boundary {boundary / 1e3:.2f} us x {len(plan.kernels)} kernels" if plan and boundary else ""],
            ["the kernels inside the executable (VM instrumentation, median)", _f(ctx.get("in_model_ms")),
             f"{ctx.get('runs', '')} runs" if ctx else ""],
            ["measured end to end (median)", _f(measured), f"{timing.get('runs', '')} runs" if timing else "bench"],
            ["ONNX Runtime, all optimizations, own process (median)", _f(timing.get("ort_ms")), ""]]
     if measured and pred:
-        tot.append(["measured / predicted", _f(measured / (pred / 1e6), ".2f"), "kernel boundaries and cache effects"])
+        tot.append(["measured / predicted", _f(measured / (pred / 1e6), ".2f"), "cache effects, machine state"])
     out += "<h2>Predicted vs measured</h2>" + _table(["", "ms", "note"], tot, also_left=(2,), cls="totals")
     kms = ctx.get("kernel_ms") or []
     if plan and len(kms) == len(plan.kernels):

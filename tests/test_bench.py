@@ -104,6 +104,9 @@ def test_unknown_system(model):
 def test_calibration_is_cached(cal_cache):
     a = calibrate.calibrate(2)
     assert a["peak_gflops"] > 0 and a["bandwidth_gbs"] > 0 and a["peak_kernel"] in a["gemm_gflops_by_tile"]
+    assert a["boundary_ns"] >= 0 and a["boundary_step_alone_ns"] > 0
+    assert a["boundary_step_in_chain_ns"] == pytest.approx(a["boundary_ns"] + a["boundary_step_alone_ns"]) \
+        or a["boundary_ns"] == 0
     assert cal_cache.exists()
     b = calibrate.calibrate(2)
     assert b["created"] == a["created"] or a.get("loaded")  # a loaded calibration may be re-measured

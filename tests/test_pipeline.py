@@ -70,6 +70,21 @@ def test_optimize_matches_ort(optimized):
     assert set(compiled.graph.outputs) <= covered
 
 
+def test_every_kernel_of_the_plan_costs_its_time_alone_plus_the_machines_kernel_boundary(optimized):
+    from kernorch import calibrate
+    d, model, db, opts, compiled, planned = optimized
+    boundary = int(planned.plan.meta["boundary_ns"])
+    assert boundary == round(calibrate.calibrate(opts.threads)["boundary_ns"], -1)
+    measurements = planned.measured.measurements
+    for k in planned.plan.kernels:
+        assert k.cost_ns == int(measurements[(k.key, k.impl, k.schedule)].median_ns) + boundary
+    problem, _ = pipeline.problem_for(planned.loaded.graph, planned.enumeration.candidates,
+                                      planned.measured.measurements, opts, boundary_ns=1000)
+    bare, _ = pipeline.problem_for(planned.loaded.graph, planned.enumeration.candidates,
+                                   planned.measured.measurements, opts)
+    assert [c.cost_ns - 1000 for c in problem.choices] == [c.cost_ns for c in bare.choices]
+
+
 def test_contractions_run_in_their_fastest_tile_with_packed_weights(optimized):
     """Both matmuls have a constant weight: each is timed in every tile, the fastest is kept for
     the kernels around it, and the executable takes the weight packed for that tile."""
