@@ -757,3 +757,35 @@ def test_plain_conv_tiles_compute_the_reference(shape, target):
     for tile in tiles:
         mod = _run_variant(graph, inputs, tile.name, target)
         assert mod["main"].attrs["kernorch.rule"] == f"contraction {tile.name}"
+
+
+def test_the_thread_pool_leaves_its_threads_unpinned(tmp_path):
+    """TVM pins its workers to cores unless told not to; the calling thread, free to move, then
+    shared a worker's core in half of the processes (kernorch.backends.tvm.target.thread_env)."""
+    import subprocess
+    import sys
+    script = tmp_path / "pool.py"
+    script.write_text(
+        "import glob, os\n"
+        "import numpy as np\n"
+        "from kernorch.backends import tvm as kt\n"
+        "from kernorch.ir import Graph, TensorType, make_prim\n"
+        "kt.set_threads(2)\n"
+        "t = TensorType((1 << 16,))\n"
+        "g = Graph((('x', t),), ('y',), (make_prim('y', 'exp', ['x'], t),), {})\n"
+        "target = kt.make_target(2)\n"
+        "k = kt.build(kt.schedule(kt.lower(g, g.prims, ['x'], ['y'], 'default'), target, 'default'), target)\n"
+        "k(np.ones(1 << 16, np.float32))\n"
+        "mine = sorted(os.sched_getaffinity(0))\n"
+        "for task in glob.glob('/proc/self/task/*/status'):\n"
+        "    line = next(x for x in open(task) if x.startswith('Cpus_allowed_list'))\n"
+        "    print(line.split(':')[1].strip(), ','.join(map(str, mine)))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TVM_")}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines()]
+    assert len(rows) >= 2  # the calling thread and at least one worker
+    for allowed, mine in rows:
+        cpus = {c for part in allowed.split(",") for c in (
+            range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1))}
+        assert cpus == {int(c) for c in mine.split(",")}
