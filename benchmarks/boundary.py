@@ -2,15 +2,15 @@
 
     .venv/bin/python benchmarks/boundary.py [--threads 2] [--n 51] [--size 4096]
 
-A chain of N small kernels (x*1.0001+0.5 on `size` floats each; kernorch.calibrate.chain_model)
-and a chain of one are emitted by kernorch's own emitter and timed end to end (median of 7 repeats
-of 200 calls, from Python, as `CompiledModel` calls them). The cost of a kernel boundary here is
-(t_N - t_1) / (N - 1): the VM's call, the thread pool when the kernel is parallel (at 4096 floats
-the default rules keep it serial), and the kernel's own pass over 2 x `size` x 4 bytes (in L1).
-The calibration (kernorch.calibrate.measure_boundary) subtracts that pass, timed alone as the
-profile database times kernels, and the orchestration program adds the rest to every kernel. Each configuration runs in a fresh process
-with the thread count set when it starts; kernorch sets no environment variable at import, so TVM's
-pool spins between kernels as TVM intends.
+A chain of N small kernels (x*1.0001+0.5 on `size` floats each; kernorch.calibrate.chain_model) and
+a chain of one are emitted by kernorch's own emitter and timed end to end (median of 7 repeats of
+at least 2 ms each, from Python, as `CompiledModel` calls them). The cost of a kernel boundary here
+is (t_N - t_1) / (N - 1): the VM's call, the thread pool when the kernel is parallel (at 4096
+floats the default rules keep it serial), and the kernel's own pass over 2 x `size` x 4 bytes (in
+L1). The calibration (kernorch.calibrate.measure_boundary) subtracts that pass, timed alone as the
+profile database times kernels, and the orchestration program adds the rest to every kernel. Each
+configuration runs in a fresh process with the thread count set when it starts; kernorch sets no
+environment variable at import, so TVM's pool spins between kernels as TVM intends.
 """
 from __future__ import annotations
 

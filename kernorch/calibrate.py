@@ -105,21 +105,18 @@ def chain_model(n: int, size: int):
     return g, Plan(tuple(kernels), (), (prev,), SolverStats("optimal", 0, 0, 0.0, 0.0, 0))
 
 
-def time_chain(n: int, size: int, threads: int, calls: int = 200, repeats: int = 7) -> float:
+def time_chain(n: int, size: int, threads: int, repeats: int = 7, min_repeat_s: float = 0.002) -> float:
     """Seconds per end-to-end call of the executable of `chain_model(n, size)` (median of `repeats`
-    repeats of `calls` calls, from Python as CompiledModel calls it)."""
+    repeats of at least `min_repeat_s`, after 100 untimed calls; from Python as CompiledModel
+    calls it)."""
     from .backends.tvm import relax as rx
+    from .timing import time_repeats
     g, plan = chain_model(n, size)
-    call = rx.build_executable(g, plan, threads).bind({"x": np.random.default_rng(0).standard_normal(size).astype(np.float32)})
-    for _ in range(calls // 2):
+    x = np.random.default_rng(0).standard_normal(size).astype(np.float32)
+    call = rx.build_executable(g, plan, threads).bind({"x": x})
+    for _ in range(100):
         call()
-    reps = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            call()
-        reps.append((time.perf_counter() - t0) / calls)
-    return float(np.median(reps))
+    return float(np.median(time_repeats(call, repeats, min_repeat_s)))
 
 
 def _boundary_seconds(threads: int, n: int, size: int) -> dict:
