@@ -137,10 +137,10 @@ def _boundary_seconds(threads: int, n: int, size: int) -> dict:
 
 
 def measure_boundary(threads: int, n: int = BOUNDARY_CHAIN, size: int = BOUNDARY_FLOATS) -> dict:
-    """What a kernel costs inside the executable beyond its time alone (the VM's call, the thread
-    pool handing the parallel loop out and back), measured in a fresh process with `threads` TVM
-    threads. The orchestration program adds it to every kernel: a plan's prediction then counts
-    its kernel boundaries."""
+    """What a kernel costs inside the executable beyond its time alone, measured in a fresh process
+    with `threads` TVM threads: the VM's call and its bookkeeping (the chain's kernels are serial;
+    a parallel kernel's launch is paid when it is timed alone as well). The orchestration program
+    adds it to every kernel: a plan's prediction then counts its kernel boundaries."""
     from .backends.tvm import thread_env
     from .workers import WorkerPool
     with WorkerPool(1, thread_env(threads)) as pool:
