@@ -193,7 +193,9 @@ def calibrate(threads: int = 2, force: bool = False, path: Path | None = None) -
         # a ceiling only drops under load: keep the best of this and the cached (loaded) measurement
         for k in ("peak_gflops", "bandwidth_gbs"):
             result[k] = max(result[k], old.get(k, 0.0))
-        result["boundary_ns"] = min(result["boundary_ns"], old.get("boundary_ns", float("inf")))
+        # the boundary enters every kernel's cost: the first one measured stays, so that plans (and
+        # the block solutions the database keeps for them) do not move with a re-calibration
+        result["boundary_ns"] = old.get("boundary_ns", result["boundary_ns"])
         result["loaded"] = result["loaded"] and old.get("loaded", True)
     log.info("calibration (%d threads): %.0f GFLOP/s (%s), %.1f GB/s, kernel boundary %.2f us in %.1f s", threads,
              result["peak_gflops"], result["peak_kernel"], result["bandwidth_gbs"], result["boundary_ns"] / 1e3,

@@ -112,6 +112,27 @@ def test_calibration_is_cached(cal_cache):
     assert b["created"] == a["created"] or a.get("loaded")  # a loaded calibration may be re-measured
 
 
+def test_a_recalibration_keeps_the_kernel_boundary(tmp_path, monkeypatch):
+    """A calibration taken under load is measured again; the ceilings keep their best, and the
+    boundary its first value (it is in every kernel's cost, and plans must not move with it)."""
+    path = tmp_path / "calibration.json"
+    runs = iter([(100.0, 10.0, 300.0, True), (200.0, 8.0, 250.0, False)])
+
+    def fake_run():
+        peak, bw, boundary, busy = next(runs)
+        monkeypatch.setattr(calibrate, "measure_gemm", lambda t: {"peak_gflops": peak, "peak_kernel": "t",
+                                                                  "gemm_gflops_by_tile": {"t": peak}})
+        monkeypatch.setattr(calibrate, "measure_bandwidth", lambda: {"bandwidth_gbs": bw})
+        monkeypatch.setattr(calibrate, "measure_boundary", lambda t: {"boundary_ns": boundary})
+        monkeypatch.setattr(calibrate, "machine_busy", lambda: busy)
+    fake_run()
+    a = calibrate.calibrate(2, path=path)
+    assert (a["peak_gflops"], a["boundary_ns"], a["loaded"]) == (100.0, 300.0, True)
+    fake_run()
+    b = calibrate.calibrate(2, path=path)  # the cached one was loaded and the machine is quiet: again
+    assert (b["peak_gflops"], b["bandwidth_gbs"], b["boundary_ns"], b["loaded"]) == (200.0, 10.0, 300.0, False)
+
+
 def test_kernel_benchmark_compares_every_contraction(tmp_path, cal_cache, model):
     from kernorch.kbench import bench_kernels
     opts = Options(db_path=str(tmp_path / "db.sqlite"), repeats=2, min_repeat_ms=1.0)
