@@ -631,12 +631,11 @@ def orchestrate(graph: Graph, enumeration, measured: Measured, options: Options,
                 meta: Mapping[str, str] | None = None, previous=None, rel_gap: float = 0.0,
                 block_time_limit: float | None = None, db: ProfileDB | None = None):
     """Solve the binary linear program over every measured candidate and make the plan (the proven
-    solutions of its blocks kept in `db`, where a later run finds them)."""
-    from .calibrate import calibrate
+    solutions of its blocks kept in `db`, where a later run finds them). Every kernel is charged
+    the kernel boundary `meta` names (`plan_meta`)."""
     from .plan import make_plan
-    boundary = round(calibrate(options.threads)["boundary_ns"], -1)
     problem, by_id = problem_for(graph, enumeration.candidates, measured.measurements, options,
-                                 estimates=_estimated(measured), boundary_ns=int(boundary))
+                                 estimates=_estimated(measured), boundary_ns=int((meta or {}).get("boundary_ns", 0)))
     why = uncovered(graph, enumeration, problem, measured.measurements, options)
     if why:
         raise KernorchError(why)
@@ -647,12 +646,15 @@ def orchestrate(graph: Graph, enumeration, measured: Measured, options: Options,
     wanted = [by_id[k.id].ident for k in plan.kernels if by_id[k.id].ident in measured.pending]
     wanted += [by_id[a.id].ident for k in plan.kernels for a in k.alternatives
                if by_id[a.id].ident in measured.pending and a.cost_ns < k.cost_ns]
-    return replace(plan, kernels=kernels, meta={**(meta or {}), "boundary_ns": str(int(boundary))},
-                   estimated=tuple(dict.fromkeys(wanted)))
+    return replace(plan, kernels=kernels, meta=dict(meta or {}), estimated=tuple(dict.fromkeys(wanted)))
 
 
 def plan_meta(source: str, machine: Machine, options: Options) -> dict[str, str]:
-    meta = {"model": source, "machine": machine.name, "threads": str(options.threads)}
+    """What a plan records of its run; with the machine's kernel boundary (from the calibration,
+    rounded to 10 ns), which `orchestrate` charges every kernel: looked up once per plan."""
+    from .calibrate import calibrate
+    meta = {"model": source, "machine": machine.name, "threads": str(options.threads),
+            "boundary_ns": str(int(round(calibrate(options.threads)["boundary_ns"], -1)))}
     if options.ranges:  # the emitter bounds the symbol, the runtime checks it
         meta["ranges"] = ",".join(f"{n}={lo}..{hi}" for n, lo, hi in options.ranges)
         if options.sample_weights:
