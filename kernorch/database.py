@@ -31,7 +31,8 @@ CREATE TABLE IF NOT EXISTS measurements (
     reason TEXT,                   -- why refused
     build_s REAL,
     description TEXT,              -- human-readable: the ops inside
-    created REAL NOT NULL
+    created REAL NOT NULL,
+    samples_ns TEXT                -- a kernel over a range: JSON [[length, median ns], ...] per length timed
 );
 CREATE INDEX IF NOT EXISTS by_key ON measurements(target, key, impl, schedule, versions);
 CREATE TABLE IF NOT EXISTS estimates (  -- a run's last estimates of the fusions it never measured
@@ -59,6 +60,9 @@ class Measurement:
     reason: str = ""
     build_s: float = 0.0
     description: str = ""
+    # a kernel over a symbolic dimension: (value, median ns) at each value it was timed at (its
+    # median_ns is their weighted sum); a value of weight 0 was timed to be seen, not counted
+    samples_ns: tuple[tuple[int, int], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -78,12 +82,23 @@ class ProfileDB:
             try:
                 self.conn.execute("PRAGMA journal_mode=WAL")
                 self.conn.executescript(SCHEMA)
+                self._add_missing_columns()
                 self.conn.commit()
                 break
             except sqlite3.OperationalError as e:
                 if "locked" not in str(e) or time.monotonic() > deadline:
                     raise
                 time.sleep(0.05)
+
+    def _add_missing_columns(self) -> None:
+        """A database written before a column existed gets it (empty in its old rows)."""
+        have = {row[1] for row in self.conn.execute("PRAGMA table_info(measurements)")}
+        if "samples_ns" not in have:
+            try:
+                self.conn.execute("ALTER TABLE measurements ADD COLUMN samples_ns TEXT")
+            except sqlite3.OperationalError as e:  # another process added it a moment ago
+                if "duplicate column" not in str(e):
+                    raise
 
     def close(self) -> None:
         self.conn.close()
@@ -98,9 +113,10 @@ class ProfileDB:
         """Append one measurement and commit it at once (an interrupted run keeps it)."""
         self.conn.execute(
             "INSERT INTO measurements(target,key,impl,schedule,versions,status,median_ns,runs_ns,reason,build_s,"
-            "description,created) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            "description,created,samples_ns) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (m.target, m.key, m.impl, m.schedule, m.versions, m.status, m.median_ns, json.dumps(list(m.runs_ns)),
-             m.reason, m.build_s, m.description, time.time()))
+             m.reason, m.build_s, m.description, time.time(),
+             json.dumps([list(x) for x in m.samples_ns]) if m.samples_ns else None))
         self.conn.commit()
 
     def lookup(self, target: str, key: str, impl: str, schedule: str, versions: str) -> Measurement | None:
@@ -113,8 +129,8 @@ class ProfileDB:
         want = set(keys)
         out: dict[tuple[str, str, str], list[Measurement]] = {}
         for row in self.conn.execute(
-                "SELECT target,key,impl,schedule,versions,status,median_ns,runs_ns,reason,build_s,description "
-                "FROM measurements WHERE target=? AND versions=? ORDER BY id", (target, versions)):
+                "SELECT target,key,impl,schedule,versions,status,median_ns,runs_ns,reason,build_s,description,"
+                "samples_ns FROM measurements WHERE target=? AND versions=? ORDER BY id", (target, versions)):
             k = (row[1], row[2], row[3])
             if k in want:
                 out.setdefault(k, []).append(_row(row))
@@ -151,8 +167,8 @@ class ProfileDB:
 
     def rows(self) -> Iterator[Measurement]:
         for row in self.conn.execute(
-                "SELECT target,key,impl,schedule,versions,status,median_ns,runs_ns,reason,build_s,description "
-                "FROM measurements ORDER BY id"):
+                "SELECT target,key,impl,schedule,versions,status,median_ns,runs_ns,reason,build_s,description,"
+                "samples_ns FROM measurements ORDER BY id"):
             yield _row(row)
 
     def stats(self) -> dict:
@@ -193,4 +209,5 @@ def best(measurements: list[Measurement]) -> Measurement:
 
 def _row(row) -> Measurement:
     return Measurement(row[0], row[1], row[2], row[3], row[4], row[5], row[6],
-                       tuple(json.loads(row[7] or "[]")), row[8] or "", row[9] or 0.0, row[10] or "")
+                       tuple(json.loads(row[7] or "[]")), row[8] or "", row[9] or 0.0, row[10] or "",
+                       tuple((int(v), int(ns)) for v, ns in json.loads(row[11] or "[]")))

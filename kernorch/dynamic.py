@@ -106,6 +106,16 @@ def relative_weights(graph, ranges, lengths, floor_ns) -> tuple[float, ...]:
     return tuple(float(f"{x / total:.2g}") for x in raw)
 
 
+def probe_points(ranges, lengths=()) -> tuple[dict[str, int], ...]:
+    """Bindings between the three `points`, each the geometric middle of two neighbours (seq=1..512:
+    5 and 108): where a kernel is timed to be seen, not counted (kernorch.pipeline.switched_tiles
+    reads there which micro-kernel wins at which length)."""
+    name = ranges[0][0]
+    values = sorted({b[name] for b in points(ranges, lengths)})
+    out = {round(math.sqrt(a * b)) for a, b in zip(values, values[1:])} - set(values)
+    return tuple({name: v} for v in sorted(out))
+
+
 def middle(ranges, lengths=()) -> dict[str, int]:
     """The binding that stands for the range when one length must (tiles, estimates, timing)."""
     return points(ranges, lengths)[1]

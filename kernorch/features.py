@@ -13,16 +13,14 @@ call measured on the model. The label is log(measured / base).
 from __future__ import annotations
 
 import math
-import re
 from typing import Mapping
 
 from . import primitives
 from .ir import Graph
-from .kernels import Winograd
+from .kernels import Tile, Winograd
 from .kernels.variants import split
 
 KINDS = primitives.KINDS
-_TILE = re.compile(r"t(\d+)x(\d+)([a-z]*)")
 
 
 def _log(x: float) -> float:
@@ -37,8 +35,9 @@ def schedule_features(schedule: str) -> dict[str, float]:
     model)."""
     block, inner = split(schedule)
     wino = Winograd.parse(inner)
-    m = _TILE.fullmatch(inner)
-    rows, cols, flags = (int(m.group(1)), int(m.group(2)), m.group(3)) if m else (0, 0, "")
+    tile = Tile.parse(inner)  # (a row switch shows as its first row count)
+    rows, cols, flags = (tile.mr, tile.nb, ("p" if tile.pack else "") + ("r" if tile.rows_outer else "")) if tile \
+        else (0, 0, "")
     if wino is not None:
         rows, cols, flags = wino.mr, wino.nb, "p"
     return {"blocked": float(block or 0), "tile_rows": float(rows), "tile_cols": float(cols),

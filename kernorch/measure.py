@@ -60,6 +60,8 @@ class KernelJob:
     # checked and timed at; its time is the weighted sum
     samples: tuple[tuple[tuple[tuple[str, int], ...], float], ...] = ()
     bounds: tuple[tuple[str, int], ...] = ()   # and the largest value of each symbol it serves
+    # more bindings to time it at, with weight 0 (seen in its Measurement.samples_ns, not counted)
+    probes: tuple[tuple[tuple[str, int], ...], ...] = ()
 
     def at(self, binding) -> "KernelJob":
         """This kernel's static instance at `binding`."""
@@ -242,7 +244,7 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
     kernel = tb.load(path)
     cold = cold_args(job)
     if job.samples:  # the weighted sum over the samples, repeat by repeat
-        per_sample = []
+        per_sample, at = [], []
         for binding, weight in job.samples:
             bj = job.at(binding)
             # the timing a static kernel gets, shared among the samples (their weighted sum averages them)
@@ -250,8 +252,9 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
                           max_calls=COLD_MAX_CALLS // len(job.samples),
                           out_shapes=[bj.graph.type_of(o).shape for o in bj.outputs])
             per_sample.append(weight * np.array(runs))
+            at.append((int(dict(binding).popitem()[1]), float(np.median(runs))))
         n = min(len(r) for r in per_sample)
-        return {"runs": [float(r) for r in sum(r[:n] for r in per_sample)], "error": None}
+        return {"runs": [float(r) for r in sum(r[:n] for r in per_sample)], "error": None, "at": at}
     inputs = kernel_args(job, inputs)
     if cutoff_s is not None:
         first = kernel.time(*inputs, number=1, repeat=1, cold=cold)
@@ -434,7 +437,8 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
         from .dynamic import samples, symbols
         at = samples(options.ranges, options.lengths, options.sample_weights)
         bounds = tuple((n, hi) for n, _, hi in options.ranges)
-        jobs = [replace(j, samples=at, bounds=bounds) if symbols(j.graph) else j for j in jobs]
+        jobs = [replace(j, samples=at + tuple((b, 0.0) for b in j.probes if b not in dict(at)), bounds=bounds)
+                if symbols(j.graph) else j for j in jobs]
     stats = MeasureStats(jobs=len(jobs))
     results: dict[tuple[str, str, str], Measurement] = {}
     todo: list[KernelJob] = []
@@ -521,8 +525,9 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
                         fail(j, "run failed", r)
                     else:
                         runs = [int(round(x * 1e9)) for x in r.value["runs"]]
+                        at = tuple((v, max(1, int(round(x * 1e9)))) for v, x in r.value.get("at", ()))
                         m = Measurement(target, j.key, j.impl, j.schedule, versions(j.impl), "ok",
-                                        max(1, int(np.median(runs))), tuple(runs), "", build_s, j.description)
+                                        max(1, int(np.median(runs))), tuple(runs), "", build_s, j.description, at)
                         db.add(m)
                         results[j.ident] = m
                         stats.measured += 1

@@ -145,10 +145,12 @@ def tile_jobs(graph: Graph, candidates, options: Options, machine: Machine) -> d
     that wins alone is the one its fused candidates use: epilogues do not change the register tile)."""
     out: dict[tuple, list[meas.KernelJob]] = {}
     sized = end = graph
+    probes: tuple = ()
     if options.ranges:  # over a range: tiles sized at the middle length; a symbolic column or depth at the end
-        from .dynamic import bind, middle
+        from .dynamic import bind, middle, probe_points
         sized = bind(graph, middle(options.ranges, options.lengths))
         end = bind(graph, {name: hi for name, _, hi in options.ranges})
+        probes = tuple(tuple(b.items()) for b in probe_points(options.ranges, options.lengths))
     for c in candidates:
         if len(c.members) == 1 and c.linear:
             prim = graph.by_name[c.linear]
@@ -164,7 +166,11 @@ def tile_jobs(graph: Graph, candidates, options: Options, machine: Machine) -> d
                 prim = at.by_name[c.linear]
                 tiles = prim_tiles(machine, at, prim, blocked_layout=cls is not None)
                 if tiles:
-                    out[(c.linear, cls)] = [_job(graph, c, "tvm", _in_class(cls, t.name)) for t in tiles]
+                    # a tile over symbolic rows is also timed between the samples: where a longer
+                    # row count wins there, the tile switches to it (`switched_tiles`)
+                    seen = probes if _rows_only_symbolic(graph, graph.by_name[c.linear]) else ()
+                    out[(c.linear, cls)] = [replace(_job(graph, c, "tvm", _in_class(cls, t.name)), probes=seen)
+                                            for t in tiles]
                     if cls is None and (prim.op == "conv" or symbolic):  # new tiles: the default competes
                         out[(c.linear, cls)].append(_job(graph, c, "tvm", "default"))
     return out
@@ -183,6 +189,51 @@ def fastest_schedules(measurements, jobs_by_prim: Mapping[tuple, list[meas.Kerne
               and not (rows_outer and not _rows_outside(j.schedule))]
         if ok:
             out[prim] = min(ok)[1]
+    return out
+
+
+def _rows_only_symbolic(graph: Graph, prim) -> bool:
+    """A contraction whose rows alone are symbolic (a weight GEMM over seq rows): columns and depth static."""
+    out, a = prim.type.shape, graph.type_of(prim.inputs[0]).shape
+    return (len(out) >= 2 and not isinstance(out[-2], int) and isinstance(out[-1], int)
+            and isinstance(a[-1], int))
+
+
+SWITCH_GAIN = 0.05  # a tile switches to another row count where that one is at least this much faster
+
+
+def switched_tiles(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob]],
+                   tiles: Mapping[tuple, str]) -> dict[tuple, str]:
+    """`tiles` with a row switch (kernorch.kernels.Tile.switch) where a contraction over symbolic
+    rows runs faster, at lengths its tiles were timed at, in another row count of the
+    winning tile's packing and loop order: from each timed length on where another row count is
+    SWITCH_GAIN faster than the current one, that one, starting halfway (geometrically) from the
+    length before. Micro-kernels tuned once, chosen by the length at run time (HAOTuner)."""
+    out = dict(tiles)
+    for prim, sched in tiles.items():
+        block, inner = split(sched)
+        win = Tile.parse(inner)
+        if win is None or not any(j.probes for j in jobs_by_prim.get(prim, ())):  # rows alone symbolic
+            continue
+        by_rows: dict[int, dict[int, int]] = {}  # row count -> {length: ns}
+        for j in jobs_by_prim[prim]:
+            b, i = split(j.schedule)
+            t = Tile.parse(i)
+            m = measurements.get(j.ident)
+            if t is not None and b == block and replace(t, mr=win.mr) == win and m is not None and m.ok and m.samples_ns:
+                by_rows[t.mr] = dict(m.samples_ns)
+        if win.mr not in by_rows or len(by_rows) < 2:
+            continue
+        switch, now, before = [], win.mr, None
+        for length in sorted(by_rows[win.mr]):
+            times = {mr: ns[length] for mr, ns in by_rows.items() if length in ns}
+            best = min(times, key=times.get)
+            if before is not None and best != now and times[best] < (1 - SWITCH_GAIN) * times[now]:
+                switch.append((max(2, math.ceil(math.sqrt(before * length))), best))
+                now = best
+            before = length
+        if switch:
+            out[prim] = _in_class(block, replace(win, switch=tuple(switch)).name)
     return out
 
 
@@ -298,7 +349,7 @@ def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Option
     by_prim = tile_jobs(graph, enumeration.candidates, options, machine)
     results, stats = meas.measure([j for js in by_prim.values() for j in js], db, options, machine, label="tiles",
                                   workers=workers)
-    tiles = fastest_schedules(results, by_prim)
+    tiles = switched_tiles(results, by_prim, fastest_schedules(results, by_prim))
     direct = fastest_schedules(results, by_prim, direct=True)
     jobs = candidate_jobs(graph, enumeration.candidates, options, machine, tiles,
                           fastest_schedules(results, by_prim, rows_outer=True))

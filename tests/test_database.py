@@ -17,6 +17,28 @@ def _m(key, impl="tvm", ns=100, status="ok"):
     return Measurement("tgt", key, impl, "default", "v1", status, ns if status == "ok" else None, (ns, ns), "", 0.1, "add")
 
 
+def test_a_kernel_over_a_range_keeps_its_time_at_each_length(tmp_path):
+    """The times at each length a kernel over a range was timed at come back with it; a database
+    written before they were kept gets the column, and its old rows read as having none."""
+    import sqlite3
+    old = tmp_path / "old.sqlite"
+    with sqlite3.connect(old) as c:  # the table as it was, with one row
+        c.execute("CREATE TABLE measurements (id INTEGER PRIMARY KEY AUTOINCREMENT, target TEXT NOT NULL, "
+                  "key TEXT NOT NULL, impl TEXT NOT NULL, schedule TEXT NOT NULL, versions TEXT NOT NULL, "
+                  "status TEXT NOT NULL, median_ns INTEGER, runs_ns TEXT, reason TEXT, build_s REAL, "
+                  "description TEXT, created REAL NOT NULL)")
+        c.execute("INSERT INTO measurements(target,key,impl,schedule,versions,status,median_ns,runs_ns,created) "
+                  "VALUES ('tgt','k0','tvm','default','v1','ok',50,'[50]',0)")
+    for path in (old, tmp_path / "new.sqlite"):
+        with ProfileDB(path) as db:
+            db.add(Measurement("tgt", "k1", "tvm", "t8x32p", "v1", "ok", 70, (70,), samples_ns=((1, 10), (512, 900))))
+        with ProfileDB(path) as db:  # opened again: the column is there once
+            got = db.lookup_many("tgt", "v1", [("k0", "tvm", "default"), ("k1", "tvm", "t8x32p")])
+            assert got[("k1", "tvm", "t8x32p")].samples_ns == ((1, 10), (512, 900))
+            if path == old:
+                assert got[("k0", "tvm", "default")].samples_ns == () and got[("k0", "tvm", "default")].median_ns == 50
+
+
 def test_add_lookup_fastest_counts(tmp_path):
     with ProfileDB(tmp_path / "db.sqlite") as db:
         db.add(_m("k1", ns=100))

@@ -283,6 +283,71 @@ def test_a_tile_over_symbolic_rows_carries_a_small_tile_for_short_lengths(block)
     assert "kernorch.small_rows" not in smod["main"].attrs
 
 
+def _weight_gemm(generic, cols: int):
+    p = next(q for q in generic.prims if q.op == "matmul" and q.inputs[1] in generic.constants
+             and int(np.shape(generic.constants[q.inputs[1]])[-1]) % cols == 0)
+    return p, list(p.inputs)
+
+
+@pytest.mark.parametrize("tile", ["t4x32p~6@20~8@40", "t3x32~5@9"])
+def test_a_row_switch_holds_a_copy_per_row_count_and_each_computes_the_gemm(block, tile):
+    """A weight GEMM over seq rows whose tile switches its row count at longer lengths holds a copy
+    of the micro-kernel per row count (and the small one), and computes the reference at lengths
+    each copy serves, either side of every switch."""
+    import tvm
+    from kernorch.backends.tvm.lower import lower
+    from kernorch.backends.tvm.schedule import SMALL_ROWS, schedule
+    from kernorch.backends.tvm.target import make_target
+    from kernorch.ir import kernel_graph
+    from kernorch.kernels import Tile, pack_args
+    from kernorch.executor import run as reference
+    t = Tile.parse(tile)
+    p, ins = _weight_gemm(block[1], t.nb)
+    kg = kernel_graph(block[1], [p.name], ins, [p.name])
+    target = make_target(1)
+    mod = schedule(lower(kg, kg.prims, ins, [p.name], tile), target, tile, bounds={"seq": 512})
+    script = mod["main"].script()
+    for mr in (SMALL_ROWS, t.mr, *(m for _, m in t.switch)):
+        assert f"T.unroll(T.int64({mr}))" in script, (mr, script)
+    ex = tvm.compile(mod, target=target)
+    lengths = sorted({1, t.mr + 1, *(x for s, _ in t.switch for x in (s - 1, s, s + 3)), 300})
+    for s in lengths:
+        b = dynamic.bind(kg, {"seq": s})
+        x = np.random.default_rng(s).standard_normal(b.type_of(ins[0]).shape).astype(np.float32)
+        args = pack_args(b, ins, tile, [x, np.asarray(b.constants[ins[1]], np.float32)])
+        got = tvm.runtime.empty(b.type_of(p.name).shape, "float32", tvm.cpu())
+        ex["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args], got)
+        np.testing.assert_allclose(got.numpy(), reference(b, {ins[0]: x})[p.name], rtol=1e-4, atol=1e-4,
+                                   err_msg=f"seq={s}")
+
+
+def test_a_tile_over_symbolic_rows_reads_its_rows_in_place_without_a_padding_copy(block):
+    """The weight GEMM's left operand is not copied into a padded buffer first: each tile reads its
+    rows in place, the row index clamped to the last row (rows past the length compute on a copy
+    of it and are never written out). The row switch test checks the results at every length."""
+    from kernorch.backends.tvm.lower import lower
+    from kernorch.backends.tvm.schedule import schedule
+    from kernorch.backends.tvm.target import make_target
+    from kernorch.ir import kernel_graph
+    p, ins = _weight_gemm(block[1], 32)
+    kg = kernel_graph(block[1], [p.name], ins, [p.name])
+    script = schedule(lower(kg, kg.prims, ins, [p.name], "t8x32p"), make_target(1), "t8x32p",
+                      bounds={"seq": 512})["main"].script()
+    assert "if_then_else" not in script, script
+    assert re.search(r"T\.min\(v_i1, seq - T\.int64\(1\)\)", script), script
+
+
+def test_a_row_switch_on_a_static_gemm_is_refused(block):
+    from kernorch.backends.tvm.lower import lower
+    from kernorch.backends.tvm.schedule import schedule
+    from kernorch.backends.tvm.target import make_target
+    from kernorch.ir import KernorchError, kernel_graph
+    p, ins = _weight_gemm(block[1], 32)
+    static = dynamic.bind(kernel_graph(block[1], [p.name], ins, [p.name]), {"seq": 23})
+    with pytest.raises(KernorchError, match="does not apply.*symbolic row"):
+        schedule(lower(static, static.prims, ins, [p.name], "t4x32p~8@16"), make_target(1), "t4x32p~8@16")
+
+
 def test_one_executable_serves_the_whole_range(tmp_path):
     """optimize over seq=1..512: one plan, one compiled module; right against ONNX Runtime at 20
     lengths, both ends included, and a length outside the range is refused by name."""
@@ -298,6 +363,11 @@ def test_one_executable_serves_the_whole_range(tmp_path):
     # the weight GEMMs' packed micro-kernel tiles are built, checked and timed over the range too
     tiles = {i: m for i, m in planned.measured.measurements.items() if i[2].startswith("t")}
     assert tiles and all(m.ok for m in tiles.values()), [m.reason for m in tiles.values() if not m.ok][:2]
+    # each keeps its time at every length it was timed at: the samples, and between them the
+    # weight GEMMs' (rows alone symbolic) probes, where a switch of row count is decided
+    lengths = {i: {v for v, _ in m.samples_ns} for i, m in tiles.items()}
+    assert all({1, 23, 512} <= v for v in lengths.values()), lengths
+    assert any(v == {1, 5, 23, 109, 512} for v in lengths.values()), lengths
     assert any("seq" in str(planned.loaded.graph.type_of(k.outputs[0])) for k in planned.plan.kernels)
     compiled = pipeline.emit(planned.loaded.graph, planned.plan, options, planned.machine)
     assert compiled.ranges == {"seq": (1, 512)}
@@ -548,3 +618,53 @@ def test_positions_and_a_causal_mask_computed_from_the_length_become_slices(tmp_
         return replace(g, constants={**g.constants, mask: np.asarray(g.constants[mask])[::-1].copy()})
     with pytest.raises(KernorchError, match=f"constant '{mask}' changes with seq and is no leading slice"):
         dynamic.generalize({s: flipped(s) for s in (61, 67, 71, 73)}, "seq", lambda: (80, flipped(80)))
+
+
+def _tile_race(times: dict[str, dict[int, int]], probes=((("seq", 5),), (("seq", 109),))):
+    """Jobs and measurements of one contraction's tiles timed at lengths: {schedule: {length: ns}}."""
+    from kernorch.database import Measurement
+    from kernorch.measure import KernelJob
+    jobs = [KernelJob("k", "tvm", s, None, (), (), probes=probes) for s in times]
+    ms = {j.ident: Measurement("t", "k", "tvm", j.schedule, "v", "ok", sum(times[j.schedule].values()),
+                               samples_ns=tuple(sorted(times[j.schedule].items()))) for j in jobs}
+    return {("mm", None): jobs}, ms
+
+
+def test_a_tile_switches_row_count_where_another_is_faster_at_the_lengths_timed():
+    """The winner over the range keeps the lengths where it is best; from the first timed length
+    where another row count of the same packing is SWITCH_GAIN faster, that one takes over,
+    starting at the geometric middle of that length and the one before; a tile of another packing
+    (t6x64p) never enters, however fast."""
+    from kernorch.pipeline import switched_tiles
+    by_prim, ms = _tile_race({
+        "t8x32p": {1: 10, 5: 20, 23: 50, 109: 300, 512: 1500},
+        "t14x32p": {1: 10, 5: 22, 23: 60, 109: 270, 512: 1300},
+        "t4x32p": {1: 10, 5: 20, 23: 49, 109: 310, 512: 1600},
+        "t6x64p": {1: 1, 5: 1, 23: 1, 109: 1, 512: 1}})
+    got = switched_tiles(ms, by_prim, {("mm", None): "t8x32p"})
+    assert got == {("mm", None): "t8x32p~14@51"}
+    from kernorch.kernels import Tile
+    assert Tile.parse(got[("mm", None)]).switch == ((51, 14),)
+
+
+def test_a_tile_within_the_gain_everywhere_or_without_lengths_stays_as_it_is():
+    from kernorch.pipeline import switched_tiles
+    by_prim, ms = _tile_race({"t8x32p": {1: 10, 23: 50, 512: 1500}, "t14x32p": {1: 10, 23: 60, 512: 1440}})
+    assert switched_tiles(ms, by_prim, {("mm", None): "t8x32p"}) == {("mm", None): "t8x32p"}
+    # tiles over symbolic columns or depth (attention) are not timed between the samples: no switch
+    by_prim, ms = _tile_race({"t8x32r": {1: 10, 23: 50, 512: 1500}, "t14x32r": {1: 10, 23: 60, 512: 900}}, probes=())
+    assert switched_tiles(ms, by_prim, {("mm", None): "t8x32r"}) == {("mm", None): "t8x32r"}
+
+
+def test_tiles_over_symbolic_rows_are_timed_between_the_samples_too():
+    assert dynamic.probe_points((("seq", 1, 512),)) == ({"seq": 5}, {"seq": 109})
+    assert dynamic.probe_points((("seq", 64, 512),)) == ({"seq": 108}, {"seq": 304})  # around 181
+    from kernorch import pipeline
+    from kernorch.options import Machine, Options
+    options = Options(threads=1, max_kernel_size=1, ranges=(("seq", 1, 512),))
+    graph = dynamic.generic_graph(examples.transformer_block(seq="seq"), dynamic.parse_range("seq=1..512"))
+    by_prim = pipeline.tile_jobs(graph, pipeline.enumerate_candidates(graph, options).candidates, options,
+                                 Machine.host())
+    probed = {p for (p, _), js in by_prim.items() if all(j.probes == ((("seq", 5),), (("seq", 109),)) for j in js)}
+    weights = {p.name for p in graph.prims if p.op == "matmul" and p.inputs[1] in graph.constants}
+    assert probed == weights and weights

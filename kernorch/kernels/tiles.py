@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 MAX_ROWS = 16       # longer unrolled row tiles only grow the code: the register budget binds first
 MIN_ROWS = 3        # below this, the broadcast loads dominate
-_NAME = re.compile(r"t(\d+)x(\d+)(p?)(r?)(s?)")
+_NAME = re.compile(r"t(\d+)x(\d+)(p?)(r?)(s?)((?:~\d+@\d+)*)")
+_SWITCH = re.compile(r"~(\d+)@(\d+)")
 # a contraction of at most this many multiply-adds is also offered serial tiles: a parallel launch
 # cost about 3 us on a 2-core Zen 4 VM, as long as about 2**17 multiply-adds take on one core there
 # (110 GFLOP/s); up to twice that, which of the two is faster is left to the measurement
@@ -38,25 +39,42 @@ class Tile:
     `rows_outer`: the parallel loop walks row tiles outside column tiles (the whole right operand
     stays in L2 while each row panel is reused from L1); otherwise column panels are outside (each
     packed K x nb panel stays in cache while every row tile passes over it). `serial`: no parallel
-    loop (a small contraction's whole work costs less than handing half of it to another thread)."""
+    loop (a small contraction's whole work costs less than handing half of it to another thread).
+    `switch`: over a symbolic row extent (kernorch.dynamic), other row counts for longer lengths,
+    as (from this many rows, mr) pairs in ascending order; the kernel holds a copy of the
+    micro-kernel per row count and picks one by the length at run time ("t8x32p~14@108": 14 rows
+    from 108 rows on). Only `mr` changes: the copies share the packing and the loop order."""
 
     mr: int
     nb: int
     pack: bool = False
     rows_outer: bool = False
     serial: bool = False
+    switch: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self):
+        starts = [s for s, _ in self.switch]
+        if starts != sorted(set(starts)) or any(s < 2 or m < 1 for s, m in self.switch):
+            raise ValueError(f"row switch {self.switch}: ascending starts of at least 2 rows expected")
 
     @property
     def name(self) -> str:
-        """The schedule name stored in the profile database and the plan, e.g. "t14x32p", "t8x32rs"."""
+        """The schedule name stored in the profile database and the plan, e.g. "t14x32p", "t8x32rs",
+        "t8x32p~14@108"."""
         return (f"t{self.mr}x{self.nb}{'p' if self.pack else ''}{'r' if self.rows_outer else ''}"
-                f"{'s' if self.serial else ''}")
+                f"{'s' if self.serial else ''}" + "".join(f"~{m}@{s}" for s, m in self.switch))
 
     @staticmethod
     def parse(name: str) -> "Tile | None":
         m = _NAME.fullmatch(name)
-        return (Tile(int(m.group(1)), int(m.group(2)), bool(m.group(3)), bool(m.group(4)), bool(m.group(5)))
-                if m else None)
+        if not m:
+            return None
+        switch = tuple((int(s), int(r)) for r, s in _SWITCH.findall(m.group(6)))
+        try:
+            return Tile(int(m.group(1)), int(m.group(2)), bool(m.group(3)), bool(m.group(4)), bool(m.group(5)),
+                        switch)
+        except ValueError:
+            return None
 
     def registers(self, lanes: int) -> int:
         """Vector registers the tile occupies (accumulators, operand vectors, one broadcast)."""

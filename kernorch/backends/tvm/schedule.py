@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 11
+SCHEDULES_VERSION = 12
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -84,19 +84,7 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
         return _scheduled(sch, f"winograd {mode}")
     tile = Tile.parse(inner)
     if tile is not None:  # a micro-kernel variant: exactly this tile, or a refusal (never another rule)
-        try:
-            out = _scheduled(_tiled(func, lanes, tile, mode), f"contraction {mode}")
-        except Exception as e:  # noqa: BLE001 - the variant does not apply to this kernel
-            raise KernorchError(f"tile {mode} does not apply: {type(e).__name__}: {_first_line(e)}") from None
-        rows = _symbolic_rows(func)
-        if rows is not None and tile.mr > SMALL_ROWS:
-            try:
-                small = _scheduled(_tiled(func, lanes, replace(tile, mr=SMALL_ROWS), mode), f"contraction {mode}")
-            except Exception as e:  # noqa: BLE001 - the tile alone serves every length
-                log.debug("no small-row tile for %s: %s", mode, _first_line(e))
-            else:
-                out = tvm.IRModule({"main": _by_rows(out["main"], small["main"], rows, tile.mr)})
-        return out
+        return _tile_over_rows(func, lanes, tile, mode)
     if inner not in ("default", *CONVERSIONS):
         raise KernorchError(f"unknown schedule mode {mode!r} (expected 'none', 'default', a tile like 't14x32p', "
                             "optionally after a layout like 'b16/')")
@@ -126,6 +114,34 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
         return _scheduled(sch, name)
     log.warning("no schedule rule applied; the kernel stays untuned")
     return mod
+
+
+def _tile_over_rows(func, lanes: int, tile: Tile, mode: str) -> tvm.IRModule:
+    """The micro-kernel `tile` on `func`; over a symbolic row extent, with a copy in SMALL_ROWS rows
+    for short lengths (`_by_rows`) and one per row count of `tile.switch` for long ones
+    (`_from_rows`), picked at run time by the length."""
+    def copy(t: Tile) -> tirx.PrimFunc:
+        return _scheduled(_tiled(func, lanes, t, mode), f"contraction {mode}")["main"]
+
+    base = replace(tile, switch=())
+    rows = _symbolic_rows(func)
+    try:
+        if tile.switch and rows is None:
+            raise _NotApplicable("a switch of row tiles needs one symbolic row extent")
+        out = copy(base)
+        longer = [(start, copy(replace(base, mr=mr))) for start, mr in tile.switch]
+    except Exception as e:  # noqa: BLE001 - the variant does not apply to this kernel
+        raise KernorchError(f"tile {mode} does not apply: {type(e).__name__}: {_first_line(e)}") from None
+    if rows is not None and base.mr > SMALL_ROWS:
+        try:
+            small = copy(replace(base, mr=SMALL_ROWS))
+        except Exception as e:  # noqa: BLE001 - the tile alone serves every length
+            log.debug("no small-row tile for %s: %s", mode, _first_line(e))
+        else:
+            out = _by_rows(out, small, rows, base.mr)
+    for start, long_copy in longer:  # ascending: the longest lengths' test ends outermost
+        out = _from_rows(out, long_copy, rows, start)
+    return tvm.IRModule({"main": out})
 
 
 def _tiled(func, lanes: int, tile: Tile, mode: str) -> s_tir.Schedule:
@@ -191,11 +207,23 @@ def _by_rows(large: tirx.PrimFunc, small: tirx.PrimFunc, rows, mr: int) -> tirx.
     def padded(m: int):
         return (rows + (m - 1)) // m * m
     cond = tirx.const(int(SMALL_ROWS_COST * 10), "int64") * padded(SMALL_ROWS) < tirx.const(10, "int64") * padded(mr)
-    a, b = large.body.block, small.body.block
+    return _either(cond, small, large).with_attr("kernorch.small_rows", SMALL_ROWS)
+
+
+def _from_rows(short: tirx.PrimFunc, long: tirx.PrimFunc, rows, start: int) -> tirx.PrimFunc:
+    """One kernel of two schedules of the same contraction over a symbolic row extent `rows`: `long`
+    from `start` rows on, `short` below (kernorch.kernels.Tile.switch; the row counts were measured
+    at lengths on both sides)."""
+    return _either(rows >= tirx.const(start, "int64"), long, short)
+
+
+def _either(cond, then: tirx.PrimFunc, other: tirx.PrimFunc) -> tirx.PrimFunc:
+    """`then`'s body where `cond` holds, else `other`'s, in `other`'s signature (two schedules of one
+    kernel: the same parameters)."""
+    a, b = other.body.block, then.body.block
     allocs = list(a.alloc_buffers)  # (an intermediate both copies keep is one buffer: only one copy runs)
     allocs += [buf for buf in b.alloc_buffers if not any(buf.same_as(x) for x in allocs)]
-    return _with_root_body(large, tirx.IfThenElse(cond, b.body, a.body), allocs).with_attr("kernorch.small_rows",
-                                                                                          SMALL_ROWS)
+    return _with_root_body(other, tirx.IfThenElse(cond, b.body, a.body), allocs)
 
 
 def _with_root_body(func: tirx.PrimFunc, body, allocs=None) -> tirx.PrimFunc:
@@ -829,7 +857,52 @@ def _pad_symbolic(func, lanes: int, tile: Tile | None):
                 sch.compute_inline(producer)
             except Exception:  # noqa: BLE001 - a producer that cannot be inlined stays a copy
                 pass
+    else:
+        _read_rows_clamped(sch, blk)
     return sch.mod["main"]
+
+
+def _read_rows_clamped(sch, blk) -> None:
+    """The padding copies of a contraction's operands over symbolic rows (`pad_einsum`: a pass of
+    their own that writes zeros past the length) become reads of the operand itself, its row index
+    clamped to the last row: the rows past the length compute on a copy of the last row, and their
+    results are never copied out. Each tile reads its rows in place (the index is the same for the
+    whole depth loop), and the kernel makes no pass over its input first. A padding block that is
+    not a plain copy of one operand row stays as it is."""
+    for producer in sch.get_producers(blk):
+        stmt = sch.get(producer)
+        store = stmt.body
+        if not _is(store, "BufferStore") or not _is_call(store.value, "if_then_else"):
+            continue
+        cond, then, _ = store.value.args
+        if not (_is(cond, "LT") and _is(cond.a, "Var") and _is(then, "TensorLoad")):
+            continue
+        row, length = cond.a, cond.b
+        if sum(i.same_as(row) for i in then.indices) != 1:
+            continue
+        index = [tirx.Min(i, length - 1) if i.same_as(row) else i for i in then.indices]
+        body = tirx.BufferStore(store.buffer, tirx.BufferLoad(then.source, index), store.indices)
+        new = s_tir.stmt.SBlock(stmt.iter_vars, stmt.reads, stmt.writes, stmt.name_hint, body, stmt.init,
+                                stmt.alloc_buffers, stmt.match_buffers, stmt.annotations)
+        trial = sch.copy()
+        try:
+            trial.state.replace(trial.get_sref(producer), new, {stmt: new})
+            trial.compute_inline(producer)
+        except Exception as e:  # noqa: BLE001 - the copy stays
+            log.debug("padding copy %s stays: %s", stmt.name_hint, _first_line(e))
+            continue
+        sch.state.replace(sch.get_sref(producer), new, {stmt: new})
+        sch.compute_inline(producer)
+
+
+def _is(node, kind: str) -> bool:
+    """`node` is a TIR node of this kind (by class name: some of tvm.tirx's names are constructors)."""
+    return type(node).__name__ == kind
+
+
+def _is_call(expr, name: str) -> bool:
+    op = getattr(expr, "op", None)
+    return _is(expr, "Call") and str(getattr(op, "name", "")).endswith(name)
 
 
 def _contraction_name(func) -> str:
