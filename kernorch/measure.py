@@ -42,7 +42,7 @@ DOMINATED = 4.0  # a generated kernel this many times slower than the key's best
 # measured 856 us on a quiet machine (ONNX Runtime's: 711 and 908 us).
 REMEASURE_TRIES = 3
 RTOL, ATOL_SCALE = 1e-3, 1e-4
-TIMING_PROTOCOL = "cold-weights-unpinned"  # in the versions: how a kernel was timed (see _timed; threads: thread_env)
+TIMING_PROTOCOL = "cold-weights-unpinned-spin10k"  # in the versions: how a kernel was timed (see _timed; threads: thread_env)
 
 
 @dataclass(frozen=True)

@@ -198,9 +198,29 @@ def busy(state: dict) -> bool:
     return bool(la) and la[0] > 0.5
 
 
+def cpu_ticks(pid: int) -> int:
+    """CPU time (clock ticks, user + system) every thread of process `pid` has used so far."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total
+
+
+QUIET_WINDOW_S = 0.02  # a process that used no CPU over this long has its threads asleep
+QUIET_MAX_S = 1.0      # and no system is waited for longer than this
+
+
 class Timer:
     """Systems each in a process of their own, timed in turns. `local` systems (a callable timed in
-    this process, e.g. the executable `optimize` just built) take their turns the same way."""
+    this process, e.g. the executable `optimize` just built) take their turns the same way.
+
+    After each turn the next system waits until the last one's process has gone quiet: thread
+    pools that spin after a run (TVM's did for 100-200 ms with its default spin count) would
+    otherwise take a core from whatever is timed next."""
 
     def __init__(self, threads: int, timeout: float = 900.0):
         self.threads, self.timeout = threads, timeout
@@ -253,6 +273,22 @@ class Timer:
             return time_calls(self.local[name], runs, warmup)
         return self._call(name, _time_task, name, runs, warmup)
 
+    def _quiet(self, name: str) -> float:
+        """Wait until system `name`'s process uses no CPU (at most QUIET_MAX_S); the seconds waited."""
+        pid = os.getpid() if name in self.local else self.pools[name].pids()[0]
+        t0 = time.monotonic()
+        try:
+            last = cpu_ticks(pid)
+            while time.monotonic() - t0 < QUIET_MAX_S:
+                time.sleep(QUIET_WINDOW_S)
+                now = cpu_ticks(pid)
+                if now == last:
+                    break
+                last = now
+        except OSError:  # no /proc (or the process is gone): nothing to wait for
+            pass
+        return time.monotonic() - t0
+
     def rounds(self, rounds: int, block: int = 3, warmup: int = 1, max_seconds: float = 120.0) -> dict[str, list[float]]:
         """`rounds` turns of `block` timed runs per system (after `warmup` untimed ones), starting
         system rotated each round; a system slower than `max_seconds` in all stops after 3 runs."""
@@ -268,6 +304,9 @@ class Timer:
                 except KernorchError as e:
                     self.info[name].update(status="failed", error=f"timing: {e}"[:2000])
                     active.remove(name)
+                    continue
+                waited = self._quiet(name)
+                self.info[name]["quiet_wait_s"] = max(self.info[name].get("quiet_wait_s", 0.0), round(waited, 3))
             for name in list(active):
                 if sum(times[name]) > max_seconds and len(times[name]) >= 3:
                     log.warning("%s: stopping after %d runs (%.0f s)", name, len(times[name]), sum(times[name]))

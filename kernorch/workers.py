@@ -144,6 +144,10 @@ class WorkerPool:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def pids(self) -> list[int]:
+        """The worker processes' ids."""
+        return [w.proc.pid for w in self.workers]
+
     def call(self, fn: Callable, args: tuple, timeout: float) -> TaskResult:
         """Run one task to completion (the pool stays ready for the next)."""
         (result,) = list(self.run(fn, [args], timeout))

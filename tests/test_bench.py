@@ -171,3 +171,25 @@ def test_kernel_benchmark_summarizes_the_convolutions_apart():
     assert s["kernels"] == 3 and s["min_ratio"] == 0.25 and abs(s["geomean_ratio"] - 0.25 ** (1 / 3)) < 1e-9
     assert s["conv_kernels"] == 2 and s["conv_min_ratio"] == 0.5 and abs(s["conv_geomean_ratio"] - 1.0) < 1e-9
     assert "conv_kernels" not in summary([row("matmul 4x16 · W16x32", 1.0)], 2)
+
+
+def test_a_system_is_timed_only_once_the_last_ones_threads_are_idle():
+    """A system whose threads keep running after its turn (a thread pool spinning) delays the next
+    system's turn until they stop, so the next one runs alone."""
+    import threading
+    import time
+    from kernorch.peers import Timer
+    ends, starts = [], []
+
+    def spin():
+        until = time.perf_counter() + 0.15
+        while time.perf_counter() < until:
+            pass
+        ends.append(time.perf_counter())
+
+    with Timer(1) as t:
+        t.add_local("a", lambda: threading.Thread(target=spin).start())
+        t.add_local("b", lambda: starts.append(time.perf_counter()))
+        t.rounds(1, block=1, warmup=0)
+    assert ends and starts and starts[0] >= ends[0], (starts, ends)
+    assert t.info["a"]["quiet_wait_s"] >= 0.1

@@ -43,8 +43,8 @@ def set_threads(n: int) -> None:
     TVM reads TVM_NUM_THREADS when its pool starts (at the first parallel call; it defaults to ONE
     thread on a 2-core x86 VM) and ignores later changes, so the variable is set first; a pool that
     already runs with another count is reconfigured with `runtime.config_threadpool(-3, n, cpus)`.
-    The pool's workers spin between kernels as TVM intends (a sleeping pool cost 22 us per kernel
-    boundary where a spinning one cost 1.4 us), and are not pinned to cores (see `thread_env`).
+    The pool's workers spin between kernels (a sleeping pool cost 22 us per kernel boundary where a
+    spinning one cost 1.4 us) and sleep soon after a run, and are not pinned to cores (see `thread_env`).
     Spawned processes inherit the variables.
     """
     n = int(n)
@@ -55,6 +55,14 @@ def set_threads(n: int) -> None:
         tvm.get_global_func("runtime.config_threadpool")(-3, n, [str(i) for i in range(n)])
 
 
+# how many times an idle worker of TVM's pool looks for work (a sched_yield each, about 0.5 us on
+# the 2-core Zen 4 VM) before it sleeps. TVM's default, 300000, kept a worker spinning a whole core
+# for 100-200 ms after every run; 10000 keeps it hot between the kernels of a run and lets it sleep
+# within about 5 ms after (a chain of 51 parallel kernels: 3.6-3.8 us per boundary at 300000 and
+# 20000, 4.2-4.4 at 2000 and 20, 19.8 at 0)
+SPIN_COUNT = 10000
+
+
 def thread_env(n: int) -> dict[str, str]:
     """The environment a new process needs to run TVM kernels on `n` threads (TVM reads it when its
     pool starts, before any of the process's own code could set it), and `n` for OpenMP users.
@@ -63,8 +71,13 @@ def thread_env(n: int) -> dict[str, str]:
     first share of every parallel loop, free to run on any core; Linux then often left it on the
     pinned worker's core, the two taking turns there (about 250 involuntary switches each in 30
     runs). On the 2-core Zen 4 VM, 8 fresh processes in turns ran transformer_block at 0.074 ms in
-    4 of them and 0.040 in the others when pinned, and at 0.040-0.043 in all 8 unpinned."""
-    return {"TVM_NUM_THREADS": str(int(n)), "OMP_NUM_THREADS": str(int(n)), "TVM_BIND_THREADS": "0"}
+    4 of them and 0.040 in the others when pinned, and at 0.040-0.043 in all 8 unpinned.
+
+    TVM_THREAD_POOL_SPIN_COUNT (SPIN_COUNT): the pool spins between kernels, and stops soon after a
+    run: with TVM's default a worker burned a core for 100-200 ms after the executable returned,
+    taken from whatever the user's process (or the next system a benchmark timed) ran next."""
+    return {"TVM_NUM_THREADS": str(int(n)), "OMP_NUM_THREADS": str(int(n)), "TVM_BIND_THREADS": "0",
+            "TVM_THREAD_POOL_SPIN_COUNT": str(SPIN_COUNT)}
 
 
 def versions() -> dict:
