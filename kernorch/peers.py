@@ -61,11 +61,11 @@ def _ort(level: str):
     def prepare(model, feeds, threads, **_):
         import onnxruntime as ort
         from .executor import ort_session
-        sess = ort_session(_proto(model).SerializeToString(), threads, level, spinning="stop")
+        sess = ort_session(_proto(model).SerializeToString(), threads, level, spinning=True)
         names = [o.name for o in sess.get_outputs()]
         mine = {i.name: feeds[i.name] for i in sess.get_inputs()}
         return (lambda: sess.run(names, mine)), (lambda: [np.asarray(o) for o in sess.run(names, mine)]), \
-            {"onnxruntime": ort.__version__, "graph_optimization_level": level, "spinning": "stop after each run"}
+            {"onnxruntime": ort.__version__, "graph_optimization_level": level, "spinning": "ORT's default"}
     return prepare
 
 
@@ -166,7 +166,23 @@ def _outputs_task(name: str) -> list[np.ndarray]:
 
 
 def _time_task(name: str, runs: int, warmup: int) -> list[float]:
-    return time_calls(_PREPARED[name][0], runs, warmup)
+    return _warm_then_time(_PREPARED[name][0], runs, warmup)
+
+
+WARMUP_S = 0.05  # each turn's untimed calls last at least this long
+
+
+def _warm_then_time(call: Callable[[], Any], runs: int, warmup: int) -> list[float]:
+    """`runs` timed calls after untimed ones: at least `warmup` of them and at least WARMUP_S, so
+    that every system is timed in the state a loop of calls keeps it in (its threads awake, its
+    data in cache), however short one call is, and not in the state the other systems' turns and
+    the wait for them to go quiet left it in."""
+    t0 = time.perf_counter()
+    done = 0
+    while done < warmup or time.perf_counter() - t0 < WARMUP_S:
+        call()
+        done += 1
+    return time_calls(call, runs, 0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -270,7 +286,7 @@ class Timer:
 
     def _block(self, name: str, runs: int, warmup: int) -> list[float]:
         if name in self.local:
-            return time_calls(self.local[name], runs, warmup)
+            return _warm_then_time(self.local[name], runs, warmup)
         return self._call(name, _time_task, name, runs, warmup)
 
     def _quiet(self, name: str) -> float:
@@ -290,8 +306,9 @@ class Timer:
         return time.monotonic() - t0
 
     def rounds(self, rounds: int, block: int = 3, warmup: int = 1, max_seconds: float = 120.0) -> dict[str, list[float]]:
-        """`rounds` turns of `block` timed runs per system (after `warmup` untimed ones), starting
-        system rotated each round; a system slower than `max_seconds` in all stops after 3 runs."""
+        """`rounds` turns of `block` timed runs per system (after `warmup` untimed ones lasting at
+        least WARMUP_S), starting system rotated each round; a system slower than `max_seconds` in
+        all stops after 3 runs."""
         times: dict[str, list[float]] = {n: [] for n in self.systems}
         active = list(times)
         for r in range(rounds):

@@ -193,3 +193,16 @@ def test_a_system_is_timed_only_once_the_last_ones_threads_are_idle():
         t.rounds(1, block=1, warmup=0)
     assert ends and starts and starts[0] >= ends[0], (starts, ends)
     assert t.info["a"]["quiet_wait_s"] >= 0.1
+
+
+def test_each_turn_warms_a_system_up_for_a_while_before_timing_it():
+    """However short a call, a turn's untimed calls last at least WARMUP_S: a system is timed in
+    the state a loop of calls keeps it in, not the one the wait for the others left it in."""
+    import time
+    from kernorch.peers import WARMUP_S, Timer
+    calls = []
+    with Timer(1) as t:
+        t.add_local("a", lambda: calls.append(time.perf_counter()))
+        times = t.rounds(1, block=3, warmup=1)
+    assert len(times["a"]) == 3 and len(calls) > 4
+    assert calls[-3] - calls[0] >= WARMUP_S
