@@ -192,6 +192,14 @@ def fastest_schedules(measurements, jobs_by_prim: Mapping[tuple, list[meas.Kerne
     return out
 
 
+def _middle_length(options: Options) -> int:
+    """The length a range's tiles are sized at (0 without a range)."""
+    if not options.ranges:
+        return 0
+    from .dynamic import middle
+    return next(iter(middle(options.ranges, options.lengths).values()))
+
+
 def _rows_only_symbolic(graph: Graph, prim) -> bool:
     """A contraction whose rows alone are symbolic (a weight GEMM over seq rows): columns and depth static."""
     out, a = prim.type.shape, graph.type_of(prim.inputs[0]).shape
@@ -199,16 +207,20 @@ def _rows_only_symbolic(graph: Graph, prim) -> bool:
             and isinstance(a[-1], int))
 
 
-SWITCH_GAIN = 0.05  # a tile switches to another row count where that one is at least this much faster
+# a tile switches to another row count where that one is at least this much faster, at a length
+# from the range's middle up (below it the winner was chosen; at lengths of a few rows every tile
+# runs the same 2-row copy, and a 5 % margin there switched on noise: "t8x32p~14@3~8@11~14@237")
+SWITCH_GAIN = 0.10
 
 
 def switched_tiles(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob]],
-                   tiles: Mapping[tuple, str]) -> dict[tuple, str]:
+                   tiles: Mapping[tuple, str], middle: int = 0) -> dict[tuple, str]:
     """`tiles` with a row switch (kernorch.kernels.Tile.switch) where a contraction over symbolic
     rows runs faster, at lengths its tiles were timed at, in another row count of the
     winning tile's packing and loop order: from each timed length on where another row count is
     SWITCH_GAIN faster than the current one, that one, starting halfway (geometrically) from the
-    length before. Micro-kernels tuned once, chosen by the length at run time (HAOTuner)."""
+    length before; only at lengths above `middle` (the length the tiles were sized at).
+    Micro-kernels tuned once, chosen by the length at run time (HAOTuner)."""
     out = dict(tiles)
     for prim, sched in tiles.items():
         block, inner = split(sched)
@@ -228,7 +240,8 @@ def switched_tiles(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJo
         for length in sorted(by_rows[win.mr]):
             times = {mr: ns[length] for mr, ns in by_rows.items() if length in ns}
             best = min(times, key=times.get)
-            if before is not None and best != now and times[best] < (1 - SWITCH_GAIN) * times[now]:
+            if (before is not None and length > middle and best != now
+                    and times[best] < (1 - SWITCH_GAIN) * times[now]):
                 switch.append((max(2, math.ceil(math.sqrt(before * length))), best))
                 now = best
             before = length
@@ -349,7 +362,7 @@ def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Option
     by_prim = tile_jobs(graph, enumeration.candidates, options, machine)
     results, stats = meas.measure([j for js in by_prim.values() for j in js], db, options, machine, label="tiles",
                                   workers=workers)
-    tiles = switched_tiles(results, by_prim, fastest_schedules(results, by_prim))
+    tiles = switched_tiles(results, by_prim, fastest_schedules(results, by_prim), _middle_length(options))
     direct = fastest_schedules(results, by_prim, direct=True)
     jobs = candidate_jobs(graph, enumeration.candidates, options, machine, tiles,
                           fastest_schedules(results, by_prim, rows_outer=True))

@@ -191,8 +191,8 @@ def test_a_system_is_timed_only_once_the_last_ones_threads_are_idle():
         t.add_local("a", lambda: threading.Thread(target=spin).start())
         t.add_local("b", lambda: starts.append(time.perf_counter()))
         t.rounds(1, block=1, warmup=0)
-    assert ends and starts and starts[0] >= ends[0], (starts, ends)
-    assert t.info["a"]["quiet_wait_s"] >= 0.1
+    assert ends and starts and starts[0] >= max(ends), (starts, ends)  # b's first call: after every spin
+    assert t.info["a"]["quiet_wait_s"] >= 0.05
 
 
 def test_each_turn_warms_a_system_up_for_a_while_before_timing_it():
