@@ -759,62 +759,54 @@ def test_plain_conv_tiles_compute_the_reference(shape, target):
         assert mod["main"].attrs["kernorch.rule"] == f"contraction {tile.name}"
 
 
-def test_the_thread_pool_sleeps_soon_after_a_run(tmp_path):
-    """With TVM's default spin count a worker burned a core for 100-200 ms after every run; after a
-    parallel kernel the process now uses (almost) no CPU from 50 to 300 ms later."""
+def _in_a_fresh_pool(tmp_path, floats: int, then: str) -> str:
+    """Standard output of a fresh process (no TVM_ variables) that sets kernorch's 2 threads, builds
+    a parallel exp over `floats` floats as `k` (input `x`) and runs `then` (Python lines)."""
     import subprocess
     import sys
-    script = tmp_path / "spin.py"
+    script = tmp_path / "pool.py"
     script.write_text(
-        "import os, time\n"
+        "import glob, os, time\n"
         "import numpy as np\n"
         "from kernorch.backends import tvm as kt\n"
         "from kernorch.ir import Graph, TensorType, make_prim\n"
-        "from kernorch.peers import cpu_ticks\n"
         "kt.set_threads(2)\n"
-        "t = TensorType((1 << 20,))\n"
+        f"t = TensorType(({floats},))\n"
         "g = Graph((('x', t),), ('y',), (make_prim('y', 'exp', ['x'], t),), {})\n"
         "target = kt.make_target(2)\n"
         "k = kt.build(kt.schedule(kt.lower(g, g.prims, ['x'], ['y'], 'default'), target, 'default'), target)\n"
-        "x = np.ones(1 << 20, np.float32)\n"
-        "for _ in range(20):\n"
-        "    k(x)\n"
-        "time.sleep(0.05)\n"
-        "c0 = cpu_ticks(os.getpid())\n"
-        "time.sleep(0.25)\n"
-        "print(cpu_ticks(os.getpid()) - c0, os.sysconf('SC_CLK_TCK'))\n")
+        f"x = np.ones({floats}, np.float32)\n" + then)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TVM_")}
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
-    ticks, per_second = map(int, out.stdout.split())
-    assert ticks <= 0.02 * per_second, out.stdout  # at most 20 ms of CPU in those 250 ms
+    return out.stdout
+
+
+def test_the_thread_pool_sleeps_soon_after_a_run(tmp_path):
+    """With TVM's default spin count a worker burned a core for 100-200 ms after every run; after a
+    parallel kernel the process now uses (almost) no CPU from 50 to 300 ms later."""
+    out = _in_a_fresh_pool(tmp_path, 1 << 20,
+                           "from kernorch.peers import cpu_ticks\n"
+                           "for _ in range(20):\n"
+                           "    k(x)\n"
+                           "time.sleep(0.05)\n"
+                           "c0 = cpu_ticks(os.getpid())\n"
+                           "time.sleep(0.25)\n"
+                           "print(cpu_ticks(os.getpid()) - c0, os.sysconf('SC_CLK_TCK'))\n")
+    ticks, per_second = map(int, out.split())
+    assert ticks <= 0.02 * per_second, out  # at most 20 ms of CPU in those 250 ms
 
 
 def test_the_thread_pool_leaves_its_threads_unpinned(tmp_path):
     """TVM pins its workers to cores unless told not to; the calling thread, free to move, then
     shared a worker's core in half of the processes (kernorch.backends.tvm.target.thread_env)."""
-    import subprocess
-    import sys
-    script = tmp_path / "pool.py"
-    script.write_text(
-        "import glob, os\n"
-        "import numpy as np\n"
-        "from kernorch.backends import tvm as kt\n"
-        "from kernorch.ir import Graph, TensorType, make_prim\n"
-        "kt.set_threads(2)\n"
-        "t = TensorType((1 << 16,))\n"
-        "g = Graph((('x', t),), ('y',), (make_prim('y', 'exp', ['x'], t),), {})\n"
-        "target = kt.make_target(2)\n"
-        "k = kt.build(kt.schedule(kt.lower(g, g.prims, ['x'], ['y'], 'default'), target, 'default'), target)\n"
-        "k(np.ones(1 << 16, np.float32))\n"
-        "mine = sorted(os.sched_getaffinity(0))\n"
-        "for task in glob.glob('/proc/self/task/*/status'):\n"
-        "    line = next(x for x in open(task) if x.startswith('Cpus_allowed_list'))\n"
-        "    print(line.split(':')[1].strip(), ','.join(map(str, mine)))\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TVM_")}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr
-    rows = [line.split() for line in out.stdout.splitlines()]
+    out = _in_a_fresh_pool(tmp_path, 1 << 16,
+                           "k(x)\n"
+                           "mine = sorted(os.sched_getaffinity(0))\n"
+                           "for task in glob.glob('/proc/self/task/*/status'):\n"
+                           "    line = next(x for x in open(task) if x.startswith('Cpus_allowed_list'))\n"
+                           "    print(line.split(':')[1].strip(), ','.join(map(str, mine)))\n")
+    rows = [line.split() for line in out.splitlines()]
     assert len(rows) >= 2  # the calling thread and at least one worker
     for allowed, mine in rows:
         cpus = {c for part in allowed.split(",") for c in (
