@@ -858,17 +858,17 @@ def _pad_symbolic(func, lanes: int, tile: Tile | None):
             except Exception:  # noqa: BLE001 - a producer that cannot be inlined stays a copy
                 pass
     else:
-        _read_rows_clamped(sch, blk)
+        sch = _read_rows_clamped(sch, blk)
     return sch.mod["main"]
 
 
-def _read_rows_clamped(sch, blk) -> None:
+def _read_rows_clamped(sch, blk) -> s_tir.Schedule:
     """The padding copies of a contraction's operands over symbolic rows (`pad_einsum`: a pass of
     their own that writes zeros past the length) become reads of the operand itself, its row index
     clamped to the last row: the rows past the length compute on a copy of the last row, and their
     results are never copied out. Each tile reads its rows in place (the index is the same for the
     whole depth loop), and the kernel makes no pass over its input first. A padding block that is
-    not a plain copy of one operand row stays as it is."""
+    not a plain copy of one operand row stays as it is. Returns the schedule with the changes."""
     for producer in sch.get_producers(blk):
         stmt = sch.get(producer)
         store = stmt.body
@@ -891,8 +891,8 @@ def _read_rows_clamped(sch, blk) -> None:
         except Exception as e:  # noqa: BLE001 - the copy stays
             log.debug("padding copy %s stays: %s", stmt.name_hint, _first_line(e))
             continue
-        sch.state.replace(sch.get_sref(producer), new, {stmt: new})
-        sch.compute_inline(producer)
+        sch = trial
+    return sch
 
 
 def _is(node, kind: str) -> bool:
