@@ -309,6 +309,29 @@ def test_pruned_measurement_ends_with_a_plan_of_measured_kernels(tmp_path, monke
         assert all(len(k.members) == 1 for k in pruned.plan.kernels)
 
 
+def test_a_rerun_resumes_the_estimates_even_after_a_fusion_was_refused(tmp_path, monkeypatch):
+    """A run keeps the estimates of what it never measured under a name for its set of fusions; the
+    next run finds them by that name even when a fusion the first run measured was refused, which
+    makes it neither pending nor known (the name once left it out, and the next run measured again)."""
+    import sqlite3
+    import kernorch.estimate
+    # pairs look free, so the solver wants them; triples look too dear ever to measure
+    monkeypatch.setattr(kernorch.estimate, "fused_estimate_ns", lambda g, *a: 1 if len(g.prims) == 2 else 10**10)
+    monkeypatch.setattr(pipeline, "promising", lambda m, wanted, *a, **k: list(wanted))  # no fill-up
+    model = tmp_path / "chain.onnx"
+    chain_model(model)
+    opts = Options().with_(**FAST).with_(max_kernel_size=3, cost_model="analytic", db_path=str(tmp_path / "a.sqlite"))
+    first = pipeline.plan_model(str(model), opts)
+    assert first.measured.state and first.measured.stats.estimated > 0  # some fusions never measured
+    fused = [(k, s) for (k, _, s), m in first.measured.measurements.items() if "+" in m.description and s != "none"]
+    assert fused
+    with sqlite3.connect(opts.db_path) as c:
+        c.execute("UPDATE measurements SET status='refused', reason='test' WHERE key=? AND schedule=?", fused[0])
+    again = pipeline.plan_model(str(model), opts)
+    assert again.measured.state == first.measured.state
+    assert again.measured.stats.rounds == 0 and again.measured.stats.measured == 0
+
+
 def test_estimates_err_low():
     """The estimate of a fused kernel: the cheapest call plus half of what its most expensive member
     alone takes beyond it, unless the roofline says more."""
