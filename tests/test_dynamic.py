@@ -337,6 +337,38 @@ def test_a_tile_over_symbolic_rows_reads_its_rows_in_place_without_a_padding_cop
     assert re.search(r"T\.min\(v_i1, seq - T\.int64\(1\)\)", script), script
 
 
+def test_attention_scores_over_seq_columns_keep_the_column_operand_copy_and_compute_right(block):
+    """The scores (seq x seq) have symbolic columns too: the rows of the left operand are read in
+    place, clamped, but the operand read along the vectorized columns keeps its padding copy (a
+    clamp there makes every vector load a gather: 3-4x slower at seq=512). Right at lengths on
+    both sides of a column tile."""
+    import tvm
+    from kernorch.backends.tvm.lower import lower
+    from kernorch.backends.tvm.schedule import schedule
+    from kernorch.backends.tvm.target import make_target
+    from kernorch.ir import kernel_graph
+    from kernorch.executor import run as reference
+    g = block[1]
+    p = next(q for q in g.prims if q.op == "matmul" and q.inputs[1] not in g.constants
+             and isinstance(q.type.shape[-1], dynamic.SymDim))
+    ins = list(p.inputs)
+    kg = kernel_graph(g, [p.name], ins, [p.name])
+    target = make_target(1)
+    mod = schedule(lower(kg, kg.prims, ins, [p.name], "t4x32r"), target, "t4x32r", bounds={"seq": 512})
+    script = mod["main"].script()
+    assert "if_then_else" in script, script                     # the column operand's padding copy
+    assert re.search(r"T\.min\(v_i2, seq - T\.int64\(1\)\)", script), script   # rows clamped
+    assert not re.search(r"T\.min\(v_i3, seq", script), script                     # columns not
+    ex = tvm.compile(mod, target=target)
+    for s in (1, 5, 31, 32, 33, 100):
+        b = dynamic.bind(kg, {"seq": s})
+        xs = [np.random.default_rng(s).standard_normal(b.type_of(i).shape).astype(np.float32) for i in ins]
+        got = tvm.runtime.empty(b.type_of(p.name).shape, "float32", tvm.cpu())
+        ex["main"](*[tvm.runtime.tensor(x) for x in xs], got)
+        np.testing.assert_allclose(got.numpy(), reference(b, dict(zip(ins, xs)))[p.name], rtol=1e-4, atol=1e-4,
+                                   err_msg=f"seq={s}")
+
+
 def test_a_row_switch_on_a_static_gemm_is_refused(block):
     from kernorch.backends.tvm.lower import lower
     from kernorch.backends.tvm.schedule import schedule

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 12
+SCHEDULES_VERSION = 13
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -878,7 +878,7 @@ def _read_rows_clamped(sch, blk) -> s_tir.Schedule:
         if not (_is(cond, "LT") and _is(cond.a, "Var") and _is(then, "TensorLoad")):
             continue
         row, length = cond.a, cond.b
-        if sum(i.same_as(row) for i in then.indices) != 1:
+        if sum(i.same_as(row) for i in then.indices) != 1 or _read_by_columns(sch.get(blk), store, row):
             continue
         index = [tirx.Min(i, length - 1) if i.same_as(row) else i for i in then.indices]
         body = tirx.BufferStore(store.buffer, tirx.BufferLoad(then.source, index), store.indices)
@@ -893,6 +893,24 @@ def _read_rows_clamped(sch, blk) -> s_tir.Schedule:
             continue
         sch = trial
     return sch
+
+
+def _read_by_columns(stmt, pad_store, var) -> bool:
+    """The contraction `stmt` reads the padded buffer `pad_store` writes, along its axis `var`, with
+    its column variable, the one its tile vectorizes: a clamp there would turn each vector load into
+    a gather (the seq x seq attention scores, seq=512: 10.6 ms clamped, 4.0 ms with the padding
+    copy). Such a padding copy stays."""
+    pos = next((i for i, x in enumerate(pad_store.indices) if x.same_as(var)), None)
+    if pos is None:
+        return False
+    cols = [iv.var for iv in stmt.iter_vars if int(iv.iter_type) == _DATA_PAR][-1]
+
+    def loads(e):
+        if _is(e, "TensorLoad") and e.source.same_as(pad_store.buffer):
+            yield e
+        for sub in _subexprs(e):
+            yield from loads(sub)
+    return any(cols.name in _var_names(ld.indices[pos]) for ld in loads(stmt.body.value))
 
 
 def _is(node, kind: str) -> bool:
