@@ -167,3 +167,8 @@ class Options:
 
     def resolved_db(self) -> Path:
         return Path(self.db_path) if self.db_path else default_db_path()
+
+    def executable_cache(self) -> Path:
+        """Where compiled executables are kept for a re-optimize (beside the profile database)."""
+        db = self.resolved_db()
+        return db.with_name(db.name + ".executables")

@@ -855,7 +855,7 @@ def emit(graph: Graph, plan, options: Options, machine: Machine):
     checked and timed alone): the error names it and nothing is silently replaced."""
     from .runtime import CompiledModel
     from .backends.tvm import relax as rx
-    executable = rx.build_executable(graph, plan, options.threads, machine)
+    executable = rx.build_executable(graph, plan, options.threads, machine, options.executable_cache())
     return CompiledModel(graph, plan, executable, options.threads, machine)
 
 

@@ -3,6 +3,7 @@ the database, micro-kernel tiles in the plan, and the CLI's commands and errors.
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from unittest import mock
 
 import numpy as np
@@ -114,6 +115,40 @@ def test_second_run_is_served_from_database(optimized):
     assert again.plan.predicted_ns == planned.plan.predicted_ns
     assert [(k.key, k.impl, k.schedule) for k in again.plan.kernels] == \
         [(k.key, k.impl, k.schedule) for k in planned.plan.kernels]
+
+
+def test_a_reoptimize_loads_the_executable_it_compiled_before(optimized, monkeypatch):
+    """optimize keeps the compiled library beside the profile database; emitting the same plan
+    again loads it instead of compiling (tvm.compile would fail here), and it computes the same.
+    A damaged library is compiled again; another weight gives another library."""
+    import tvm
+    from kernorch.backends.tvm import relax as rx
+    d, model, db, opts, compiled, planned = optimized
+    cache = opts.executable_cache()
+    assert cache.parent == db.parent and len(list(cache.glob("*.so"))) == 1
+    feeds = executor.random_feeds(compiled.graph, seed=5)
+    real_compile = tvm.compile
+    def refuse(*a, **k):
+        raise AssertionError("compiled again")
+    monkeypatch.setattr(tvm, "compile", refuse)
+    again = pipeline.emit(planned.loaded.graph, planned.plan, opts, planned.machine)
+    np.testing.assert_array_equal(again.run(feeds)["y"], compiled.run(feeds)["y"])
+    # (another path: this process holds the first one open, and dlopen would hand it back)
+    other_opts = opts.with_(db_path=str(d / "other" / "db.sqlite"))
+    damaged = other_opts.executable_cache() / next(cache.glob("*.so")).name
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(b"not a library")
+    monkeypatch.setattr(tvm, "compile", real_compile)
+    rebuilt = pipeline.emit(planned.loaded.graph, planned.plan, other_opts, planned.machine)
+    np.testing.assert_array_equal(rebuilt.run(feeds)["y"], compiled.run(feeds)["y"])
+    assert damaged.read_bytes()[:4] == b"\x7fELF"
+    graph = planned.loaded.graph
+    name = next(iter(graph.constants))
+    other = replace(graph, constants={**graph.constants, name: np.asarray(graph.constants[name]) + 1})
+    target = rx.make_target(opts.threads)
+    params = rx.weights(graph, planned.plan)
+    mod = rx.build_module(graph, planned.plan, target, params)
+    assert rx.executable_key(mod, target, graph, params) != rx.executable_key(mod, target, other, params)
 
 
 def test_profile_attributes_every_call_to_its_kernel(optimized):
