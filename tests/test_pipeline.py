@@ -133,6 +133,10 @@ def test_a_reoptimize_loads_the_executable_it_compiled_before(optimized, monkeyp
     monkeypatch.setattr(tvm, "compile", refuse)
     again = pipeline.emit(planned.loaded.graph, planned.plan, opts, planned.machine)
     np.testing.assert_array_equal(again.run(feeds)["y"], compiled.run(feeds)["y"])
+    from kernorch.runtime import load
+    again.save(d / "again")       # a loaded library is copied, not exported again
+    load(d / "again").save(d / "again2")
+    np.testing.assert_array_equal(load(d / "again2").run(feeds)["y"], compiled.run(feeds)["y"])
     # (another path: this process holds the first one open, and dlopen would hand it back)
     other_opts = opts.with_(db_path=str(d / "other" / "db.sqlite"))
     damaged = other_opts.executable_cache() / next(cache.glob("*.so")).name

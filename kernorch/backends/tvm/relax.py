@@ -202,9 +202,9 @@ def build_executable(graph: Graph, plan, threads: int, machine=None, cache_dir: 
     target = make_target(threads, machine)
     params = weights(graph, plan)
     mod = build_module(graph, plan, target, params)
-    ex = _compiled(mod, target, graph, params, cache_dir)
+    ex, library = _compiled(mod, target, graph, params, cache_dir)
     return Executable(ex, [(t, layout) for t, layout, _ in params], [a for _, _, a in params],
-                      [(n, t) for n, t in graph.inputs], list(graph.outputs), threads, graph, plan)
+                      [(n, t) for n, t in graph.inputs], list(graph.outputs), threads, graph, plan, library)
 
 
 EXECUTABLES_KEPT = 16  # libraries a cache directory keeps, the least recently used dropped beyond
@@ -226,14 +226,14 @@ def executable_key(mod: tvm.IRModule, target, graph: Graph, params) -> str:
     return h.hexdigest()[:32]
 
 
-def _compiled(mod: tvm.IRModule, target, graph: Graph, params, cache_dir) -> object:
+def _compiled(mod: tvm.IRModule, target, graph: Graph, params, cache_dir) -> tuple[object, Path | None]:
     """`mod` compiled (LLVM: most of an emit, 45 of yolox_tiny's 79 s on a Zen 4), or the library
-    `cache_dir` holds for its `executable_key`. A library that does not load is compiled again; one
-    that cannot be stored is only logged (the executable is still returned)."""
+    `cache_dir` holds for its `executable_key`; with the file it is kept in (None: not kept). A
+    library that does not load is compiled again; one that cannot be stored is only logged."""
     def compile_():
         return tvm.compile(mod, target=target, relax_pipeline=_relax_pipeline())
     if cache_dir is None:
-        return compile_()
+        return compile_(), None
     import os
     cache = Path(cache_dir)
     path = cache / f"{executable_key(mod, target, graph, params)}.so"
@@ -242,7 +242,7 @@ def _compiled(mod: tvm.IRModule, target, graph: Graph, params, cache_dir) -> obj
             ex = tvm.runtime.load_module(str(path))
             path.touch()
             log.info("executable loaded from %s", path)
-            return ex
+            return ex, path
         except Exception as e:  # noqa: BLE001 - a damaged or foreign file: compile again
             log.warning("cached executable %s did not load (%s); compiling again", path, str(e).splitlines()[0])
     ex = compile_()
@@ -256,7 +256,8 @@ def _compiled(mod: tvm.IRModule, target, graph: Graph, params, cache_dir) -> obj
             old.unlink(missing_ok=True)
     except (OSError, RuntimeError) as e:
         log.warning("could not keep the executable in %s: %s", cache, e)
-    return ex
+        return ex, None
+    return ex, path
 
 
 def _aligned(x: np.ndarray) -> bool:
@@ -271,10 +272,11 @@ class Executable:
     """
 
     def __init__(self, ex, weight_names: Sequence[tuple[str, str]], weight_arrays: Sequence[np.ndarray],
-                 inputs: Sequence[tuple[str, object]], outputs: Sequence[str], threads: int, graph: Graph, plan):
+                 inputs: Sequence[tuple[str, object]], outputs: Sequence[str], threads: int, graph: Graph, plan,
+                 library: Path | None = None):
         set_threads(threads)
         register_python_kernels(graph, plan)
-        self.ex, self.threads = ex, threads
+        self.ex, self.threads, self.library = ex, threads, library
         self.weight_names = list(weight_names)
         self.inputs, self.outputs = list(inputs), list(outputs)
         self.plan = plan
@@ -347,12 +349,17 @@ class Executable:
         return out
 
     def export(self, path: str | Path) -> None:
-        """The compiled library (g++ links it)."""
-        self.ex.export_library(str(path))
+        """The compiled library: a copy of the file it was loaded from or kept in (a loaded library
+        cannot be exported again), else linked now (g++)."""
+        if self.library is not None and self.library.exists():
+            import shutil
+            shutil.copyfile(self.library, path)
+        else:
+            self.ex.export_library(str(path))
 
 
 def load_executable(path: str | Path, weight_names, weight_arrays, graph: Graph, plan, threads: int) -> Executable:
     """An executable exported by `Executable.export`, with the weights saved beside it."""
     ex = tvm.runtime.load_module(str(path))
     return Executable(ex, weight_names, weight_arrays, [(n, t) for n, t in graph.inputs], list(graph.outputs),
-                      threads, graph, plan)
+                      threads, graph, plan, Path(path))
