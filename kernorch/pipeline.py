@@ -450,13 +450,21 @@ def _with_pending(measured: Measured, pending: Mapping, options: Options, machin
     alone, cheapest = cm.alone_times(measured.measurements)
     prim_alone = cm.prims_alone((j.graph for j in (*pending.values(), *known)), alone)
     sized, known_sized = pending, list(known)
+    floors: dict = {}
     if options.ranges:  # sizes over a range: those of the middle length
-        from .dynamic import middle
+        from .dynamic import middle, samples
+        from .estimate import kernel_floor_ns
         at = middle(options.ranges, options.lengths)
         sized = {i: j.at(at) for i, j in pending.items()}
         known_sized = [j.at(at) for j in known]
-    bounds = {i: fused_estimate_ns(j.graph, cal["peak_gflops"], cal["bandwidth_gbs"], prim_alone, cheapest)
-              for i, j in sized.items()}
+        # ... but the floor weighted over the samples as a measured cost is: at the middle length alone
+        # it exceeded the weighted cost of a weight GEMM over seq=1..512 (31 us against 25), so no
+        # fusion of one with its bias was ever measured (each static plan fuses them)
+        weighted = [(dict(b), w) for b, w in samples(options.ranges, options.lengths, options.sample_weights)]
+        floors = {i: int(sum(w * kernel_floor_ns(j.at(b).graph, cal["peak_gflops"], cal["bandwidth_gbs"])
+                             for b, w in weighted)) for i, j in pending.items()}
+    bounds = {i: fused_estimate_ns(j.graph, cal["peak_gflops"], cal["bandwidth_gbs"], prim_alone, cheapest,
+                                   floors.get(i)) for i, j in sized.items()}
     model = cm.shipped() if options.cost_model == "learned" else None
     predicted: dict = {}
     if model is not None:

@@ -369,6 +369,39 @@ def test_attention_scores_over_seq_columns_keep_the_column_operand_copy_and_comp
                                    err_msg=f"seq={s}")
 
 
+def test_over_a_range_a_fusion_is_bounded_by_its_floor_weighted_like_measured_costs(block, monkeypatch):
+    """A fusion over seq is estimated against its members' measured costs, which are sums over the
+    samples weighted by relative_weights; its roofline floor must be weighted the same way, not
+    taken at the middle length (there it exceeded the weighted cost of a weight GEMM alone, and no
+    GEMM + bias fusion was ever measured)."""
+    import kernorch.calibrate
+    from kernorch import pipeline
+    from kernorch.database import Measurement
+    from kernorch.estimate import fused_estimate_ns, kernel_floor_ns
+    from kernorch.ir import kernel_graph, structural_key
+    from kernorch.measure import KernelJob, MeasureStats
+    from kernorch.options import Machine, Options
+    monkeypatch.setattr(kernorch.calibrate, "calibrate", lambda threads: {"peak_gflops": 200.0, "bandwidth_gbs": 20.0})
+    g = block[1]
+    p, ins = _weight_gemm(g, 32)
+    bias = next(q for q in g.prims if p.name in q.inputs and q.op == "add")
+    inputs = ins + [t for t in bias.inputs if t != p.name]
+    kg = kernel_graph(g, [p.name, bias.name], inputs, [bias.name])
+    options = Options(threads=1, ranges=(("seq", 1, 512),), sample_weights=(0.76, 0.24, 0.0043),
+                      cost_model="analytic")
+    samples = dynamic.samples(options.ranges, (), options.sample_weights)
+    job = KernelJob("fused", "tvm", "t8x32p", kg, tuple(inputs), (bias.name,), samples=samples)
+    # members cheap enough that the floor decides the bound
+    alone = {structural_key([p], kg, [p.name]): 200, structural_key([bias], kg, [bias.name]): 100}
+    ms = {(k, "tvm", "default"): Measurement("", k, "tvm", "default", "", "ok", ns) for k, ns in alone.items()}
+    out = pipeline._with_pending(pipeline.Measured(ms, MeasureStats()), {job.ident: job}, options, Machine.host())
+    middle = job.at(dynamic.middle(options.ranges)).graph
+    weighted = int(sum(w * kernel_floor_ns(job.at(dict(b)).graph, 200.0, 20.0) for b, w in samples))
+    assert weighted < kernel_floor_ns(middle, 200.0, 20.0)
+    assert out.bounds[job.ident] == fused_estimate_ns(middle, 200.0, 20.0, {p.name: 200, bias.name: 100}, 100,
+                                                      weighted) == weighted
+
+
 def test_a_row_switch_on_a_static_gemm_is_refused(block):
     from kernorch.backends.tvm.lower import lower
     from kernorch.backends.tvm.schedule import schedule
