@@ -32,17 +32,13 @@ MEMBER_FACTOR = 0.5    # of a memory-bound member's time alone beyond the call
 LINEAR_FACTOR = 0.9    # of a contraction's time alone beyond the call
 
 
-def fused_estimate_ns(kg: Graph, peak_gflops: float, bandwidth_gbs: float, alone_ns, cheapest_call_ns: int,
-                      floor_ns: int | None = None) -> int:
+def fused_estimate_ns(kg: Graph, peak_gflops: float, bandwidth_gbs: float, alone_ns, cheapest_call_ns: int) -> int:
     """The optimistic cost of a fused kernel: `alone_ns` maps a prim name to its cost measured as a
-    kernel of its own (absent: unknown), `cheapest_call_ns` is the shortest kernel measured.
-    `floor_ns`: the roofline floor in the units of those costs when it is not `kg`'s own (over a
-    range of lengths, the floors at the samples weighted as the measured costs are)."""
+    kernel of its own (absent: unknown), `cheapest_call_ns` is the shortest kernel measured."""
     call = CALL_FACTOR * cheapest_call_ns
     beyond = max((max(0.0, alone_ns[p.name] - call) * (LINEAR_FACTOR if primitives.kind(p.op) == "linear" else MEMBER_FACTOR)
                   for p in kg.prims if p.name in alone_ns), default=0.0)
-    floor = kernel_floor_ns(kg, peak_gflops, bandwidth_gbs) if floor_ns is None else floor_ns
-    return int(max(floor, call + beyond))
+    return int(max(kernel_floor_ns(kg, peak_gflops, bandwidth_gbs), call + beyond))
 
 
 def kernel_floor_ns(kg: Graph, peak_gflops: float, bandwidth_gbs: float) -> int:

@@ -85,6 +85,11 @@ class Measured:
     seen: tuple[cm.Row, ...] = ()           # the fusions this run measured, with their times
     fitted: int = 0                         # how many of `seen` the estimates in use were made with
     state: str = ""                         # where the run's last estimates are kept (`_state_key`)
+    # over a range: the length the learned model sees kernels at (their sizes, their members' and
+    # their own times there), and per pending job the factor from a time there to its weighted time
+    # over the range (its members' weighted times over theirs at that length)
+    middle: int = 0
+    scales: Mapping[tuple[str, str, str], float] = field(default_factory=dict)
 
     def with_measurement(self, m: Measurement) -> "Measured":
         """A copy where `m` replaces the earlier measurements of its (key, impl)."""
@@ -447,41 +452,51 @@ def _with_pending(measured: Measured, pending: Mapping, options: Options, machin
     from .calibrate import calibrate
     from .estimate import fused_estimate_ns
     cal = calibrate(options.threads)
-    alone, cheapest = cm.alone_times(measured.measurements)
-    prim_alone = cm.prims_alone((j.graph for j in (*pending.values(), *known)), alone)
-    sized, known_sized = pending, list(known)
-    floors: dict = {}
-    if options.ranges:  # sizes over a range: those of the middle length
-        from .dynamic import middle, samples
-        from .estimate import kernel_floor_ns
+    graphs = [j.graph for j in (*pending.values(), *known)]
+    prim_alone = cm.prims_alone(graphs, cm.alone_times(measured.measurements)[0])
+    members_ns = {i: float(max(1, sum(prim_alone.get(p.name, 0) for p in j.graph.prims))) for i, j in pending.items()}
+    sized, known_sized, seen_at, scales, mid = pending, list(known), measured.measurements, {}, 0
+    if options.ranges:
+        # over a range every estimate is made at the middle length, from the times there (bound,
+        # features, the model's labels), then scaled as the members' times scale to their weighted
+        # sum over the range: mixing a time at one length with the other's weighted sums made the
+        # learned model predict 2.5x the members for a weight GEMM with its bias, and the floor at
+        # that length exceed their weighted time, so no such fusion was ever measured
+        from .dynamic import middle
         at = middle(options.ranges, options.lengths)
+        mid = next(iter(at.values()))
+        seen_at = {k: _at_length(m, mid) for k, m in measured.measurements.items()}
         sized = {i: j.at(at) for i, j in pending.items()}
         known_sized = [j.at(at) for j in known]
-        # ... but the floor weighted over the samples as a measured cost is: at the middle length alone
-        # it exceeded the weighted cost of a weight GEMM over seq=1..512 (31 us against 25), so no
-        # fusion of one with its bias was ever measured (each static plan fuses them)
-        weighted = [(dict(b), w) for b, w in samples(options.ranges, options.lengths, options.sample_weights)]
-        floors = {i: int(sum(w * kernel_floor_ns(j.at(b).graph, cal["peak_gflops"], cal["bandwidth_gbs"])
-                             for b, w in weighted)) for i, j in pending.items()}
-    bounds = {i: fused_estimate_ns(j.graph, cal["peak_gflops"], cal["bandwidth_gbs"], prim_alone, cheapest,
-                                   floors.get(i)) for i, j in sized.items()}
+        prim_alone = cm.prims_alone(graphs, cm.alone_times(seen_at)[0])
+        scales = {i: members_ns[i] / max(1, sum(prim_alone.get(p.name, 0) for p in j.graph.prims))
+                  for i, j in pending.items()}
+    cheapest = cm.alone_times(seen_at)[1]
+    bounds = {i: int(fused_estimate_ns(j.graph, cal["peak_gflops"], cal["bandwidth_gbs"], prim_alone, cheapest)
+                     * scales.get(i, 1.0)) for i, j in sized.items()}
     model = cm.shipped() if options.cost_model == "learned" else None
     predicted: dict = {}
     if model is not None:
         rows = cm.rows_for(list(sized.values()), prim_alone, cheapest, machine, cal, options.threads)
         seen = tuple(sorted((r for r in cm.rows_for(known_sized, prim_alone, cheapest, machine, cal, options.threads,
-                                                    measured.measurements) if r.measured_ns), key=lambda r: r.ident))
+                                                    seen_at) if r.measured_ns), key=lambda r: r.ident))
         residual = cm.Residual().add(zip(model.predict_ns(list(seen)), (r.measured_ns for r in seen))) if seen \
             else cm.Residual()
         fitted = model
         if len(seen) >= CORRECT_AFTER:  # the spread: the corrected model's errors on fusions it did not see
             fitted, residual = model.corrected(seen), cm.Residual(earlier=model.held_out_errors(seen))
-        predicted = {r.ident: ns for r, ns in zip(rows, fitted.predict_ns(rows))}
+        predicted = {r.ident: ns * scales.get(r.ident, 1.0) for r, ns in zip(rows, fitted.predict_ns(rows))}
         measured = replace(measured, sigma=model.sigma, model=model, rows={r.ident: r for r in rows}, seen=seen,
                            residual=residual, fitted=len(seen))
-    members_ns = {i: float(max(1, sum(prim_alone.get(p.name, 0) for p in j.graph.prims))) for i, j in pending.items()}
-    out = replace(measured, pending=dict(pending), bounds=bounds, members_ns=members_ns, predicted=predicted)
+    out = replace(measured, pending=dict(pending), bounds=bounds, members_ns=members_ns, predicted=predicted,
+                  middle=mid, scales=scales)
     return replace(out, estimates=_estimates(out))
+
+
+def _at_length(m: Measurement, length: int) -> Measurement:
+    """`m` with its time at `length` of the range it was timed over (itself when static or not timed there)."""
+    ns = dict(m.samples_ns).get(length) if length else None
+    return replace(m, median_ns=ns) if ns is not None else m
 
 
 RUN_SPREAD = True  # the learned model's spread: this run's own errors (pulled toward the shipped sigma)
@@ -580,14 +595,15 @@ def refine(measured: Measured, idents, db: ProfileDB, options: Options, machine:
     left = {i: j for i, j in measured.pending.items() if i not in results}
     residual = measured.residual.add((measured.predicted[i], m.median_ns) for i, m in results.items()
                                      if m.ok and i in measured.predicted)
-    seen = measured.seen + tuple(replace(measured.rows[i], measured_ns=m.median_ns) for i, m in results.items()
-                                 if m.ok and i in measured.rows)
+    seen = measured.seen + tuple(replace(measured.rows[i], measured_ns=_at_length(m, measured.middle).median_ns)
+                                 for i, m in results.items() if m.ok and i in measured.rows)
     rows = {i: measured.rows[i] for i in left if i in measured.rows}
     predicted = {i: measured.predicted[i] for i in left if i in measured.predicted}
     refit = bool(measured.model is not None and len(seen) >= max(CORRECT_AFTER, REFIT_GROWTH * measured.fitted)
                  and len(seen) > len(measured.seen) and rows)
     if refit:
-        predicted = dict(zip(rows, measured.model.corrected(seen).predict_ns(list(rows.values()))))
+        predicted = {i: ns * measured.scales.get(i, 1.0)
+                     for i, ns in zip(rows, measured.model.corrected(seen).predict_ns(list(rows.values())))}
         residual = residual.corrected()  # the correction took the mean error in
     out = replace(measured, measurements={**measured.measurements, **results}, stats=measured.stats.merged(stats),
                   pending=left, residual=residual, bounds={i: measured.bounds[i] for i in left},

@@ -369,15 +369,16 @@ def test_attention_scores_over_seq_columns_keep_the_column_operand_copy_and_comp
                                    err_msg=f"seq={s}")
 
 
-def test_over_a_range_a_fusion_is_bounded_by_its_floor_weighted_like_measured_costs(block, monkeypatch):
-    """A fusion over seq is estimated against its members' measured costs, which are sums over the
-    samples weighted by relative_weights; its roofline floor must be weighted the same way, not
-    taken at the middle length (there it exceeded the weighted cost of a weight GEMM alone, and no
-    GEMM + bias fusion was ever measured)."""
+def test_over_a_range_a_fusion_is_estimated_at_the_middle_length_and_scaled_like_its_members(block, monkeypatch):
+    """A fusion over seq is compared with its members' measured costs, sums over the samples
+    weighted by relative_weights. Its estimate is made at the middle length from the members' times
+    there (bound, features, the learned model's labels) and scaled as the members' times scale to
+    their weighted sums: mixed, the floor at the middle length exceeded a weight GEMM's weighted
+    cost and the learned model predicted 2.5x the members, so no GEMM + bias fusion was measured."""
     import kernorch.calibrate
     from kernorch import pipeline
     from kernorch.database import Measurement
-    from kernorch.estimate import fused_estimate_ns, kernel_floor_ns
+    from kernorch.estimate import fused_estimate_ns
     from kernorch.ir import kernel_graph, structural_key
     from kernorch.measure import KernelJob, MeasureStats
     from kernorch.options import Machine, Options
@@ -391,15 +392,21 @@ def test_over_a_range_a_fusion_is_bounded_by_its_floor_weighted_like_measured_co
                       cost_model="analytic")
     samples = dynamic.samples(options.ranges, (), options.sample_weights)
     job = KernelJob("fused", "tvm", "t8x32p", kg, tuple(inputs), (bias.name,), samples=samples)
-    # members cheap enough that the floor decides the bound
-    alone = {structural_key([p], kg, [p.name]): 200, structural_key([bias], kg, [bias.name]): 100}
-    ms = {(k, "tvm", "default"): Measurement("", k, "tvm", "default", "", "ok", ns) for k, ns in alone.items()}
+    times = {p: ((1, 9_000), (23, 40_000), (512, 700_000)), bias: ((1, 400), (23, 900), (512, 20_000))}
+    weights = dict(zip((1, 23, 512), options.sample_weights))
+    ms = {}
+    for q, t in times.items():
+        k = structural_key([q], kg, [q.name])
+        ms[(k, "tvm", "default")] = Measurement("", k, "tvm", "default", "", "ok",
+                                                int(sum(weights[v] * ns for v, ns in t)), samples_ns=t)
     out = pipeline._with_pending(pipeline.Measured(ms, MeasureStats()), {job.ident: job}, options, Machine.host())
-    middle = job.at(dynamic.middle(options.ranges)).graph
-    weighted = int(sum(w * kernel_floor_ns(job.at(dict(b)).graph, 200.0, 20.0) for b, w in samples))
-    assert weighted < kernel_floor_ns(middle, 200.0, 20.0)
-    assert out.bounds[job.ident] == fused_estimate_ns(middle, 200.0, 20.0, {p.name: 200, bias.name: 100}, 100,
-                                                      weighted) == weighted
+    at = dynamic.middle(options.ranges)
+    assert out.middle == at["seq"] == 23
+    members_w = sum(m.median_ns for m in ms.values())
+    at_middle = fused_estimate_ns(job.at(at).graph, 200.0, 20.0, {p.name: 40_000, bias.name: 900}, 900)
+    assert out.members_ns[job.ident] == members_w
+    assert out.bounds[job.ident] == int(at_middle * members_w / 40_900)
+    assert out.bounds[job.ident] < members_w   # below its members' weighted cost: it can be wanted
 
 
 def test_a_row_switch_on_a_static_gemm_is_refused(block):
