@@ -453,7 +453,8 @@ def _with_pending(measured: Measured, pending: Mapping, options: Options, machin
     from .estimate import fused_estimate_ns
     cal = calibrate(options.threads)
     graphs = [j.graph for j in (*pending.values(), *known)]
-    prim_alone = cm.prims_alone(graphs, cm.alone_times(measured.measurements)[0])
+    alone, cheapest = cm.alone_times(measured.measurements)
+    prim_alone = cm.prims_alone(graphs, alone)
     members_ns = {i: float(max(1, sum(prim_alone.get(p.name, 0) for p in j.graph.prims))) for i, j in pending.items()}
     sized, known_sized, seen_at, scales, mid = pending, list(known), measured.measurements, {}, 0
     if options.ranges:
@@ -468,10 +469,10 @@ def _with_pending(measured: Measured, pending: Mapping, options: Options, machin
         seen_at = {k: _at_length(m, mid) for k, m in measured.measurements.items()}
         sized = {i: j.at(at) for i, j in pending.items()}
         known_sized = [j.at(at) for j in known]
-        prim_alone = cm.prims_alone(graphs, cm.alone_times(seen_at)[0])
+        alone, cheapest = cm.alone_times(seen_at)
+        prim_alone = cm.prims_alone(graphs, alone)
         scales = {i: members_ns[i] / max(1, sum(prim_alone.get(p.name, 0) for p in j.graph.prims))
                   for i, j in pending.items()}
-    cheapest = cm.alone_times(seen_at)[1]
     bounds = {i: int(fused_estimate_ns(j.graph, cal["peak_gflops"], cal["bandwidth_gbs"], prim_alone, cheapest)
                      * scales.get(i, 1.0)) for i, j in sized.items()}
     model = cm.shipped() if options.cost_model == "learned" else None

@@ -212,16 +212,17 @@ EXECUTABLES_KEPT = 16  # libraries a cache directory keeps, the least recently u
 
 def executable_key(mod: tvm.IRModule, target, graph: Graph, params) -> str:
     """What a compiled library depends on: the Relax module (its structural hash: every kernel as
-    scheduled), the target, TVM, this module's code (the Relax passes it compiles with) and every
-    constant of the graph and every weight as the kernels take it (by content)."""
+    scheduled), the target, TVM, this module's code (the Relax passes it compiles with), every
+    constant of the graph by content and the layout of every weight the kernels take (its packed
+    content follows from the constant and the layout)."""
     import hashlib
     h = hashlib.sha256()
-    for part in (str(tvm_ffi.structural_hash(mod)), str(target), tvm.__version__, Path(__file__).read_text()):
+    for part in (str(tvm_ffi.structural_hash(mod)), str(target), tvm.__version__, Path(__file__).read_text(),
+                 *(f"{name}:{layout}:{np.shape(a)}" for name, layout, a in params)):
         h.update(part.encode() + b"\0")
-    arrays = [(name, "", graph.constants[name]) for name in sorted(graph.constants)] + list(params)
-    for name, layout, a in arrays:
-        a = np.ascontiguousarray(a)
-        h.update(f"{name}:{layout}:{a.dtype}:{a.shape}".encode())
+    for name in sorted(graph.constants):
+        a = np.ascontiguousarray(graph.constants[name])
+        h.update(f"{name}:{a.dtype}:{a.shape}".encode())
         h.update(a.reshape(-1).view(np.uint8))
     return h.hexdigest()[:32]
 
