@@ -465,7 +465,7 @@ def _with_pending(measured: Measured, pending: Mapping, options: Options, machin
         # that length exceed their weighted time, so no such fusion was ever measured
         from .dynamic import middle
         at = middle(options.ranges, options.lengths)
-        mid = next(iter(at.values()))
+        mid = _middle_length(options)
         seen_at = {k: _at_length(m, mid) for k, m in measured.measurements.items()}
         sized = {i: j.at(at) for i, j in pending.items()}
         known_sized = [j.at(at) for j in known]
