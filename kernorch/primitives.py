@@ -515,12 +515,78 @@ def _ravel(T, idx, shape):
     return flat if flat is not None else 0
 
 
+def _reshape_groups(in_shape, out_shape) -> list[tuple[list[int], list[int]]] | None:
+    """The axes of a reshape in groups (input axes, output axes) of equal sizes, in order: a
+    symbolic axis alone in its group, static axes merged or split within theirs, unit axes joining
+    a neighbour ([1, seq, 384] -> [1, seq, 6, 64]: [0]->[0], [1]->[1], [2]->[2, 3]). None when the
+    sizes do not group (a symbolic axis merged with another)."""
+    def static(d):
+        return isinstance(d, int)
+
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(in_shape) and j < len(out_shape):
+        a, b = in_shape[i], out_shape[j]
+        if not (static(a) and static(b)):
+            if a == 1 or b == 1:  # a unit axis beside a symbolic one: a group of its own
+                groups.append(([i], []) if a == 1 else ([], [j]))
+                i, j = (i + 1, j) if a == 1 else (i, j + 1)
+                continue
+            if static(a) or static(b) or str(a) != str(b):
+                return None
+            groups.append(([i], [j]))
+            i, j = i + 1, j + 1
+            continue
+        gi, gj, pa, pb = [i], [j], a, b
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb:
+                if i >= len(in_shape) or not static(in_shape[i]):
+                    return None
+                pa *= in_shape[i]
+                gi.append(i)
+                i += 1
+            else:
+                if j >= len(out_shape) or not static(out_shape[j]):
+                    return None
+                pb *= out_shape[j]
+                gj.append(j)
+                j += 1
+        groups.append((gi, gj))
+    if any(d != 1 for d in in_shape[i:]) or any(d != 1 for d in out_shape[j:]):
+        return None
+    groups += [([k], []) for k in range(i, len(in_shape))] + [([], [k]) for k in range(j, len(out_shape))]
+    return groups
+
+
 def _reshape_te(T, ins, a, out):
+    """A reshape indexes its input group by group (`_reshape_groups`): over a symbolic axis no index
+    is divided by the symbolic size (a flat index over [1, seq, 384] read a kernel's padded result
+    as `(... + s) % seq`, which a schedule can neither vectorize nor tile)."""
     x = ins[0]
     in_shape = [_dim(d) for d in x.shape]
     out_shape = [_dim(d) for d in out.shape]
-    return T.te.compute(tuple(out.shape), lambda *i: x(*_unravel(T, _ravel(T, i, out_shape), in_shape)),
-                        name="reshape")
+    groups = _reshape_groups(in_shape, out_shape)
+    if groups is None:
+        return T.te.compute(tuple(out.shape), lambda *i: x(*_unravel(T, _ravel(T, i, out_shape), in_shape)),
+                            name="reshape")
+
+    def body(*i):
+        idx = [None] * len(in_shape)
+        for gi, gj in groups:
+            if not gi:
+                continue
+            if not gj:
+                for k in gi:
+                    idx[k] = T.tir.const(0, "int64") * i[0] if i else 0
+                continue
+            flat = _ravel(T, [i[k] for k in gj], [out_shape[k] for k in gj])
+            for k in reversed(gi[1:]):  # the group's outermost input axis takes what is left: no modulo
+                idx[k] = T.tir.floormod(flat, in_shape[k])
+                flat = T.tir.floordiv(flat, in_shape[k])
+            idx[gi[0]] = flat
+        return x(*idx)
+    return T.te.compute(tuple(out.shape), body, name="reshape")
 
 
 register(PrimDef("reshape", "layout", 1, _reshape_infer, lambda v, a: np.reshape(v[0], a["shape"]), _reshape_te,

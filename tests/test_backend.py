@@ -812,3 +812,28 @@ def test_the_thread_pool_leaves_its_threads_unpinned(tmp_path):
         cpus = {c for part in allowed.split(",") for c in (
             range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1))}
         assert cpus == {int(c) for c in mine.split(",")}
+
+
+@pytest.mark.parametrize("src,dst", [((2, 3, 4), (6, 4)), ((6, 4), (2, 3, 4)), ((1, 5, 12), (1, 5, 3, 4)),
+                                     ((2, 6, 1), (3, 4)), ((4, 6), (1, 24, 1)), ((2, 3, 4), (4, 3, 2)),
+                                     ((1, 6), (6,)), ((6,), (2, 1, 3))])
+def test_a_reshape_reads_its_input_group_by_group_and_computes_numpy(src, dst, target):
+    """Axes that keep their size pass their index through; merged or split axes are raveled within
+    their group only; sizes that do not group ((2, 3, 4) -> (4, 3, 2)) use one flat index."""
+    groups = P._reshape_groups(list(src), list(dst))
+    if src == (1, 5, 12):
+        assert groups == [([0], [0]), ([1], [1]), ([2], [2, 3])]
+    if src == (2, 3, 4) and dst == (4, 3, 2):
+        assert groups == [([0, 1, 2], [0, 1, 2])]
+    prim = make_prim("y", "reshape", ["x"], f32(*dst), shape=dst)
+    graph = Graph((("x", f32(*src)),), ("y",), (prim,))
+    x = np.arange(np.prod(src), dtype=np.float32).reshape(src)
+    (got,), _ = run_kernel(graph, [prim], ["x"], ["y"], target, "default", [x])
+    np.testing.assert_array_equal(got, x.reshape(dst))
+
+
+def test_reshape_groups_keep_a_symbolic_axis_alone_or_refuse():
+    s = object()  # stands for a symbolic extent (never equal to an int)
+    assert P._reshape_groups([1, s, 384], [1, s, 6, 64]) == [([0], [0]), ([1], [1]), ([2], [2, 3])]
+    assert P._reshape_groups([s, 384], [1, s, 384]) == [([], [0]), ([0], [1]), ([1], [2])]
+    assert P._reshape_groups([s, 4], [s * 4 if isinstance(s, int) else "4s"]) is None

@@ -741,3 +741,41 @@ def test_tiles_over_symbolic_rows_are_timed_between_the_samples_too():
     probed = {p for (p, _), js in by_prim.items() if all(j.probes == ((("seq", 5),), (("seq", 109),)) for j in js)}
     weights = {p.name for p in graph.prims if p.op == "matmul" and p.inputs[1] in graph.constants}
     assert probed == weights and weights
+
+
+def test_a_projection_to_heads_over_seq_rows_runs_its_reshape_and_transpose_per_tile(block):
+    """q = (x W + b) reshaped to heads and transposed, over seq rows: the reshape indexes the padded
+    result without dividing by seq (a flat index read it as `(... + s) % seq`, a pass of gathers of
+    its own after the GEMM), so the copy-out runs per tile inside the one parallel loop, with the
+    next weight panel prefetched. Right at lengths on both sides of a row tile."""
+    import tvm
+    from kernorch.backends.tvm.lower import lower
+    from kernorch.backends.tvm.schedule import schedule
+    from kernorch.backends.tvm.target import make_target
+    from kernorch.ir import kernel_graph
+    from kernorch.candidates import kernel_io
+    from kernorch.executor import run as reference
+    g = block[1]
+    mm = next(q for q in g.prims if q.op == "matmul" and q.inputs[1] in g.constants)
+    chain = [mm]
+    for op in ("add", "reshape", "transpose"):
+        chain.append(next(c for c in g.consumers[chain[-1].name] if c.op == op))
+    members = [p.name for p in chain]
+    ins, outs = kernel_io(g, members)
+    kg = kernel_graph(g, members, ins, outs)
+    target = make_target(1)
+    mod = schedule(lower(kg, kg.prims, ins, outs, "t8x32p"), target, "t8x32p", bounds={"seq": 512})
+    script = mod["main"].script()
+    assert "% seq" not in script, script
+    assert script.count("T.parallel(") == 2, script   # the large tile and the small-row copy, nothing else
+    assert "T.prefetch" in script, script
+    ex = tvm.compile(mod, target=target)
+    for s in (1, 7, 8, 9, 100):
+        b = dynamic.bind(kg, {"seq": s})
+        feeds = {n: np.random.default_rng(s).standard_normal(t.shape).astype(np.float32) for n, t in b.inputs}
+        want = reference(b, feeds)[outs[0]]
+        got = tvm.runtime.empty(want.shape, "float32", tvm.cpu())
+        from kernorch.kernels import pack_args
+        args = pack_args(b, ins, "t8x32p", [feeds[n] if n in feeds else b.constants[n] for n in ins])
+        ex["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args], got)
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4, err_msg=f"seq={s}")
