@@ -180,19 +180,22 @@ def reduces_last_axis(graph: Graph, prim: Prim) -> bool:
     return tuple(int(a) % rank for a in axes) == (rank - 1,)
 
 
-def _attention(graph: Graph, inside: set[str]) -> bool:
-    """Two matmuls where the second contracts, over the first's columns, a row-wise function of the
-    first's result that holds a reduction over those columns (scores -> softmax -> x values): one
-    kernel computes it a row tile at a time, the scores of a row tile never leaving the cache."""
+def attention_parts(graph: Graph, inside: Iterable[str]) -> tuple[str, tuple[str, ...], str] | None:
+    """(the scores' matmul, the members between in graph order, the values' matmul) when `inside`
+    holds two matmuls where the second contracts, over the first's columns, a row-wise function of
+    the first's result that holds a reduction over those columns (scores -> softmax -> x values):
+    one kernel computes it a row tile at a time, the scores of a row tile never leaving the cache.
+    None otherwise."""
+    inside = set(inside)
     lin = sorted((m for m in inside if primitives.kind(graph.by_name[m].op) == "linear"),
                  key=lambda m: graph_index(graph, m))
     if len(lin) != 2:
-        return False
+        return None
     s, o = (graph.by_name[m] for m in lin)
     if s.op != "matmul" or o.op != "matmul" or o.inputs[0] not in inside or o.inputs[1] in inside:
-        return False
+        return None
     if tuple(graph.type_of(o.inputs[0]).shape) != tuple(s.type.shape) or len(s.type.shape) < 2:
-        return False
+        return None
     # the members between: downstream of the scores and upstream of the probabilities
     down, todo = {s.name}, [s.name]
     while todo:
@@ -213,11 +216,17 @@ def _attention(graph: Graph, inside: set[str]) -> bool:
         k = primitives.kind(p.op)
         if k == "reduce":
             if not reduces_last_axis(graph, p):
-                return False
+                return None
             reduces += 1
         elif k != "elementwise":
-            return False
-    return reduces > 0
+            return None
+    if not reduces:
+        return None
+    return s.name, tuple(sorted(chain, key=lambda m: graph_index(graph, m))), o.name
+
+
+def _attention(graph: Graph, inside: set[str]) -> bool:
+    return attention_parts(graph, inside) is not None
 
 
 def legality(graph: Graph, members: Iterable[str], opts: EnumOptions | None = None) -> str | None:

@@ -182,16 +182,18 @@ def tile_jobs(graph: Graph, candidates, options: Options, machine: Machine) -> d
 
 
 def fastest_schedules(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob]],
-                      direct: bool = False, rows_outer: bool = False) -> dict[tuple, str]:
+                      direct: bool = False, rows_outer: bool = False, register: bool = False) -> dict[tuple, str]:
     """Per (contraction prim, layout class): the schedule of its fastest successfully measured tile
     (`direct`: of its register tiles and default schedule, leaving out the Winograd variants;
-    `rows_outer`: of its tiles with rows outside the column tiles)."""
+    `rows_outer`: of its tiles with rows outside the column tiles; `register`: of its register
+    tiles alone, not the default schedule)."""
     out = {}
     for prim, jobs in jobs_by_prim.items():
         ok = [(measurements[j.ident].median_ns, j.schedule) for j in jobs
               if j.ident in measurements and measurements[j.ident].ok
               and not (direct and Winograd.parse(split(j.schedule)[1]))
-              and not (rows_outer and not _rows_outside(j.schedule))]
+              and not (rows_outer and not _rows_outside(j.schedule))
+              and not (register and Tile.parse(split(j.schedule)[1]) is None)]
         if ok:
             out[prim] = min(ok)[1]
     return out
@@ -289,11 +291,15 @@ def _row_wise(graph: Graph, c) -> bool:
 
 
 def candidate_jobs(graph: Graph, candidates, options: Options, machine: Machine,
-                   tiles: Mapping[tuple, str], row_tiles: Mapping[tuple, str] | None = None) -> list[meas.KernelJob]:
+                   tiles: Mapping[tuple, str], row_tiles: Mapping[tuple, str] | None = None,
+                   register_tiles: Mapping[tuple, str] | None = None) -> list[meas.KernelJob]:
     """Every distinct (key, implementation, schedule) the solver may choose, in each layout class;
     untuned TVM for a few, for comparison. A candidate around a contraction uses its contraction's
     fastest tile in that class; one with a row-wise epilogue also its fastest rows-outside tile
-    (`row_tiles`: the one that runs the epilogue in cache, which the contraction alone cannot show)."""
+    (`row_tiles`: the one that runs the epilogue in cache, which the contraction alone cannot show).
+    An attention uses its scores' fastest register tile (`register_tiles`) even where the default
+    schedule ran the scores alone faster (over a symbolic length): the attention's one kernel is
+    built from that tile, and the default schedule computes it whole matrix by whole matrix."""
     jobs: dict[tuple, meas.KernelJob] = {}
     untuned = 0
     impls = registry.measured(options)
@@ -305,6 +311,9 @@ def candidate_jobs(graph: Graph, candidates, options: Options, machine: Machine,
             classes = _variant_classes(graph, c, options, machine) if impl.native else [None]
             for cls in classes:
                 schedule = tiles.get((c.linear, cls), _in_class(cls, "default")) if impl.native else "-"
+                if impl.native and register_tiles and (c.linear, cls) in register_tiles and cands.attention_parts(
+                        graph, c.members) is not None:
+                    schedule = register_tiles[(c.linear, cls)]
                 schedules = [schedule]
                 if impl.native and row_tiles and (c.linear, cls) in row_tiles and _row_wise(graph, c):
                     schedules.append(row_tiles[(c.linear, cls)])
@@ -370,7 +379,8 @@ def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Option
     tiles = switched_tiles(results, by_prim, fastest_schedules(results, by_prim), _middle_length(options))
     direct = fastest_schedules(results, by_prim, direct=True)
     jobs = candidate_jobs(graph, enumeration.candidates, options, machine, tiles,
-                          fastest_schedules(results, by_prim, rows_outer=True))
+                          fastest_schedules(results, by_prim, rows_outer=True),
+                          fastest_schedules(results, by_prim, register=True))
     pending: dict = {}
     known: list = []
     # the run's state is named by every fused job it could defer, whatever the database holds of

@@ -313,7 +313,9 @@ def _reduce(name, np_fn, te_reducer, combine):
             return T.te.compute(tuple(out.shape), body, name=name + suffix)
 
         n = _dim(x.shape[axes[-1]]) if axes else 1
-        if len(axes) == 1 and axes[0] == rank - 1 and not isinstance(n, int):
+        divisible = getattr(T, "divisible", None)  # (a padded symbolic extent: whole chunks only)
+        if (len(axes) == 1 and axes[0] == rank - 1 and not isinstance(n, int)
+                and not (divisible is not None and divisible(n, REDUCE_CHUNK))):
             whole = (n - 1) // REDUCE_CHUNK * REDUCE_CHUNK  # the rest: 1 to REDUCE_CHUNK elements, never none
             head = part([T.te.reduce_axis((0, whole), name=f"r{axes[0]}")], "_chunks")
             tail = part([T.te.reduce_axis((whole, n), name=f"r{axes[0]}t")], "_rest")

@@ -779,3 +779,42 @@ def test_a_projection_to_heads_over_seq_rows_runs_its_reshape_and_transpose_per_
         args = pack_args(b, ins, "t8x32p", [feeds[n] if n in feeds else b.constants[n] for n in ins])
         ex["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args], got)
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4, err_msg=f"seq={s}")
+
+
+@pytest.mark.parametrize("tile", ["t4x64r", "t8x32r"])
+def test_an_attention_over_seq_runs_row_tile_by_row_tile_on_a_padded_domain_and_computes_right(block, tile):
+    """The attention (scores, softmax, x values) over seq queries and keys is one kernel: the keys
+    copied into zero columns up to the tile's columns, then one parallel loop over row tiles of the
+    padded queries, whose reductions read the keys past the length as their identity through a
+    Select (a vector blend; no lazily evaluated if_then_else, which computes lane by lane), and
+    whose rows past the length are never written. Right at lengths on both sides of the row and
+    column tiles."""
+    import tvm
+    from kernorch.backends.tvm.lower import lower
+    from kernorch.backends.tvm.schedule import schedule
+    from kernorch.backends.tvm.target import make_target
+    from kernorch.candidates import attention_parts, kernel_io
+    from kernorch.ir import kernel_graph
+    from kernorch.executor import run as reference
+    g = block[1]
+    names = [q.name for q in g.prims]
+    mm = [q.name for q in g.prims if q.op == "matmul" and q.inputs[1] not in g.constants]
+    members = [n for n in names[names.index(mm[0]):names.index(mm[1]) + 1] if g.by_name[n].op not in ("transpose", "reshape")]
+    assert attention_parts(g, members) is not None
+    ins, outs = kernel_io(g, members)
+    kg = kernel_graph(g, members, ins, outs)
+    target = make_target(1)
+    mod = schedule(lower(kg, kg.prims, ins, outs, tile), target, tile, bounds={"seq": 512})
+    script = mod["main"].script()
+    guarded = [line for line in script.splitlines() if "T.if_then_else" in line]
+    assert guarded and all("keys_padded[" in line for line in guarded), script   # the keys' zero columns only
+    assert script.count("T.parallel(") <= 2, script          # the keys' copy (parallel when long), the row tiles
+    assert script.count("T.Select") >= 3, script             # max, sum and the values' contraction
+    ex = tvm.compile(mod, target=target)
+    for s in (1, 3, 4, 5, 31, 32, 33, 63, 64, 65, 100):
+        b = dynamic.bind(kg, {"seq": s})
+        feeds = {n: np.random.default_rng(s).standard_normal(t.shape).astype(np.float32) for n, t in b.inputs}
+        want = reference(b, feeds)[outs[0]]
+        got = tvm.runtime.empty(want.shape, "float32", tvm.cpu())
+        ex["main"](*[tvm.runtime.tensor(feeds[n] if n in feeds else np.asarray(b.constants[n])) for n in ins], got)
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5, err_msg=f"seq={s}")

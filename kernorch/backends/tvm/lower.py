@@ -14,15 +14,23 @@ import tvm.sym
 from tvm import te, tirx, topi
 
 from ... import primitives
+from ...candidates import attention_parts
 from ...ir import Graph, KernorchError, Prim, SymDim, TensorType
-from ...kernels import Winograd, split, variant_out_packs, variant_packs
+from ...kernels import Tile, Winograd, split, variant_out_packs, variant_packs
 from ...kernels.winograd import te_conv as winograd_conv
 
+
+def _divisible(expr, k: int) -> bool:
+    """A (symbolic) extent is provably a multiple of `k`."""
+    return bool(tvm.sym.Analyzer().can_prove(tirx.floormod(expr, k) == 0))
+
+
 #: The TVM namespace handed to the primitive table's TE computes (they never import tvm).
-T = types.SimpleNamespace(te=te, tir=tirx, topi=topi)
+T = types.SimpleNamespace(te=te, tir=tirx, topi=topi, divisible=_divisible)
 
 NUM_INPUTS_ATTR = "kernorch.num_inputs"
 UNPACK = "unpack"  # TE stages that read a packed operand as its logical tensor (always inlined)
+VIEW = "view"      # TE stages that read an operand re-indexed (rows clamped, columns masked; always inlined)
 BLOCK = "block"    # TE stages that write a kernel output in a blocked layout
 
 
@@ -57,6 +65,7 @@ def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs:
             env[name] = ph
         params.append(ph)
     member_names = {p.name for p in members}
+    padded = _PaddedAttention.of(graph, members, schedule, sym)
     for p in members:
         d = primitives.get(p.op)
         if d.te is None:
@@ -66,14 +75,19 @@ def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs:
         if missing:
             kind = "a later member" if any(m in member_names for m in missing) else "neither a member nor an input"
             raise KernorchError(f"prim {p.name} ({p.op}) reads {missing} which is {kind} of the kernel")
+        args = [env[t] for t in p.inputs]
         want = sym.type(p.type)
+        if padded is not None and padded.padded(p.name):
+            args, want = padded.operands(graph, p, args), padded.type(p.type)
         if wino is not None and p.op == "conv":
-            out = winograd_conv(T, env[p.inputs[0]], env[p.inputs[1]], p.a, want.shape, wino)
+            out = winograd_conv(T, args[0], args[1], p.a, want.shape, wino)
         else:
-            out = d.te(T, [env[t] for t in p.inputs], sym.value(p.a), want)
+            out = d.te(T, args, sym.value(p.a), want)
         if not sym.same_shape(out.shape, want.shape) or out.dtype != p.type.dtype:
             raise KernorchError(f"TE compute of {p.op} ({p.name}) gave {out.dtype}{list(out.shape)}, "
                                 f"expected {p.type}")
+        if padded is not None and p.name == padded.values:
+            out = padded.rows_out(out, sym.type(p.type))
         env[p.name] = out
     for o in outputs:
         if o not in member_names:
@@ -85,6 +99,118 @@ def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs:
     func = te.create_prim_func(params + results, index_dtype_override="int64" if sym.vars else None)
     func = func.with_attr(NUM_INPUTS_ATTR, len(inputs))
     return tvm.IRModule({"main": func})
+
+
+def _ceil(extent, k: int):
+    """`extent` rounded up to a multiple of `k`."""
+    return (extent + k - 1) // k * k
+
+
+class _PaddedAttention:
+    """An attention kernel (kernorch.candidates.attention_parts) over a symbolic length, computed on
+    a domain padded to its tile, so that the schedule's micro-kernels, row tiles and reductions run
+    without a guard at any length:
+
+    * the scores' rows (queries) are padded to the tile's rows, the query rows read clamped to the
+      last one (rows past the length compute on a copy of it and are never written out);
+    * the scores' columns (keys) are padded to the tile's columns: the keys are copied into a
+      buffer with zero columns past the length (read along the vectorized columns, a clamp would
+      make each vector load a gather), every reduction of the chain over the columns reads the
+      columns past the length as its identity (the lowest float for a max, 0 for a sum), and the
+      values' matmul reads them as 0 (and the values' rows past the length clamped). It contracts
+      over the padded columns: over the real ones alone, the probabilities would be computed
+      over a symbolic width, one element at a time;
+    * the output's rows are copied out of the padded result (the schedule does it per row tile).
+
+    A member between the two matmuls that reads another tensor along the scores' rows or columns
+    (a mask of the length) is refused, as is a reduction other than a max or a sum."""
+
+    IDENTITY = {"reduce_max": lambda dtype: tirx.min_value(dtype), "reduce_sum": lambda dtype: tirx.const(0, dtype)}
+
+    def __init__(self, graph: Graph, parts, tile: Tile, sym: "Symbols"):
+        self.scores, chain, self.values = parts
+        self.chain = set(chain)
+        s = graph.by_name[self.scores]
+        self.rdim, self.cdim = s.type.shape[-2], s.type.shape[-1]
+        self.rows, self.cols = sym.expr(self.rdim), sym.expr(self.cdim)
+        self.prows = self.rows if isinstance(self.rdim, int) else _ceil(self.rows, tile.mr)
+        self.pcols = self.cols if isinstance(self.cdim, int) else _ceil(self.cols, tile.nb)
+        self.sym = sym
+
+    @classmethod
+    def of(cls, graph: Graph, members: Sequence[Prim], schedule: str, sym: "Symbols") -> "_PaddedAttention | None":
+        tile = Tile.parse(split(schedule)[1])
+        parts = attention_parts(graph, [p.name for p in members]) if tile is not None else None
+        if parts is None:
+            return None
+        s = graph.by_name[parts[0]].type.shape
+        return cls(graph, parts, tile, sym) if not (isinstance(s[-2], int) and isinstance(s[-1], int)) else None
+
+    def padded(self, name: str) -> bool:
+        return name in self.chain or name in (self.scores, self.values)
+
+    def type(self, t: TensorType) -> TensorType:
+        """A member's type on the padded domain."""
+        shape = list(self.sym.type(t).shape)
+        if len(shape) >= 2 and t.shape[-2] == self.rdim:
+            shape[-2] = self.prows
+        if len(shape) >= 2 and t.shape[-1] == self.cdim and t.shape[-2] == self.rdim:
+            shape[-1] = self.pcols
+        return TensorType(tuple(shape), t.dtype)
+
+    def operands(self, graph: Graph, p: Prim, args: list) -> list:
+        if p.name == self.scores:
+            a, b = args
+            if not isinstance(self.rdim, int):
+                rows = self.rows
+                a = te.compute((*a.shape[:-2], self.prows, a.shape[-1]),
+                               lambda *i: args[0](*i[:-2], tirx.min(i[-2], (rows - 1).astype(primitives._dt(i[-2]))), i[-1]),
+                               name=f"{VIEW}_rows")
+            if not isinstance(self.cdim, int):
+                cols = self.cols
+                b = te.compute((*b.shape[:-1], self.pcols),
+                               lambda *i: tirx.if_then_else(i[-1] < cols.astype(primitives._dt(i[-1])),
+                                                            args[1](*i[:-1], tirx.min(i[-1], (cols - 1).astype(primitives._dt(i[-1])))),
+                                                            tirx.const(0, args[1].dtype)),
+                               name="keys_padded")
+            return [a, b]
+        if p.name == self.values:
+            probs, v = args
+            if not isinstance(self.cdim, int):  # the keys past the length weigh nothing
+                probs = self._masked(probs, tirx.const(0, probs.dtype))
+                rows = self.cols
+                v = te.compute((*v.shape[:-2], self.pcols, v.shape[-1]),
+                               lambda *i: args[1](*i[:-2], tirx.min(i[-2], (rows - 1).astype(primitives._dt(i[-2]))), i[-1]),
+                               name=f"{VIEW}_values")
+            return [probs, v]
+        out = []
+        for t, x in zip(p.inputs, args):
+            if t != self.scores and t not in self.chain:
+                shape = graph.type_of(t).shape
+                if any(d != 1 for d in shape[-2:]):
+                    raise KernorchError(f"attention over a symbolic length: {p.name} ({p.op}) reads {t} of shape "
+                                        f"{list(shape)} along the scores' rows or columns")
+            elif p.op.startswith("reduce") and not isinstance(self.cdim, int):
+                if p.op not in self.IDENTITY:
+                    raise KernorchError(f"attention over a symbolic length: {p.name} is a {p.op} over the "
+                                        "padded keys (only a max or a sum can skip them)")
+                x = self._masked(x, self.IDENTITY[p.op](x.dtype))
+            out.append(x)
+        return out
+
+    def _masked(self, x, identity):
+        """`x` (a padded intermediate: every column is in bounds) with the columns past the length
+        read as `identity`. A Select, which vectorizes to a blend: an if_then_else (evaluated
+        lazily) is computed lane by lane (the masked max and sum over 6 x 512 x 512 scores: +1.2 ms)."""
+        cols = self.cols
+        return te.compute(x.shape, lambda *i: tirx.Select(i[-1] < cols.astype(primitives._dt(i[-1])), x(*i), identity),
+                          name=f"{VIEW}_mask")
+
+    def rows_out(self, out, want: TensorType):
+        """The values' result on the real rows (a copy of the padded one)."""
+        if isinstance(self.rdim, int):
+            return out
+        return te.compute(tuple(want.shape), lambda *i: out(*i), name="rows_out")
 
 
 class Symbols:

@@ -21,7 +21,7 @@ from ...ir import KernorchError
 from ...kernels import Tile, Winograd, split
 from ...kernels.tiles import row_tile
 from ...kernels.variants import CONVERSIONS
-from .lower import UNPACK
+from .lower import UNPACK, VIEW
 from .target import vector_bits
 
 log = logging.getLogger(__name__)
@@ -413,8 +413,8 @@ def _inline_pass(func) -> tirx.PrimFunc:
     separate stage rather than a Select in the conv inner loop) and except expensive stages with
     several consumers (softmax's exp stays materialised instead of being computed twice)."""
     sch = s_tir.Schedule(func)
-    for name in _root_blocks(sch):  # packed-weight views: pure index arithmetic, inlined everywhere
-        if name.startswith(UNPACK):
+    for name in _root_blocks(sch):  # packed-weight and padding views: index arithmetic, inlined everywhere
+        if name.startswith((UNPACK, VIEW)):
             sch.compute_inline(sch.get_sblock(name))
     changed = True
     while changed:
@@ -681,8 +681,7 @@ def _vectorize_rows(sch, blocks: list, lanes: int) -> None:
             sch.reorder(*[lp for lp in inner if not lp.same_as(lane)], lane)
             sch.vectorize(lane)
         elif not _is_reduction(stmt):
-            ext = _extent(sch, loops[-1])
-            if ext is not None and ext % lanes == 0:
+            if _divides(sch.get(loops[-1]).extent, lanes):
                 _, li = sch.split(loops[-1], factors=[None, lanes])
                 sch.vectorize(li)
 
@@ -712,12 +711,16 @@ def _rule_attention(func, lanes: int, tile: Tile) -> s_tir.Schedule:
     if len(loops2) != len(kinds) or kinds != [_DATA_PAR] * nsp + [_COMM_REDUCE] or nsp < 2:
         raise _NotApplicable("the second contraction is not a batched matmul")
     ext2 = [_extent(sch, lp) for lp in loops2]
-    if None in ext2:
-        raise _NotApplicable("a symbolic extent")
     depth = ext2[nsp - 1]  # V's columns
+    if None in ext2[:nsp - 2] or depth is None:
+        raise _NotApplicable("a symbolic batch or value extent")
     if depth % lanes:
         raise _NotApplicable(f"{depth} value columns are no multiple of the lanes")
-    r = row_tile(tile.mr, ext2[nsp - 2])
+    # over a symbolic length (lower._PaddedAttention) the rows are padded to the tile's rows
+    rows = ext2[nsp - 2]
+    r = row_tile(tile.mr, rows) if rows is not None else tile.mr
+    if rows is None and not _divides(sch.get(loops2[nsp - 2]).extent, r):
+        raise _NotApplicable("the symbolic rows are not padded to the row tile")
     order = _rfactor_by_lanes(sch, chain, lanes)
     io, ii = sch.split(loops2[nsp - 2], factors=[None, r])
     red = loops2[nsp:]
@@ -731,12 +734,16 @@ def _rule_attention(func, lanes: int, tile: Tile) -> s_tir.Schedule:
     sch.vectorize(loops2[nsp - 1])
     sch.unroll(i2i)
     wb2 = sch.cache_write(b2, 0, "local")
-    _reverse_inline_chain(sch, wb2, func)
+    if rows is not None:  # (padded rows: the copy-out keeps its guard, it follows each row tile below)
+        _reverse_inline_chain(sch, wb2, func)
     sch.reverse_compute_at(wb2, i2o, preserve_unit_loops=True)
     wl = sch.get_loops(wb2)
     sch.vectorize(wl[-1])
     init2 = sch.decompose_reduction(b2, red[0])
     sch.vectorize(sch.get_loops(init2)[-1])
+    moved: set[str] = set()
+    if rows is None:
+        sch, moved = _copy_out_per_tile(sch, wb2, par)
     # the chain and the scores under the row tile, consumers first
     for blk in reversed(order):
         sch.compute_at(blk, par, preserve_unit_loops=True)
@@ -748,8 +755,9 @@ def _rule_attention(func, lanes: int, tile: Tile) -> s_tir.Schedule:
     loops1 = list(sch.get_loops(b1))[-len(stmt1.iter_vars):]
     n1 = sum(1 for iv in stmt1.iter_vars if int(iv.iter_type) == _DATA_PAR)
     rows1, cols1, red1 = loops1[n1 - 2], loops1[n1 - 1], loops1[n1:]
-    nb = tile.nb if _extent(sch, cols1) % tile.nb == 0 else lanes
-    if _extent(sch, cols1) % nb:
+    cols = sch.get(cols1).extent
+    nb = tile.nb if _divides(cols, tile.nb) else lanes
+    if not _divides(cols, nb):
         raise _NotApplicable("the score columns are no multiple of the lanes")
     jo, ji = sch.split(cols1, factors=[None, nb])
     sch.reorder(jo, *red1, rows1, ji)
@@ -760,9 +768,16 @@ def _rule_attention(func, lanes: int, tile: Tile) -> s_tir.Schedule:
     sch.vectorize(sch.get_loops(wb1)[-1])
     init1 = sch.decompose_reduction(b1, red1[0])
     sch.vectorize(sch.get_loops(init1)[-1])
-    rest = set(names) - set(cons) - set(chain)
+    rest = set(names) - set(cons) - set(chain) - moved
     _schedule_rest(sch, rest, lanes)
     return sch
+
+
+def _divides(extent, k: int) -> bool:
+    """`k` divides a loop extent (a symbolic one provably: a length padded to a tile)."""
+    if isinstance(extent, tirx.IntImm):
+        return int(extent) % k == 0
+    return bool(tvm.sym.Analyzer().can_prove(tirx.floormod(extent, k) == 0))
 
 
 # -- software prefetch of the next weight panel ----------------------------------------------------
@@ -1216,6 +1231,12 @@ def _schedule_block(sch, blk, lanes: int) -> None:
         _init_outside(sch, blk)
         return
     symbolic_inner = _extent(sch, loops[-1]) is None
+    if symbolic_inner and len(loops) > 1 and _divides(sch.get(loops[-1]).extent, lanes):
+        # a symbolic extent padded to a tile (an attention's keys copied into zero columns)
+        lo, li = sch.split(loops[-1], factors=[None, lanes])
+        sch.vectorize(li)
+        _parallel(sch, loops[:-1], min_work=_span(sch, lo) * lanes)
+        return
     if not symbolic_inner and _tile_transpose(sch, blk, lanes):
         return
     outer = _vectorize_inner(sch, blk, lanes)  # (returns every loop when the innermost is symbolic)
