@@ -181,19 +181,28 @@ def tile_jobs(graph: Graph, candidates, options: Options, machine: Machine) -> d
     return out
 
 
+def register_tiles(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob]]) -> dict[tuple, tuple[str, ...]]:
+    """Per (contraction prim, layout class): every register tile it was measured in, fastest first."""
+    out = {}
+    for prim, jobs in jobs_by_prim.items():
+        ok = sorted((measurements[j.ident].median_ns, j.schedule) for j in jobs
+                    if j.ident in measurements and measurements[j.ident].ok and Tile.parse(split(j.schedule)[1]))
+        if ok:
+            out[prim] = tuple(sched for _, sched in ok)
+    return out
+
+
 def fastest_schedules(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob]],
-                      direct: bool = False, rows_outer: bool = False, register: bool = False) -> dict[tuple, str]:
+                      direct: bool = False, rows_outer: bool = False) -> dict[tuple, str]:
     """Per (contraction prim, layout class): the schedule of its fastest successfully measured tile
     (`direct`: of its register tiles and default schedule, leaving out the Winograd variants;
-    `rows_outer`: of its tiles with rows outside the column tiles; `register`: of its register
-    tiles alone, not the default schedule)."""
+    `rows_outer`: of its tiles with rows outside the column tiles)."""
     out = {}
     for prim, jobs in jobs_by_prim.items():
         ok = [(measurements[j.ident].median_ns, j.schedule) for j in jobs
               if j.ident in measurements and measurements[j.ident].ok
               and not (direct and Winograd.parse(split(j.schedule)[1]))
-              and not (rows_outer and not _rows_outside(j.schedule))
-              and not (register and Tile.parse(split(j.schedule)[1]) is None)]
+              and not (rows_outer and not _rows_outside(j.schedule))]
         if ok:
             out[prim] = min(ok)[1]
     return out
@@ -292,14 +301,18 @@ def _row_wise(graph: Graph, c) -> bool:
 
 def candidate_jobs(graph: Graph, candidates, options: Options, machine: Machine,
                    tiles: Mapping[tuple, str], row_tiles: Mapping[tuple, str] | None = None,
-                   register_tiles: Mapping[tuple, str] | None = None) -> list[meas.KernelJob]:
+                   attention_tiles: Mapping[tuple, Sequence[str]] | None = None) -> list[meas.KernelJob]:
     """Every distinct (key, implementation, schedule) the solver may choose, in each layout class;
     untuned TVM for a few, for comparison. A candidate around a contraction uses its contraction's
     fastest tile in that class; one with a row-wise epilogue also its fastest rows-outside tile
     (`row_tiles`: the one that runs the epilogue in cache, which the contraction alone cannot show).
-    An attention uses its scores' fastest register tile (`register_tiles`) even where the default
-    schedule ran the scores alone faster (over a symbolic length): the attention's one kernel is
-    built from that tile, and the default schedule computes it whole matrix by whole matrix."""
+    An attention is timed in its scores' fastest register tile (`attention_tiles`, see
+    `register_tiles`), even where the default schedule ran the scores alone faster (over a symbolic
+    length; the default schedule computes an attention whole matrix by whole matrix); over a
+    symbolic length in every one of them, since the row count also sets how many query rows share
+    the softmax and the values' contraction, which the scores alone cannot show (the scores'
+    fastest tile, t8x32r, ran a transformer block's attention at seq=512 in 3.5 ms, t4x64r in 2.8).
+    (Over a static shape in one: more would lengthen a cold optimize of segformer_b0, at its limit.)"""
     jobs: dict[tuple, meas.KernelJob] = {}
     untuned = 0
     impls = registry.measured(options)
@@ -311,10 +324,11 @@ def candidate_jobs(graph: Graph, candidates, options: Options, machine: Machine,
             classes = _variant_classes(graph, c, options, machine) if impl.native else [None]
             for cls in classes:
                 schedule = tiles.get((c.linear, cls), _in_class(cls, "default")) if impl.native else "-"
-                if impl.native and register_tiles and (c.linear, cls) in register_tiles and cands.attention_parts(
-                        graph, c.members) is not None:
-                    schedule = register_tiles[(c.linear, cls)]
                 schedules = [schedule]
+                if impl.native and attention_tiles and (c.linear, cls) in attention_tiles and cands.attention_parts(
+                        graph, c.members) is not None:
+                    every = attention_tiles[(c.linear, cls)]
+                    schedules = list(every) if _symbolic(graph.by_name[c.linear]) else [every[0]]
                 if impl.native and row_tiles and (c.linear, cls) in row_tiles and _row_wise(graph, c):
                     schedules.append(row_tiles[(c.linear, cls)])
                 for s in schedules:
@@ -325,6 +339,10 @@ def candidate_jobs(graph: Graph, candidates, options: Options, machine: Machine,
             untuned += 1
     out = list(jobs.values())
     return out + conversion_jobs(graph, out, machine)
+
+
+def _symbolic(prim) -> bool:
+    return any(not isinstance(d, int) for d in prim.type.shape)
 
 
 def _fallback_schedule(job: meas.KernelJob, direct: Mapping[tuple, str]) -> str:
@@ -380,7 +398,7 @@ def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Option
     direct = fastest_schedules(results, by_prim, direct=True)
     jobs = candidate_jobs(graph, enumeration.candidates, options, machine, tiles,
                           fastest_schedules(results, by_prim, rows_outer=True),
-                          fastest_schedules(results, by_prim, register=True))
+                          register_tiles(results, by_prim))
     pending: dict = {}
     known: list = []
     # the run's state is named by every fused job it could defer, whatever the database holds of

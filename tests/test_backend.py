@@ -377,6 +377,18 @@ def test_attention_runs_row_tile_by_row_tile_in_one_parallel_loop(tile, shape, t
     assert '_rf")' in text  # the reductions over the keys by vector lanes
 
 
+@pytest.mark.parametrize("tile", ["t4x64r", "t14x32r"])
+@pytest.mark.parametrize("shape", [dict(m=7, n=20), dict(m=50, n=300, batch=1), dict(m=1, n=1, batch=1)])
+def test_an_attention_over_keys_no_multiple_of_the_vectors_is_padded_and_computes_the_reference(tile, shape, target):
+    """Keys that are no multiple of 16 (seq=300) are padded like a symbolic length: the keys copied
+    into zero columns, the reductions and the values' contraction reading the padding as their
+    identity; query rows the tile does not divide are padded too and copied out (a row tile's
+    write-back would write the padding rows past the output). Exact against the reference."""
+    graph, inputs = attention_graph(**shape)
+    mod = _run_variant(graph, inputs, tile, target)
+    assert "keys_padded" in mod["main"].script()
+
+
 @pytest.mark.parametrize("shape", [dict(), dict(m=7), dict(batch=(1,)), dict(batch=(2, 3), const=False),
                                    dict(epilogue=False, m=33, n=128)])
 def test_every_tile_of_the_host_computes_the_reference(shape, target):

@@ -492,13 +492,13 @@ def test_a_pooling_is_no_row_wise_epilogue():
     assert not cands.reduces_last_axis(g, g.by_name["y"])
 
 
-def test_an_attention_takes_its_scores_fastest_register_tile_even_where_the_default_won():
+def test_an_attention_takes_its_scores_register_tiles_even_where_the_default_won():
     """Over a symbolic length the default schedule races the scores' tiles and may win alone; the
-    attention around those scores is still built from the fastest register tile (the default
-    schedule would compute it whole matrix by whole matrix), and the scores' other fusions keep
-    the winner."""
+    attention around those scores is still built from a register tile (the default schedule would
+    compute it whole matrix by whole matrix): over a static shape the fastest, over a symbolic one
+    every one of them. The scores' other fusions keep the winner."""
     from kernorch import candidates as cands
-    from kernorch.ir import Graph, TensorType, make_prim
+    from kernorch.ir import Graph, SymDim, TensorType, make_prim
     from kernorch.options import Machine
     f32 = lambda *s: TensorType(s, "float32")  # noqa: E731
     s, red = f32(64, 64), f32(64, 1)
@@ -512,7 +512,16 @@ def test_an_attention_takes_its_scores_fastest_register_tile_even_where_the_defa
     def schedules(members):
         c = cands.make_candidate(g, members)
         return sorted(j.schedule for j in pipeline.candidate_jobs(g, [c], opts, Machine.host(), {("s", None): "default"},
-                                                                  None, {("s", None): "t4x32r"}) if j.impl == "tvm")
+                                                                  None, {("s", None): ("t4x32r", "t8x32r")})
+                      if j.impl == "tvm")
     assert cands.attention_parts(g, ["s", "mx", "d", "e", "sm", "p", "o"]) == ("s", ("mx", "d", "e", "sm", "p"), "o")
     assert schedules(["s", "mx", "d", "e", "sm", "p", "o"]) == ["t4x32r"]
     assert schedules(["s", "mx"]) == ["default"]
+    seq = SymDim("seq", (0, 1, 0))
+    s, red = f32(seq, seq), f32(seq, 1)
+    g = Graph((("q", f32(seq, 32)), ("kt", f32(32, seq)), ("v", f32(seq, 32))), ("o",), (
+        make_prim("s", "matmul", ["q", "kt"], s), make_prim("mx", "reduce_max", ["s"], red, axes=(1,), keepdims=1),
+        make_prim("d", "sub", ["s", "mx"], s), make_prim("e", "exp", ["d"], s),
+        make_prim("sm", "reduce_sum", ["e"], red, axes=(1,), keepdims=1), make_prim("p", "div", ["e", "sm"], s),
+        make_prim("o", "matmul", ["p", "v"], f32(seq, 32))))
+    assert schedules(["s", "mx", "d", "e", "sm", "p", "o"]) == ["t4x32r", "t8x32r"]

@@ -17,6 +17,7 @@ from ... import primitives
 from ...candidates import attention_parts
 from ...ir import Graph, KernorchError, Prim, SymDim, TensorType
 from ...kernels import Tile, Winograd, split, variant_out_packs, variant_packs
+from ...kernels.tiles import row_tile
 from ...kernels.winograd import te_conv as winograd_conv
 
 
@@ -32,6 +33,7 @@ NUM_INPUTS_ATTR = "kernorch.num_inputs"
 UNPACK = "unpack"  # TE stages that read a packed operand as its logical tensor (always inlined)
 VIEW = "view"      # TE stages that read an operand re-indexed (rows clamped, columns masked; always inlined)
 BLOCK = "block"    # TE stages that write a kernel output in a blocked layout
+ROWS_OUT = "rows_out"  # the TE stage that copies a padded attention's real rows out
 
 
 def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs: Sequence[str],
@@ -106,10 +108,20 @@ def _ceil(extent, k: int):
     return (extent + k - 1) // k * k
 
 
+KEYS_MULTIPLE = 16  # static keys not a multiple of this (of 8 or 16 lanes) are padded like symbolic ones
+
+
+def _index(value, like):
+    """`value` (an int or an expression) as an index of `like`'s dtype."""
+    dtype = primitives._dt(like)
+    return tirx.const(value, dtype) if isinstance(value, int) else value.astype(dtype)
+
+
 class _PaddedAttention:
-    """An attention kernel (kernorch.candidates.attention_parts) over a symbolic length, computed on
-    a domain padded to its tile, so that the schedule's micro-kernels, row tiles and reductions run
-    without a guard at any length:
+    """An attention kernel (kernorch.candidates.attention_parts) over a symbolic length (or over
+    static keys that are no multiple of KEYS_MULTIPLE: seq=300), computed on a domain padded to its
+    tile, so that the schedule's micro-kernels, row tiles and reductions run without a guard at any
+    length:
 
     * the scores' rows (queries) are padded to the tile's rows, the query rows read clamped to the
       last one (rows past the length compute on a copy of it and are never written out);
@@ -133,8 +145,10 @@ class _PaddedAttention:
         s = graph.by_name[self.scores]
         self.rdim, self.cdim = s.type.shape[-2], s.type.shape[-1]
         self.rows, self.cols = sym.expr(self.rdim), sym.expr(self.cdim)
-        self.prows = self.rows if isinstance(self.rdim, int) else _ceil(self.rows, tile.mr)
-        self.pcols = self.cols if isinstance(self.cdim, int) else _ceil(self.cols, tile.nb)
+        self.pad_rows = not isinstance(self.rdim, int) or self.rdim % row_tile(tile.mr, self.rdim) != 0
+        self.pad_cols = not isinstance(self.cdim, int) or self.cdim % KEYS_MULTIPLE != 0
+        self.prows = _ceil(self.rows, tile.mr) if self.pad_rows else self.rows
+        self.pcols = _ceil(self.cols, tile.nb) if self.pad_cols else self.cols
         self.sym = sym
 
     @classmethod
@@ -144,7 +158,9 @@ class _PaddedAttention:
         if parts is None:
             return None
         s = graph.by_name[parts[0]].type.shape
-        return cls(graph, parts, tile, sym) if not (isinstance(s[-2], int) and isinstance(s[-1], int)) else None
+        if isinstance(s[-2], int) and isinstance(s[-1], int) and s[-1] % KEYS_MULTIPLE == 0:
+            return None  # (static keys a multiple of the vectors: the schedule tiles them as they are)
+        return cls(graph, parts, tile, sym)
 
     def padded(self, name: str) -> bool:
         return name in self.chain or name in (self.scores, self.values)
@@ -161,26 +177,26 @@ class _PaddedAttention:
     def operands(self, graph: Graph, p: Prim, args: list) -> list:
         if p.name == self.scores:
             a, b = args
-            if not isinstance(self.rdim, int):
+            if self.pad_rows:
                 rows = self.rows
                 a = te.compute((*a.shape[:-2], self.prows, a.shape[-1]),
-                               lambda *i: args[0](*i[:-2], tirx.min(i[-2], (rows - 1).astype(primitives._dt(i[-2]))), i[-1]),
+                               lambda *i: args[0](*i[:-2], tirx.min(i[-2], _index(rows - 1, i[-2])), i[-1]),
                                name=f"{VIEW}_rows")
-            if not isinstance(self.cdim, int):
+            if self.pad_cols:
                 cols = self.cols
                 b = te.compute((*b.shape[:-1], self.pcols),
-                               lambda *i: tirx.if_then_else(i[-1] < cols.astype(primitives._dt(i[-1])),
-                                                            args[1](*i[:-1], tirx.min(i[-1], (cols - 1).astype(primitives._dt(i[-1])))),
+                               lambda *i: tirx.if_then_else(i[-1] < _index(cols, i[-1]),
+                                                            args[1](*i[:-1], tirx.min(i[-1], _index(cols - 1, i[-1]))),
                                                             tirx.const(0, args[1].dtype)),
                                name="keys_padded")
             return [a, b]
         if p.name == self.values:
             probs, v = args
-            if not isinstance(self.cdim, int):  # the keys past the length weigh nothing
+            if self.pad_cols:  # the keys past the length weigh nothing
                 probs = self._masked(probs, tirx.const(0, probs.dtype))
                 rows = self.cols
                 v = te.compute((*v.shape[:-2], self.pcols, v.shape[-1]),
-                               lambda *i: args[1](*i[:-2], tirx.min(i[-2], (rows - 1).astype(primitives._dt(i[-2]))), i[-1]),
+                               lambda *i: args[1](*i[:-2], tirx.min(i[-2], _index(rows - 1, i[-2])), i[-1]),
                                name=f"{VIEW}_values")
             return [probs, v]
         out = []
@@ -190,7 +206,7 @@ class _PaddedAttention:
                 if any(d != 1 for d in shape[-2:]):
                     raise KernorchError(f"attention over a symbolic length: {p.name} ({p.op}) reads {t} of shape "
                                         f"{list(shape)} along the scores' rows or columns")
-            elif p.op.startswith("reduce") and not isinstance(self.cdim, int):
+            elif p.op.startswith("reduce") and self.pad_cols:
                 if p.op not in self.IDENTITY:
                     raise KernorchError(f"attention over a symbolic length: {p.name} is a {p.op} over the "
                                         "padded keys (only a max or a sum can skip them)")
@@ -203,14 +219,14 @@ class _PaddedAttention:
         read as `identity`. A Select, which vectorizes to a blend: an if_then_else (evaluated
         lazily) is computed lane by lane (the masked max and sum over 6 x 512 x 512 scores: +1.2 ms)."""
         cols = self.cols
-        return te.compute(x.shape, lambda *i: tirx.Select(i[-1] < cols.astype(primitives._dt(i[-1])), x(*i), identity),
+        return te.compute(x.shape, lambda *i: tirx.Select(i[-1] < _index(cols, i[-1]), x(*i), identity),
                           name=f"{VIEW}_mask")
 
     def rows_out(self, out, want: TensorType):
         """The values' result on the real rows (a copy of the padded one)."""
-        if isinstance(self.rdim, int):
+        if not self.pad_rows:
             return out
-        return te.compute(tuple(want.shape), lambda *i: out(*i), name="rows_out")
+        return te.compute(tuple(want.shape), lambda *i: out(*i), name=ROWS_OUT)
 
 
 class Symbols:

@@ -21,7 +21,7 @@ from ...ir import KernorchError
 from ...kernels import Tile, Winograd, split
 from ...kernels.tiles import row_tile
 from ...kernels.variants import CONVERSIONS
-from .lower import UNPACK, VIEW
+from .lower import ROWS_OUT, UNPACK, VIEW
 from .target import vector_bits
 
 log = logging.getLogger(__name__)
@@ -422,8 +422,8 @@ def _inline_pass(func) -> tirx.PrimFunc:
         for name in _root_blocks(sch):
             blk = sch.get_sblock(name)
             stmt = sch.get(blk)
-            if _is_reduction(stmt) or _writes_output(stmt, func):
-                continue
+            if _is_reduction(stmt) or _writes_output(stmt, func) or name.startswith(ROWS_OUT):
+                continue  # (a padded attention's copy-out tells its rule that the rows were padded)
             consumers = sch.get_consumers(blk)
             if not consumers:
                 continue
@@ -734,7 +734,8 @@ def _rule_attention(func, lanes: int, tile: Tile) -> s_tir.Schedule:
     sch.vectorize(loops2[nsp - 1])
     sch.unroll(i2i)
     wb2 = sch.cache_write(b2, 0, "local")
-    if rows is not None:  # (padded rows: the copy-out keeps its guard, it follows each row tile below)
+    padded = any(n.startswith(ROWS_OUT) for n in names)  # (lower._PaddedAttention padded the rows)
+    if not padded:  # (padded rows: the copy-out keeps its guard, it follows each row tile below)
         _reverse_inline_chain(sch, wb2, func)
     sch.reverse_compute_at(wb2, i2o, preserve_unit_loops=True)
     wl = sch.get_loops(wb2)
@@ -742,7 +743,7 @@ def _rule_attention(func, lanes: int, tile: Tile) -> s_tir.Schedule:
     init2 = sch.decompose_reduction(b2, red[0])
     sch.vectorize(sch.get_loops(init2)[-1])
     moved: set[str] = set()
-    if rows is None:
+    if padded:
         sch, moved = _copy_out_per_tile(sch, wb2, par)
     # the chain and the scores under the row tile, consumers first
     for blk in reversed(order):
