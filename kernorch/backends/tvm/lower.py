@@ -21,13 +21,15 @@ from ...kernels.tiles import row_tile
 from ...kernels.winograd import te_conv as winograd_conv
 
 
-def _divisible(expr, k: int) -> bool:
-    """A (symbolic) extent is provably a multiple of `k`."""
-    return bool(tvm.sym.Analyzer().can_prove(tirx.floormod(expr, k) == 0))
+def divisible(extent, k: int) -> bool:
+    """An extent (a symbolic one provably: a length padded to a tile) is a multiple of `k`."""
+    if isinstance(extent, (int, tirx.IntImm)):
+        return int(extent) % k == 0
+    return bool(tvm.sym.Analyzer().can_prove(tirx.floormod(extent, k) == 0))
 
 
 #: The TVM namespace handed to the primitive table's TE computes (they never import tvm).
-T = types.SimpleNamespace(te=te, tir=tirx, topi=topi, divisible=_divisible)
+T = types.SimpleNamespace(te=te, tir=tirx, topi=topi, divisible=divisible)
 
 NUM_INPUTS_ATTR = "kernorch.num_inputs"
 UNPACK = "unpack"  # TE stages that read a packed operand as its logical tensor (always inlined)
@@ -204,11 +206,11 @@ class _PaddedAttention:
             if t != self.scores and t not in self.chain:
                 shape = graph.type_of(t).shape
                 if any(d != 1 for d in shape[-2:]):
-                    raise KernorchError(f"attention over a symbolic length: {p.name} ({p.op}) reads {t} of shape "
+                    raise KernorchError(f"padded attention: {p.name} ({p.op}) reads {t} of shape "
                                         f"{list(shape)} along the scores' rows or columns")
             elif p.op.startswith("reduce") and self.pad_cols:
                 if p.op not in self.IDENTITY:
-                    raise KernorchError(f"attention over a symbolic length: {p.name} is a {p.op} over the "
+                    raise KernorchError(f"padded attention: {p.name} is a {p.op} over the "
                                         "padded keys (only a max or a sum can skip them)")
                 x = self._masked(x, self.IDENTITY[p.op](x.dtype))
             out.append(x)

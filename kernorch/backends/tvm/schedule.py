@@ -21,7 +21,7 @@ from ...ir import KernorchError
 from ...kernels import Tile, Winograd, split
 from ...kernels.tiles import row_tile
 from ...kernels.variants import CONVERSIONS
-from .lower import ROWS_OUT, UNPACK, VIEW
+from .lower import ROWS_OUT, UNPACK, VIEW, divisible
 from .target import vector_bits
 
 log = logging.getLogger(__name__)
@@ -678,7 +678,7 @@ def _vectorize_rows(sch, blocks: list, lanes: int) -> None:
             sch.reorder(*[lp for lp in inner if not lp.same_as(lane)], lane)
             sch.vectorize(lane)
         elif not _is_reduction(stmt):
-            if _divides(sch.get(loops[-1]).extent, lanes):
+            if divisible(sch.get(loops[-1]).extent, lanes):
                 _, li = sch.split(loops[-1], factors=[None, lanes])
                 sch.vectorize(li)
 
@@ -716,7 +716,7 @@ def _rule_attention(func, lanes: int, tile: Tile) -> s_tir.Schedule:
     # over a symbolic length (lower._PaddedAttention) the rows are padded to the tile's rows
     rows = ext2[nsp - 2]
     r = row_tile(tile.mr, rows) if rows is not None else tile.mr
-    if rows is None and not _divides(sch.get(loops2[nsp - 2]).extent, r):
+    if rows is None and not divisible(sch.get(loops2[nsp - 2]).extent, r):
         raise _NotApplicable("the symbolic rows are not padded to the row tile")
     order = _rfactor_by_lanes(sch, chain, lanes)
     io, ii = sch.split(loops2[nsp - 2], factors=[None, r])
@@ -754,8 +754,8 @@ def _rule_attention(func, lanes: int, tile: Tile) -> s_tir.Schedule:
     n1 = sum(1 for iv in stmt1.iter_vars if int(iv.iter_type) == _DATA_PAR)
     rows1, cols1, red1 = loops1[n1 - 2], loops1[n1 - 1], loops1[n1:]
     cols = sch.get(cols1).extent
-    nb = tile.nb if _divides(cols, tile.nb) else lanes
-    if not _divides(cols, nb):
+    nb = tile.nb if divisible(cols, tile.nb) else lanes
+    if not divisible(cols, nb):
         raise _NotApplicable("the score columns are no multiple of the lanes")
     jo, ji = sch.split(cols1, factors=[None, nb])
     sch.reorder(jo, *red1, rows1, ji)
@@ -769,13 +769,6 @@ def _rule_attention(func, lanes: int, tile: Tile) -> s_tir.Schedule:
     rest = set(names) - set(cons) - set(chain) - moved
     _schedule_rest(sch, rest, lanes)
     return sch
-
-
-def _divides(extent, k: int) -> bool:
-    """`k` divides a loop extent (a symbolic one provably: a length padded to a tile)."""
-    if isinstance(extent, tirx.IntImm):
-        return int(extent) % k == 0
-    return bool(tvm.sym.Analyzer().can_prove(tirx.floormod(extent, k) == 0))
 
 
 # -- software prefetch of the next weight panel ----------------------------------------------------
@@ -1229,7 +1222,7 @@ def _schedule_block(sch, blk, lanes: int) -> None:
         _init_outside(sch, blk)
         return
     symbolic_inner = _extent(sch, loops[-1]) is None
-    if symbolic_inner and len(loops) > 1 and _divides(sch.get(loops[-1]).extent, lanes):
+    if symbolic_inner and len(loops) > 1 and divisible(sch.get(loops[-1]).extent, lanes):
         # a symbolic extent padded to a tile (an attention's keys copied into zero columns)
         lo, li = sch.split(loops[-1], factors=[None, lanes])
         sch.vectorize(li)
