@@ -328,7 +328,7 @@ def candidate_jobs(graph: Graph, candidates, options: Options, machine: Machine,
                 if impl.native and attention_tiles and (c.linear, cls) in attention_tiles and cands.attention_parts(
                         graph, c.members) is not None:
                     every = attention_tiles[(c.linear, cls)]
-                    schedules = list(every) if _symbolic(graph.by_name[c.linear]) else [every[0]]
+                    schedules = list(every) if not graph.by_name[c.linear].type.static else [every[0]]
                 if impl.native and row_tiles and (c.linear, cls) in row_tiles and _row_wise(graph, c):
                     schedules.append(row_tiles[(c.linear, cls)])
                 for s in schedules:
@@ -339,10 +339,6 @@ def candidate_jobs(graph: Graph, candidates, options: Options, machine: Machine,
             untuned += 1
     out = list(jobs.values())
     return out + conversion_jobs(graph, out, machine)
-
-
-def _symbolic(prim) -> bool:
-    return any(not isinstance(d, int) for d in prim.type.shape)
 
 
 def _fallback_schedule(job: meas.KernelJob, direct: Mapping[tuple, str]) -> str:
