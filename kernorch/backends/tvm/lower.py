@@ -119,6 +119,12 @@ def _index(value, like):
     return tirx.const(value, dtype) if isinstance(value, int) else value.astype(dtype)
 
 
+def _rows_clamped(x, rows, padded, name: str):
+    """`x` read over `padded` rows (its second-to-last axis), each past `rows` as the last one."""
+    return te.compute((*x.shape[:-2], padded, x.shape[-1]),
+                      lambda *i: x(*i[:-2], tirx.min(i[-2], _index(rows - 1, i[-2])), i[-1]), name=name)
+
+
 class _PaddedAttention:
     """An attention kernel (kernorch.candidates.attention_parts) over a symbolic length (or over
     static keys that are no multiple of KEYS_MULTIPLE: seq=300), computed on a domain padded to its
@@ -180,10 +186,7 @@ class _PaddedAttention:
         if p.name == self.scores:
             a, b = args
             if self.pad_rows:
-                rows = self.rows
-                a = te.compute((*a.shape[:-2], self.prows, a.shape[-1]),
-                               lambda *i: args[0](*i[:-2], tirx.min(i[-2], _index(rows - 1, i[-2])), i[-1]),
-                               name=f"{VIEW}_rows")
+                a = _rows_clamped(a, self.rows, self.prows, f"{VIEW}_rows")
             if self.pad_cols:
                 cols = self.cols
                 b = te.compute((*b.shape[:-1], self.pcols),
@@ -196,10 +199,7 @@ class _PaddedAttention:
             probs, v = args
             if self.pad_cols:  # the keys past the length weigh nothing
                 probs = self._masked(probs, tirx.const(0, probs.dtype))
-                rows = self.cols
-                v = te.compute((*v.shape[:-2], self.pcols, v.shape[-1]),
-                               lambda *i: args[1](*i[:-2], tirx.min(i[-2], _index(rows - 1, i[-2])), i[-1]),
-                               name=f"{VIEW}_values")
+                v = _rows_clamped(v, self.cols, self.pcols, f"{VIEW}_values")
             return [probs, v]
         out = []
         for t, x in zip(p.inputs, args):
