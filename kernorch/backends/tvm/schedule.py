@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 14
+SCHEDULES_VERSION = 15
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -318,17 +318,15 @@ def _var_names(expr) -> set[str]:
     return {v.name for v in tirx.analysis.undefined_vars(expr)}
 
 
-def _output_buffers_of(sch) -> set[str]:
-    return {b.name for b in sch.mod["main"].params}
-
-
-def _output_buffers(func) -> set[str]:
-    return {b.name for b in func.params}  # 0.27: PrimFunc params are the buffers
+def _is_param(buf, func) -> bool:
+    """Is `buf` one of the function's parameters? By identity: names are not unique (the stages of a
+    GELU are all "mul", like the output they end in, and by name each of them wrote the output, so
+    none was inlined and the epilogue ran as nine passes over the result)."""
+    return any(buf.same_as(b) for b in func.params)  # 0.27: PrimFunc params are the buffers
 
 
 def _writes_output(stmt, func) -> bool:
-    outs = _output_buffers(func)
-    return any(w.source.name in outs for w in stmt.writes)  # 0.27: regions have .source
+    return any(_is_param(w.source, func) for w in stmt.writes)  # 0.27: regions have .source
 
 
 def _contraction_operands(stmt):
@@ -1301,7 +1299,7 @@ def _vectorize_across_outputs(sch, blk, lanes: int, nsp: int, red_work: int) -> 
     if ext is None or ext % block:
         return False
     out = stmt.writes[0].source
-    if len(out.shape) == nsp and out.name not in _output_buffers_of(sch):
+    if len(out.shape) == nsp and not _is_param(out, sch.mod["main"]):
         # the accumulators (an intermediate) blocked like the input, so a vector of them is contiguous
         def blocked(*idx):
             return (*idx[:axis], idx[axis] // block, *idx[axis + 1:], idx[axis] % block)
