@@ -9,7 +9,11 @@ layout or reduce prologue and epilogue around it, or two matmuls in the shape of
 second contracts a softmax-like row-wise function of the first over its columns: `_attention`); an
 opaque prim only alone; convex (no path leaves the set and re-enters it, so the kernel can run as
 one launch); weakly connected through prim-to-prim edges (sharing a graph input or weight does not
-connect); at most `max_outputs` outputs; at most `max_size` prims.
+connect); at most `max_outputs` outputs; at most `max_size` prims, not counting *closed pointwise*
+members (elementwise prims that read only the set's own values and weights: a GELU or the scale and
+shift of a LayerNorm after the set's contraction or reduction, computed on values the kernel holds
+and costing no memory traffic), up to `max_size + max_pointwise` prims in all. Without that, a
+LayerNorm (9 prims) was never one kernel at the default cap of 8, nor was a GEMM with its GELU.
 
 Enumeration grows sets breadth-first by size, one adjacent prim at a time, and keeps only convex
 sets in the frontier. That is complete: every convex connected set of two or more prims has a
@@ -48,7 +52,8 @@ TOO_MANY_OUTPUTS = "too many outputs"
 
 @dataclass(frozen=True)
 class EnumOptions:
-    max_size: int = 8  # prims per candidate
+    max_size: int = 8  # prims per candidate, closed pointwise members not counted (`weight`)
+    max_pointwise: int = 4  # ... and at most this many more prims in all (a GEMM with its GELU: 12)
     max_per_partition: int = 4000  # candidates kept per partition (singletons are always kept)
     max_outputs: int = 3  # tensors a candidate may write
     # Sets examined per partition (candidates plus rejected): a guard for pathologically wide graphs
@@ -225,6 +230,17 @@ def attention_parts(graph: Graph, inside: Iterable[str]) -> tuple[str, tuple[str
     return s.name, tuple(sorted(chain, key=lambda m: graph_index(graph, m))), o.name
 
 
+def closed_pointwise(graph: Graph, name: str, inside: set[str]) -> bool:
+    """An elementwise member that reads only members of `inside` and weights."""
+    p = graph.by_name[name]
+    return primitives.kind(p.op) == "elementwise" and all(t in inside or t in graph.constants for t in p.inputs)
+
+
+def weight(graph: Graph, inside: set[str]) -> int:
+    """A set's size against the cap: its prims, not counting closed pointwise members."""
+    return sum(1 for m in inside if not closed_pointwise(graph, m, inside))
+
+
 def _attention(graph: Graph, inside: set[str]) -> bool:
     return attention_parts(graph, inside) is not None
 
@@ -242,7 +258,8 @@ def legality(graph: Graph, members: Iterable[str], opts: EnumOptions | None = No
     unknown = inside - set(graph.by_name)
     if unknown:
         raise KernorchError(f"legality: {sorted(unknown)} are not prims of graph {graph.name!r}")
-    if len(inside) > opts.max_size:
+    if len(inside) > opts.max_size and (len(inside) > opts.max_size + opts.max_pointwise
+                                        or weight(graph, inside) > opts.max_size):
         return OVER_SIZE
     kinds = [primitives.kind(graph.by_name[m].op) for m in inside]
     if "opaque" in kinds and len(inside) > 1:
@@ -295,6 +312,10 @@ def enumerate_partition(graph: Graph, part: Partition, opts: EnumOptions | None 
     linear_mask = sum(1 << i for i, k in enumerate(kinds) if k == "linear")
     opaque_mask = sum(1 << i for i, k in enumerate(kinds) if k == "opaque")
     graph_outputs = set(graph.outputs)
+    # elementwise prims reading only prims of the partition and weights: free against the size cap
+    # once every prim they read is in the set
+    pointwise_mask = sum(1 << i for i, (p, k) in enumerate(zip(prims, kinds))
+                         if k == "elementwise" and all(t in local or t in graph.constants for t in p.inputs))
 
     # Local adjacency (undirected, for growth), consumers, producers; `external[i]`: prim i is read
     # outside the partition or is a graph output, so it is an output of every set containing it.
@@ -318,6 +339,9 @@ def enumerate_partition(graph: Graph, part: Partition, opts: EnumOptions | None 
         for j in _bits(prod[i]):
             anc[i] |= (1 << j) | anc[j]
 
+    def weight_of(mask: int) -> int:
+        return mask.bit_count() - sum(1 for i in _bits(mask & pointwise_mask) if not prod[i] & ~mask)
+
     def n_outputs(mask: int) -> int:
         return sum(1 for i in _bits(mask) if external[i] or cons[i] & ~mask)
 
@@ -338,7 +362,7 @@ def enumerate_partition(graph: Graph, part: Partition, opts: EnumOptions | None 
             frontier.append((1 << i, adj[i], desc[i], anc[i]))
     cap_hit = "max_per_partition" if frontier and len(found) >= opts.max_per_partition else None
     visited, size = n, 1
-    while frontier and size < opts.max_size and not cap_hit:
+    while frontier and size < opts.max_size + opts.max_pointwise and not cap_hit:
         seen: set[int] = set()
         grown = []
         for mask, nbrs, d, a in frontier:
@@ -347,6 +371,8 @@ def enumerate_partition(graph: Graph, part: Partition, opts: EnumOptions | None 
                 if new in seen:
                     continue
                 seen.add(new)
+                if size >= opts.max_size and weight_of(new) > opts.max_size:
+                    continue  # over the cap (not counted: legality says OVER_SIZE, checked first)
                 visited += 1
                 if opaque_mask >> v & 1:
                     reject(new, OPAQUE)

@@ -87,6 +87,9 @@ def parser() -> argparse.ArgumentParser:
 
 def _tuning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-kernel-size", type=int, default=None, help="primitives per candidate kernel")
+    p.add_argument("--max-pointwise", type=int, default=None,
+                   help="elementwise primitives a candidate may hold beyond --max-kernel-size when they compute "
+                        "only from its own values and weights (a GELU after a GEMM)")
     p.add_argument("--max-candidates", type=int, default=None, help="candidates per partition")
     p.add_argument("--max-partition", type=int, default=None, help="primitives per partition")
     p.add_argument("--measure-all", action="store_true",
@@ -150,6 +153,10 @@ def options_from(args) -> Options:
         v = getattr(args, name, None)
         if v:
             kw[name] = v
+    if getattr(args, "max_pointwise", None) is not None:
+        if args.max_pointwise < 0:
+            raise KernorchError(f"--max-pointwise {args.max_pointwise}: expected 0 or more")
+        kw["max_pointwise"] = args.max_pointwise
     if getattr(args, "allow_python_kernels", False):
         kw["python_kernels"] = True
     if getattr(args, "no_rewrites", False):

@@ -135,7 +135,8 @@ class Options:
     sample_weights: tuple[float, ...] = ()
     db_path: str | None = None          # None: the user's cache directory
     max_partition: int = 48             # prims per partition (automatic cuts)
-    max_kernel_size: int = 8            # prims per candidate kernel (a LayerNorm is 9, a softmax 5)
+    max_kernel_size: int = 8            # prims per candidate kernel (a softmax is 5), not counting...
+    max_pointwise: int = 4              # ...elementwise prims computed from its own values: this many more
     max_candidates: int = 1500          # per partition
     max_outputs: int = 2                # outputs per candidate kernel
     workers: int = 2                    # build processes

@@ -116,8 +116,8 @@ def load(model, options: Options, clock: Clock | None = None) -> Loaded:
 
 
 def enum_options(options: Options) -> cands.EnumOptions:
-    return cands.EnumOptions(max_size=options.max_kernel_size, max_per_partition=options.max_candidates,
-                             max_outputs=options.max_outputs)
+    return cands.EnumOptions(max_size=options.max_kernel_size, max_pointwise=options.max_pointwise,
+                             max_per_partition=options.max_candidates, max_outputs=options.max_outputs)
 
 
 def enumerate_candidates(graph: Graph, options: Options) -> cands.Enumeration:

@@ -11,7 +11,7 @@ import pytest
 
 from kernorch import primitives
 from kernorch.candidates import (NOT_CONNECTED, NOT_CONVEX, OPAQUE, OVER_SIZE, TOO_MANY_OUTPUTS, TWO_LINEAR,
-                                 EnumOptions, enumerate_all, enumerate_candidates, enumerate_partition, legality)
+                                 EnumOptions, weight, enumerate_all, enumerate_candidates, enumerate_partition, legality)
 from kernorch.ir import Graph, KernorchError, TensorType, make_prim
 from kernorch.partition import Partition, cut_widths, partition
 
@@ -132,7 +132,11 @@ def brute_attention(g, s, desc) -> bool:
 def brute_legal(g, s, desc, opts) -> bool:
     kinds = [primitives.kind(g.by_name[m].op) for m in s]
     pairs_ok = kinds.count("linear") <= 1 or (kinds.count("linear") == 2 and brute_attention(g, s, desc))
-    return (len(s) <= opts.max_size and pairs_ok and ("opaque" not in kinds or len(s) == 1)
+    closed = [m for m in s if primitives.kind(g.by_name[m].op) == "elementwise"
+              and all(t in s or t in g.constants for t in g.by_name[m].inputs)]
+    size_ok = len(s) <= opts.max_size or (len(s) <= opts.max_size + opts.max_pointwise
+                                          and len(s) - len(closed) <= opts.max_size)
+    return (size_ok and pairs_ok and ("opaque" not in kinds or len(s) == 1)
             and brute_connected(g, s) and brute_convex(g, s, desc) and len(brute_outputs(g, s)) <= opts.max_outputs)
 
 
@@ -142,7 +146,8 @@ def brute_legal(g, s, desc, opts) -> bool:
 def test_enumeration_is_exactly_the_legal_sets(seed):
     rng = random.Random(seed)
     g = random_graph(seed, rng.randint(3, 10))
-    opts = EnumOptions(max_size=rng.choice([3, 5, 10]), max_outputs=rng.choice([1, 2, 3]))
+    opts = EnumOptions(max_size=rng.choice([2, 3, 5, 10]), max_outputs=rng.choice([1, 2, 3]),
+                       max_pointwise=rng.choice([0, 2, 8]))
     cands, rejected = enumerate_candidates(g, whole(g), opts)
     desc = descendants(g)
     names = [p.name for p in g.prims]
@@ -189,8 +194,9 @@ def test_every_singleton_is_a_candidate_even_when_capped():
 
 def test_cap_keeps_smaller_candidates_first():
     g = random_graph(3, 40)
-    full = enumerate_partition(g, whole(g), EnumOptions(max_size=6))
-    capped = enumerate_partition(g, whole(g), EnumOptions(max_size=6, max_per_partition=len(full.candidates) // 2))
+    full = enumerate_partition(g, whole(g), EnumOptions(max_size=6, max_pointwise=0))
+    capped = enumerate_partition(g, whole(g), EnumOptions(max_size=6, max_pointwise=0,
+                                                          max_per_partition=len(full.candidates) // 2))
     assert full.cap_hit is None and capped.cap_hit == "max_per_partition"
     sizes = [c.size for c in capped.candidates]
     assert sizes == sorted(sizes)
@@ -291,7 +297,7 @@ def small_graph() -> Graph:
     (("mx", "sh", "ex", "sm", "sf", "st", "mm3", "n1", "n2"), OVER_SIZE),
 ])
 def test_legality_reasons(members, reason):
-    assert legality(small_graph(), members) == reason
+    assert legality(small_graph(), members, EnumOptions(max_pointwise=0)) == reason
 
 
 def attention_graph(axis=-1, chain=True, v_first=False):
@@ -468,3 +474,39 @@ def test_a_candidates_io_is_computed_once_per_variant():
     assert candidate_io(g, [y, z], [x], [z], "default") is first
     assert candidate_io(g, (y, z), (x,), (z,), "b16/default") is not first
     assert first == _io(kernel_graph(g, (y, z), (x,), (z,)), (x,), (z,), "default", (x,), (z,))
+
+
+def gemm_gelu_graph(chain_reads_input: bool = False) -> Graph:
+    """x @ w + b, then a tanh GELU (9 elementwise prims reading only the GEMM's result and
+    weights; or, with `chain_reads_input`, one of them also reads the graph input)."""
+    b = Builder()
+    x, w, bias = b.input("x", (8, 16)), b.const("w", (16, 16)), b.const("b", (16,))
+    c = b.const("c", (1,))
+    b.add("matmul", x, w, name="mm")
+    h = b.add("add", "mm", bias, name="h")
+    sq = b.add("mul", h, h, name="sq")
+    cube = b.add("mul", sq, h, name="cube")
+    k = b.add("mul", cube, c, name="k")
+    inner = b.add("add", h, k, name="inner")
+    s = b.add("mul", inner, "x" if chain_reads_input else c, name="s")
+    t = b.add("tanh", s, name="t")
+    one = b.add("add", t, c, name="one")
+    half = b.add("mul", h, c, name="half")
+    b.add("mul", half, one, name="y")
+    return b.graph(["y"])
+
+
+def test_closed_pointwise_members_do_not_count_against_the_size_cap():
+    g = gemm_gelu_graph()
+    every = tuple(p.name for p in g.prims)  # 11 prims: the matmul and 10 elementwise ones reading it
+    assert weight(g, set(every)) == 1
+    assert legality(g, every, EnumOptions(max_size=8)) is None
+    assert legality(g, every, EnumOptions(max_size=8, max_pointwise=2)) == OVER_SIZE  # 11 > 8 + 2
+    assert frozenset(every) in {frozenset(c.members) for c in enumerate_candidates(g, whole(g))[0]}
+    # a member that also reads the graph input is not free: two members count
+    h = gemm_gelu_graph(chain_reads_input=True)
+    assert weight(h, set(every)) == 2
+    assert legality(h, every, EnumOptions(max_size=1, max_pointwise=20)) == OVER_SIZE
+    assert legality(h, every, EnumOptions(max_size=2, max_pointwise=20)) is None
+    # a member is free only while every prim it reads is in the set: without "inner", "s" counts
+    assert weight(g, set(every) - {"inner"}) == 2

@@ -338,8 +338,9 @@ def test_a_run_starts_from_the_model_errors_on_the_fusions_the_database_holds(tm
     monkeypatch.setattr(cm, "shipped", lambda: Shifting())
     monkeypatch.setattr(pipeline, "CORRECT_AFTER", 1)
     chain_onnx(tmp_path / "chain.onnx", ["Relu", "Neg", "Abs", "Neg"])
-    options = Options(threads=1, max_kernel_size=2, repeats=3, min_repeat_ms=1.0, workers=2, compare_untuned=0,
-                      db_path=str(tmp_path / "db.sqlite"))
+    # (kernels of exactly 2, then 3 prims: a chain's elementwise prims do not count against the size)
+    options = Options(threads=1, max_kernel_size=2, max_pointwise=0, repeats=3, min_repeat_ms=1.0, workers=2,
+                      compare_untuned=0, db_path=str(tmp_path / "db.sqlite"))
     pipeline.plan_model(str(tmp_path / "chain.onnx"), options.with_(prune=False))  # every pair measured
     options = options.with_(max_kernel_size=3)
     machine = Machine.host()

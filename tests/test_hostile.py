@@ -188,3 +188,9 @@ def test_force_never_deletes_a_directory_that_is_not_ours(saved, tmp_path, capsy
     expect(capsys, ["optimize", saved / "m.onnx", "-o", mine, "--force", "--db", saved / "db.sqlite",
                     "--threads", "1", "--max-kernel-size", "2", "--runs", "0"], "not a kernorch output")
     assert (mine / "holiday.jpg").exists()
+
+
+def test_a_negative_pointwise_allowance_is_refused(tmp_path, capsys):
+    onnx.save(good_model(), str(tmp_path / "m.onnx"))
+    expect(capsys, ["optimize", tmp_path / "m.onnx", "-o", tmp_path / "out", "--max-pointwise", "-1"],
+           "--max-pointwise -1")

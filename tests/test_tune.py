@@ -101,8 +101,8 @@ def tuned(tmp_path_factory):
     d = tmp_path_factory.mktemp("tune")
     model = tiny_model(d / "tiny.onnx")
     opts = Options().with_(db_path=str(d / "db.sqlite"), tune_dir=str(d / "tuning"), budget="8t", threads=1,
-                           max_kernel_size=4, repeats=3, min_repeat_ms=1.0, workers=2, compare_untuned=0,
-                           prune=False)
+                           max_kernel_size=4, max_pointwise=0, repeats=3, min_repeat_ms=1.0, workers=2,
+                           compare_untuned=0, prune=False)
     machine = Machine.host()
     with ProfileDB(opts.resolved_db()) as db:
         loaded = pipeline.load(str(model), opts)
