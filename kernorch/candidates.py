@@ -23,7 +23,10 @@ deduplicated per size, so each set is examined once. Supersets of a set with two
 in the shape of attention) or an opaque prim are never legal and are not grown, nor are sets with
 more than `max_outputs` members that are graph outputs or read outside the partition (those stay
 outputs in every superset); other sets with too many outputs are grown (absorbing a consumer can
-remove outputs) but not emitted.
+remove outputs) but not emitted. Past `max_size` prims only sets within the cap are grown: removing
+a sink never raises a set's count (a sink that was free leaves no member that read it), so a legal
+set is reached through legal ones; the brute-force test checks that on random graphs, as no proof
+covers a set whose only removable members are sources.
 Rejection counts therefore count the sets examined, not every illegal superset.
 """
 from __future__ import annotations
