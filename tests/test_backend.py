@@ -514,6 +514,49 @@ def test_an_avx2_target_builds_correct_8_lane_code():
             np.testing.assert_allclose(k(*pack_args(graph, inputs, tile.name, arrays))[0], want[0], rtol=RTOL, atol=ATOL)
 
 
+@pytest.mark.parametrize("tile", ["t8x32p", "t4x64p", "t14x32p", "t8x32pr"])
+def test_a_register_tile_is_not_a_workspace_allocation(tile):
+    """The accumulators of a 1024-byte (or larger) register tile stay on the stack, where LLVM keeps
+    them in registers: no TVMBackendAllocWorkspace, memset and free per tile. TVM's own lowering
+    puts a local buffer of 1024 bytes or more in the workspace; kernorch's TIR pipeline
+    (passes.stack_small_buffers) keeps those up to STACK_BYTES on the stack. A buffer above that
+    still goes to the workspace (the pass marks only the small ones)."""
+    import tvm
+    from kernorch.backends.tvm import passes
+    from kernorch.kernels import pack_args
+    target = kt.make_target(2, AVX512)
+    graph, inputs = gemm_graph(m=56, k=40, n=128)
+    mod = kt.schedule(kt.lower(graph, list(graph.prims), inputs, ["y"], tile), target, tile)
+    k = kt.build(mod, target)
+    asm = k.assembly()
+    assert "TVMBackendAllocWorkspace@" not in asm and "memset" not in asm and "zmm" in asm
+    default = tvm.compile(mod, target=target).mod.inspect_source("asm")  # TVM's own pipeline
+    assert "TVMBackendAllocWorkspace@" in default
+    if "avx512f" in Machine.host().isa:
+        arrays = _arrays(graph, inputs, np.random.default_rng(5))
+        want = reference(graph, {"x": arrays[0]}, ["y"])
+        np.testing.assert_allclose(k(*pack_args(graph, inputs, tile, arrays))[0], want[0], rtol=RTOL, atol=ATOL)
+
+
+def test_only_small_local_buffers_are_kept_on_the_stack():
+    """passes._marked annotates a local buffer of constant size up to STACK_BYTES and leaves larger,
+    global and symbolic ones to TVM's workspace."""
+    from tvm import tirx
+    from kernorch.backends.tvm import passes
+
+    def alloc(shape, scope="local"):
+        return tirx.AllocBuffer(tirx.decl_buffer(shape, "float32", scope=scope))
+    n = tirx.Var("n", "int32")
+    small, big, glob, sym = alloc((8, 32)), alloc((passes.STACK_BYTES // 4 + 1,)), alloc((8, 32), "global"), alloc((n,))
+    body = tirx.SeqStmt([small, tirx.For(tirx.Var("i", "int32"), 0, 4, tirx.ForKind.PARALLEL,
+                                          tirx.SeqStmt([big, glob, sym]))])
+    out = passes._marked(body)
+    marked = [out.seq[0], *out.seq[1].body.seq]
+    assert ["disable_lower_builtin" in (a.annotations or {}) for a in marked] == [True, False, False, False]
+    assert passes._marked(out.seq[1]).same_as(body.seq[1])  # nothing to mark: the same object
+    assert out.seq[0].buffer.same_as(small.buffer)
+
+
 # -------------------------------------------------------------------------------------------------
 # Relax: a Python kernel (call_dps_packed) and a TIR kernel (call_tir) in one main
 # -------------------------------------------------------------------------------------------------

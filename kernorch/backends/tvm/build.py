@@ -15,6 +15,7 @@ from tvm.script import tirx as T
 
 from ...ir import KernorchError
 from .lower import NUM_INPUTS_ATTR
+from .passes import PIPELINE
 from .schedule import CACHE_LINE, _subexprs
 from .target import versions
 
@@ -149,7 +150,7 @@ def build(mod: tvm.IRModule, target: tvm.target.Target) -> BuiltKernel:
         params.append((tuple(int(s) if isinstance(s, tirx.IntImm) else str(s) for s in buf.shape), str(buf.dtype)))
     n_in = func.attrs[NUM_INPUTS_ATTR] if func.attrs is not None and NUM_INPUTS_ATTR in func.attrs else len(params) - 1
     check_bounds(mod)
-    ex = tvm.compile(mod, target=target)
+    ex = tvm.compile(mod, target=target, tir_pipeline=PIPELINE)
     return BuiltKernel(ex.jit(), params, int(n_in), ex)
 
 

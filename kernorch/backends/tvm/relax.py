@@ -25,6 +25,8 @@ from .. import registry
 from .build import check_bounds, register_packed, relax_func
 from ...dynamic import plan_buckets, plan_ranges
 from .lower import Symbols, lower
+from . import passes
+from .passes import PIPELINE
 from .schedule import schedule
 from .target import make_target, set_threads
 
@@ -212,12 +214,14 @@ EXECUTABLES_KEPT = 16  # libraries a cache directory keeps, the least recently u
 
 def executable_key(mod: tvm.IRModule, target, graph: Graph, params) -> str:
     """What a compiled library depends on: the Relax module (its structural hash: every kernel as
-    scheduled), the target, TVM, this module's code (the Relax passes it compiles with), every
+    scheduled), the target, TVM, this module's code (the Relax passes it compiles with) and
+    passes.py's (the TIR pipeline), every
     constant of the graph by content and the layout of every weight the kernels take (its packed
     content follows from the constant and the layout)."""
     import hashlib
     h = hashlib.sha256()
     for part in (str(tvm_ffi.structural_hash(mod)), str(target), tvm.__version__, Path(__file__).read_text(),
+                 Path(passes.__file__).read_text(),
                  *(f"{name}:{layout}:{np.shape(a)}" for name, layout, a in params)):
         h.update(part.encode() + b"\0")
     for name in sorted(graph.constants):
@@ -232,7 +236,7 @@ def _compiled(mod: tvm.IRModule, target, graph: Graph, params, cache_dir) -> tup
     `cache_dir` holds for its `executable_key`; with the file it is kept in (None: not kept). A
     library that does not load is compiled again; one that cannot be stored is only logged."""
     def compile_():
-        return tvm.compile(mod, target=target, relax_pipeline=_relax_pipeline())
+        return tvm.compile(mod, target=target, relax_pipeline=_relax_pipeline(), tir_pipeline=PIPELINE)
     if cache_dir is None:
         return compile_(), None
     import os

@@ -1,0 +1,85 @@
+"""The TIR pipeline kernorch compiles every kernel with: TVM's default, plus small local buffers
+kept on the stack.
+
+TVM lowers a local buffer of 1024 bytes or more (`kMaxStackAlloca`, strictly less stays on the
+stack) to a `TVMBackendAllocWorkspace` call and a free, and LLVM then clears it with a memset and
+keeps it in memory. A micro-kernel's accumulator tile is such a buffer: 8 x 32 or 4 x 64 floats are
+exactly 1024 bytes, 14 x 32 are 1792. It is allocated inside the parallel loop, so every register
+tile of a GEMM or a convolution paid an allocation, a memset, a free, and a store and a reload of
+its accumulators (768 times per call for a 128 x 384 x 1536 GEMM in 8 x 32 tiles). On the stack,
+LLVM promotes the tile to registers and writes it back once.
+
+`stack_small_buffers` marks every local buffer of constant size up to `STACK_BYTES` with TVM's own
+`disable_lower_builtin` annotation, which LowerTVMBuiltin honours by leaving the allocation to
+the code generator (an `alloca` in the function's entry block, so no growth per iteration). It runs
+just before LowerTVMBuiltin, after TVM's lowering has fixed the buffers' final shapes.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import tirx
+
+# a register tile and its neighbours: the largest micro-kernel tile is the register file
+# (32 x 64 bytes with AVX-512); well inside a worker thread's stack
+STACK_BYTES = 4096
+PIPELINE = "kernorch"  # the name tvm.compile's `tir_pipeline` takes
+
+
+def _bytes(buf) -> int | None:
+    if not all(isinstance(d, tirx.IntImm) for d in buf.shape):
+        return None
+    dt = tvm.DataType(buf.dtype)
+    return int(np.prod([int(d) for d in buf.shape], dtype=np.int64)) * dt.bits // 8 * dt.lanes
+
+
+def _marked(stmt):
+    """`stmt` with every small local AllocBuffer under it annotated; the same object if none is."""
+    if isinstance(stmt, tirx.SeqStmt):
+        seq = [_marked(s) for s in stmt.seq]
+        return stmt if all(a.same_as(b) for a, b in zip(seq, stmt.seq)) else tirx.SeqStmt(seq)
+    if isinstance(stmt, tirx.For):
+        body = _marked(stmt.body)
+        return stmt if body.same_as(stmt.body) else tirx.For(
+            stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding, stmt.annotations)
+    if isinstance(stmt, tirx.AttrStmt):
+        body = _marked(stmt.body)
+        return stmt if body.same_as(stmt.body) else tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, body)
+    if isinstance(stmt, tirx.IfThenElse):
+        then = _marked(stmt.then_case)
+        other = _marked(stmt.else_case) if stmt.else_case is not None else None
+        if then.same_as(stmt.then_case) and (other is None or other.same_as(stmt.else_case)):
+            return stmt
+        return tirx.IfThenElse(stmt.condition, then, other)
+    if isinstance(stmt, tirx.AllocBuffer):
+        size = _bytes(stmt.buffer)
+        if stmt.buffer.scope() == "local" and size is not None and 0 < size <= STACK_BYTES:
+            annotations = dict(stmt.annotations or {})
+            annotations["disable_lower_builtin"] = tirx.IntImm("int32", 1)
+            return tirx.AllocBuffer(stmt.buffer, annotations)
+    return stmt
+
+
+@tvm.transform.module_pass(opt_level=0, name="kernorch.StackSmallBuffers")
+def stack_small_buffers(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    funcs = {}
+    for gv, func in mod.functions.items():
+        if isinstance(func, tirx.PrimFunc):
+            body = _marked(func.body)
+            if not body.same_as(func.body):
+                func = func.with_body(body)
+        funcs[gv] = func
+    return tvm.IRModule(funcs, attrs=mod.attrs)
+
+
+def _pipeline():
+    """TVM's default pipeline (lowering, host finalization, device finalization) with
+    `stack_small_buffers` before the host finalization (LowerTVMBuiltin, LowerIntrin)."""
+    lowering, host, device = tirx.compilation_pipeline.get_tir_pipeline("default")
+
+    def finalize_host():
+        return tvm.ir.transform.Sequential([stack_small_buffers, host()])
+    return lowering, finalize_host, device
+
+
+tirx.compilation_pipeline.register_tir_pipeline(PIPELINE, _pipeline)
