@@ -151,7 +151,7 @@ def test_workers_die_with_a_killed_parent(tmp_path):
 
 # -- measurement: a crashed or hung worker is retried, and never a verdict on its own ----------------
 
-def crash_first_time(job, path, repeats, min_repeat_ms, verify, cutoff_s=None):
+def crash_first_time(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None):
     """Crash the worker the first time this job is timed (a flag file remembers), then time it."""
     import pathlib
     from kernorch import measure
@@ -159,7 +159,7 @@ def crash_first_time(job, path, repeats, min_repeat_ms, verify, cutoff_s=None):
     if not flag.exists():
         flag.write_text("crashed once")
         os.kill(os.getpid(), signal.SIGSEGV)
-    return measure._time_task(job, path, repeats, min_repeat_ms, verify, cutoff_s)  # unpatched in the worker
+    return measure._time_task(job, path, repeats, min_repeat_ms, verify, cutoff_s, big_bytes)  # unpatched in the worker
 
 
 def test_measure_retries_a_crashed_worker_once(tmp_path, monkeypatch):
@@ -178,12 +178,12 @@ def test_measure_retries_a_crashed_worker_once(tmp_path, monkeypatch):
     assert res[job.ident].ok and stats.measured == 1 and stats.refused == 0
 
 
-def crash_bad_kernels(job, path, repeats, min_repeat_ms, verify, cutoff_s=None):
+def crash_bad_kernels(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None):
     """The worker dies whenever it times a kernel whose key starts with "k-bad"."""
     from kernorch import measure
     if job.key.startswith("k-bad"):
         os.kill(os.getpid(), signal.SIGKILL)
-    return measure._time_task(job, path, repeats, min_repeat_ms, verify, cutoff_s)
+    return measure._time_task(job, path, repeats, min_repeat_ms, verify, cutoff_s, big_bytes)
 
 
 def test_a_crashing_kernel_is_refused_only_when_it_crashes_again_in_a_healthy_run(tmp_path, monkeypatch):
@@ -389,6 +389,8 @@ def test_kernels_with_weights_are_timed_one_cold_call_at_a_time(secs, calls):
               (make_prim("y", "matmul", ["x", "w"], t),), constants={"w": np.ones((3, 8), np.float32)})
     job = measure.KernelJob("k", "tvm", "default", g, ("x", "w"), ("y",))
     assert measure.cold_args(job) == [1]
+    # an output larger than the caches of the cores writing it is flushed too (parameter 2: after the inputs)
+    assert measure.cold_args(job, big_bytes=4 * 8 * 4 - 1) == [1, 2] and measure.cold_args(job, big_bytes=4 * 8 * 4) == [1]
     k = _StubKernel(secs)
     runs = measure._timed(k, [None, None], repeats=5, min_repeat_ms=10, cold=[1])
     # one call to size the run, then as many single cold calls as 5 repeats of 10 ms hold (5..200)
@@ -396,6 +398,25 @@ def test_kernels_with_weights_are_timed_one_cold_call_at_a_time(secs, calls):
     hot = _StubKernel(secs)
     measure._timed(hot, [None], repeats=5, min_repeat_ms=10, cold=[])
     assert hot.calls == [dict(number=1, repeat=5, min_repeat_ms=10, cold=[])]
+
+
+def test_a_kernel_is_timed_with_its_output_flushed():
+    """`cold` positions past the inputs are outputs: BuiltKernel.time flushes them before each call
+    (one call per repeat); the threshold is the L2 of the cores that write the output."""
+    from kernorch import measure
+    from kernorch.backends import tvm as tb
+    from kernorch.ir import Graph, TensorType, make_prim
+    from kernorch.options import Machine
+    t = TensorType((64, 64), "float32")
+    g = Graph((("x", t), ("w", t)), ("y",), (make_prim("y", "matmul", ["x", "w"], t),))
+    target = tb.make_target(1)
+    k = tb.build(tb.schedule(tb.lower(g, g.prims, ["x", "w"], ["y"], "default"), target, "default"), target)
+    x = np.ones((64, 64), np.float32)
+    runs = k.time(x, x, repeat=3, cold=[2], warmup=0)
+    assert len(runs) == 3 and all(r > 0 for r in runs)
+    m = Machine.host()
+    assert measure.big_output_bytes(m, 2) == m.l2_kib * 1024 * min(2, m.cores)
+    assert measure.big_output_bytes(m, 0) == m.l2_kib * 1024
 
 
 def test_versions_name_the_timing_protocol():

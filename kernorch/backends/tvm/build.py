@@ -69,14 +69,15 @@ class BuiltKernel:
         """Seconds per call, one value per repeat (each the mean of `number` calls), on
         preallocated tensors. Take the median yourself; never assert on it in tests.
 
-        `cold`: the inputs (by position) flushed from every cache level before each call, as a
-        model's weights arrive: then each repeat is one call (`number` and `min_repeat_ms` ignored)
-        and `repeat` calls are made."""
+        `cold`: the parameters (by position: the inputs, then the outputs) flushed from every cache
+        level before each call, as a model's weights arrive: then each repeat is one call (`number`
+        and `min_repeat_ms` ignored) and `repeat` calls are made."""
         args, outs = self._args(inputs, out_shapes)
         for _ in range(max(warmup, 0)):
             self._fn(*args, *outs)
         if cold:
-            flush = _flusher([args[i] for i in cold])
+            params = [*args, *outs]
+            flush = _flusher([params[i] for i in cold])
             fe = self.rt_mod.time_evaluator("main", self.dev, number=1, repeat=repeat, f_preproc=flush)
         else:
             fe = self.rt_mod.time_evaluator("main", self.dev, number=number, repeat=repeat, min_repeat_ms=min_repeat_ms)
