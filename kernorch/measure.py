@@ -299,19 +299,24 @@ def big_output_bytes(machine: Machine, threads: int) -> int:
 
 def _timed(kernel, inputs, repeats: int, min_repeat_ms: float, cold: Sequence[int], out_shapes=None,
            max_calls: int = COLD_MAX_CALLS) -> list[float]:
-    """Seconds per call of a built kernel, as it runs inside the model: its weights (`cold`) flushed
-    from the caches before each call, its activations and outputs warm (they were just written by
-    the kernel before, or are buffers the executable reuses). Each call is one repeat, as many as
-    `repeats` repeats of `min_repeat_ms` would hold (at most `max_calls`). A kernel without
-    weights is timed hot, `repeats` repeats of at least `min_repeat_ms` each.
+    """Seconds per call of a built kernel, as it runs inside the model: its weights and its large
+    outputs (`cold`, see `cold_args`) flushed from the caches before each call, its activations and
+    smaller outputs warm (they were just written by the kernel before, or are buffers the executable
+    reuses). Each call is one repeat, as many as `repeats` repeats of `min_repeat_ms` of wall time
+    would hold, the flush included (at most `max_calls`): flushing a written 16 MB output takes
+    longer than the call, and counting only the call made segformer_b0's cold optimize 2.2x
+    longer. A kernel with nothing to flush is timed hot, `repeats` repeats of at least
+    `min_repeat_ms` each.
 
     Measured on gpt2_mini (2 threads): the sum of its 86 kernels timed so, 7.43 ms, end to end
     7.47 ms; timed hot, 5.9 ms. The protocol also ranks the tiles as the model does: the guarded
     14-row tile of its 128-row GEMMs was as fast as the 8-row one hot, and slower in the model."""
     if not cold:
         return kernel.time(*inputs, number=1, repeat=repeats, min_repeat_ms=int(min_repeat_ms), out_shapes=out_shapes)
+    start = time.perf_counter()
     one = kernel.time(*inputs, repeat=1, cold=cold, out_shapes=out_shapes)[0]
-    calls = int(min(max_calls, max(repeats, repeats * min_repeat_ms / 1e3 / max(one, 1e-7))))
+    per_call = time.perf_counter() - start - one  # less the warm-up call: a flush and a call
+    calls = int(min(max_calls, max(repeats, repeats * min_repeat_ms / 1e3 / max(one, per_call, 1e-7))))
     return kernel.time(*inputs, repeat=calls, cold=cold, out_shapes=out_shapes, warmup=0)
 
 
