@@ -444,12 +444,16 @@ def test_packed_weight_is_a_parameter_of_the_packed_shape(target):
                                                   (64, 64, "t8x32pr", False), (64, 32, "t8x32p", False),
                                                   (64, 64, "t8x32", False)])
 def test_packed_tiles_prefetch_the_next_weight_panel(m, n, tile, fetches, target):
-    """A packed tile walking row tiles inside each weight panel prefetches the next panel before
-    each reduction loop; not with a guarded row tail (LLVM then keeps the accumulators in memory),
-    rows outside panels, one panel only, or an unpacked weight. Results exact either way."""
+    """A packed tile walking row tiles inside each weight panel prefetches its share of the next
+    panel spread over its reduction loop (a line at each step k where k*share//K begins: 24 lines
+    over 96 steps here); not with a guarded row tail (LLVM then keeps the accumulators in
+    memory), rows outside panels, one panel only, or an unpacked weight. Results exact either way."""
     graph, inputs = gemm_graph(m=m, k=96, n=n, const=tile.endswith("p") or tile.endswith("pr"))
     mod = _run_variant(graph, inputs, tile, target)
-    assert ("T.prefetch(" in mod.script()) == fetches
+    text = mod["main"].script()
+    assert ("T.prefetch(" in text) == fetches
+    if fetches:  # inside the reduction loop, not a burst before it
+        assert re.search(r"for k in range\(96\):\n\s+if k \* 24 % 96 < 24:\n\s+T.prefetch", text)
 
 
 @pytest.mark.parametrize("schedule, cout, fetches", [("t4x32p", 64, True), ("t4x32pr", 64, False),
