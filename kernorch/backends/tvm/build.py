@@ -70,8 +70,8 @@ class BuiltKernel:
         preallocated tensors. Take the median yourself; never assert on it in tests.
 
         `cold`: the parameters (by position: the inputs, then the outputs) flushed from every cache
-        level before each call, as a model's weights arrive: then each repeat is one call (`number`
-        and `min_repeat_ms` ignored) and `repeat` calls are made."""
+        level before each call, as the model finds its weights and large outputs: then each repeat
+        is one call (`number` and `min_repeat_ms` ignored) and `repeat` calls are made."""
         args, outs = self._args(inputs, out_shapes)
         for _ in range(max(warmup, 0)):
             self._fn(*args, *outs)

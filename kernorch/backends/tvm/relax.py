@@ -214,10 +214,9 @@ EXECUTABLES_KEPT = 16  # libraries a cache directory keeps, the least recently u
 
 def executable_key(mod: tvm.IRModule, target, graph: Graph, params) -> str:
     """What a compiled library depends on: the Relax module (its structural hash: every kernel as
-    scheduled), the target, TVM, this module's code (the Relax passes it compiles with) and
-    passes.py's (the TIR pipeline), every
-    constant of the graph by content and the layout of every weight the kernels take (its packed
-    content follows from the constant and the layout)."""
+    scheduled), the target, TVM, the code of this module (the Relax passes it compiles with) and of
+    passes.py (the TIR pipeline), every constant of the graph by content and the layout of every
+    weight the kernels take (its packed content follows from the constant and the layout)."""
     import hashlib
     h = hashlib.sha256()
     for part in (str(tvm_ffi.structural_hash(mod)), str(target), tvm.__version__, Path(__file__).read_text(),
