@@ -279,15 +279,8 @@ def cold_args(job: KernelJob, big_bytes: int | None = None) -> list[int]:
     weights = [i for i, t in enumerate(job.inputs) if t in job.graph.constants]
     if big_bytes is None:
         return weights
-    return weights + [len(job.inputs) + i for i, o in enumerate(job.outputs)
-                      if (n := _nbytes(job.graph.type_of(o))) is not None and n > big_bytes]
-
-
-def _nbytes(t) -> int | None:
-    """A tensor type's size in bytes; None over a symbolic dimension."""
-    if not all(isinstance(d, (int, np.integer)) for d in t.shape):
-        return None
-    return int(np.prod(t.shape, dtype=np.int64)) * np.dtype(t.dtype).itemsize
+    types = [job.graph.type_of(o) for o in job.outputs]
+    return weights + [len(job.inputs) + i for i, t in enumerate(types) if t.static and t.nbytes > big_bytes]
 
 
 def big_output_bytes(machine: Machine, threads: int) -> int:

@@ -792,17 +792,15 @@ def _prefetch_next_panel(sch, par, red_loop, weight, panels: int, tiles: int) ->
     `f // tiles % panels`, tile `f % tiles`). Each tile prefetches its share (1/tiles) of the next
     panel's cache lines, spread over the iterations of its outermost reduction loop `red_loop` (of
     K steps: step k fetches line k*share//K when that index begins, or with more lines than steps
-    ceil(share/K) lines per step): the panel arrives
-    from L3 or memory while the FMAs run, a line every few steps, instead of stalling the first
-    tile of every panel on it.
+    ceil(share/K) lines per step): the panel arrives from L3 or memory while the FMAs run, a line
+    every few steps, instead of stalling the first tile of every panel on it.
 
     Spread, not issued as one burst before the reduction loop: a burst of 48-192 prefetches holds
     the core's line-fill buffers while the tile's own loads wait (128x1536 x 1536x384 t8x32p,
     weights cold, Xeon model 207: 609 us with the burst, 529 spread, 601 with none; hot all about
-    450-470). Inside the reduction loop the prefetch only keeps the accumulators in registers
-    because the tile is on the stack (passes.stack_small_buffers); in TVM's workspace, LLVM stored
-    them to memory around every prefetch. Returns False (nothing changed) if `par`'s body is not
-    the sequence it expects."""
+    450-470). LLVM keeps the accumulators in registers around a prefetch only because the tile is
+    on the stack (passes.stack_small_buffers); in TVM's workspace it stored them to memory around
+    every prefetch. Returns False (nothing changed) if `par`'s body is not the sequence it expects."""
     loop = sch.get(par)
     body = loop.body
     red = sch.get(red_loop)
