@@ -265,7 +265,7 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
     return {"runs": [float(r) for r in _timed(kernel, inputs, repeats, min_repeat_ms, cold)], "error": None}
 
 
-COLD_MAX_CALLS = 200  # calls of a kernel timed with its weights flushed (one call per repeat)
+COLD_MAX_CALLS = 200  # calls of a kernel timed with its weights or large outputs flushed (one call per repeat)
 
 
 def cold_args(job: KernelJob, big_bytes: int | None = None) -> list[int]:

@@ -26,7 +26,6 @@ from .build import check_bounds, register_packed, relax_func
 from ...dynamic import plan_buckets, plan_ranges
 from .lower import Symbols, lower
 from . import passes
-from .passes import PIPELINE
 from .schedule import schedule
 from .target import make_target, set_threads
 
@@ -235,7 +234,7 @@ def _compiled(mod: tvm.IRModule, target, graph: Graph, params, cache_dir) -> tup
     `cache_dir` holds for its `executable_key`; with the file it is kept in (None: not kept). A
     library that does not load is compiled again; one that cannot be stored is only logged."""
     def compile_():
-        return tvm.compile(mod, target=target, relax_pipeline=_relax_pipeline(), tir_pipeline=PIPELINE)
+        return tvm.compile(mod, target=target, relax_pipeline=_relax_pipeline(), tir_pipeline=passes.PIPELINE)
     if cache_dir is None:
         return compile_(), None
     import os
