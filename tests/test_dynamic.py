@@ -283,6 +283,34 @@ def test_a_tile_over_symbolic_rows_carries_a_small_tile_for_short_lengths(block)
     assert "kernorch.small_rows" not in smod["main"].attrs
 
 
+def test_a_packed_tile_over_symbolic_rows_prefetches_the_next_weight_panel():
+    """Over seq rows the number of row tiles sharing a weight panel is known at run time only: each
+    copy of the tile (the 2-row one and the main one) fetches one line of the next panel a step of
+    its reduction loop, tile t the lines t*K.., guarded by the panel's line count; the kernel stays
+    right at lengths that use one tile per panel, several, and many."""
+    from kernorch.backends import tvm as tb
+    from kernorch.executor import run as reference
+    from kernorch.ir import Graph, TensorType, make_prim, SymDim
+    from kernorch.kernels import pack_args
+    seq = SymDim("seq", (0, 1, 0))
+    w = np.random.default_rng(0).standard_normal((96, 128)).astype(np.float32)
+    g = Graph((("x", TensorType((seq, 96))),), ("y",), (make_prim("y", "matmul", ["x", "w"], TensorType((seq, 128))),),
+              {"w": w})
+    target = tb.make_target(1)
+    mod = tb.schedule(tb.lower(g, g.prims, ["x", "w"], ["y"], "t6x64p"), target, "t6x64p", {"seq": 512})
+    text = mod["main"].script()
+    # 96 x 64 floats a panel: 384 lines; tile t fetches line t*96 + k at step k
+    guards = re.findall(r"for k in range\(T.int64\(96\)\):\n\s+if .*\* T.int64\(96\) \+ k < T.int64\(384\):\n\s+T.prefetch",
+                        text)
+    assert len(guards) == 2, text
+    kernel = tb.build(mod, target)
+    for s in (1, 5, 13, 200):
+        b = dynamic.bind(g, {"seq": s})
+        x = np.random.default_rng(s).standard_normal((s, 96)).astype(np.float32)
+        got = kernel(*pack_args(b, ["x", "w"], "t6x64p", [x, w]), out_shapes=[(s, 128)])[0]
+        np.testing.assert_allclose(got, reference(b, {"x": x})["y"], rtol=1e-4, atol=1e-4, err_msg=f"seq={s}")
+
+
 def _weight_gemm(generic, cols: int):
     p = next(q for q in generic.prims if q.op == "matmul" and q.inputs[1] in generic.constants
              and int(np.shape(generic.constants[q.inputs[1]])[-1]) % cols == 0)

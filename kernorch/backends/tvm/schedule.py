@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 17
+SCHEDULES_VERSION = 18
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -563,6 +563,7 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None) -> s_tir.Sched
     ro = ri = None
     if row is not None:
         ro, ri = sch.split(loops[row], factors=[None, r])
+        row_tiles = sch.get(ro).extent  # (over padded symbolic rows a run-time value)
     if vt < ext[v]:
         vo, vi = sch.split(loops[v], factors=[None, vt])
     else:
@@ -604,13 +605,14 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None) -> s_tir.Sched
     # everything else (producers like pad, epilogues that could not be inlined, the padding blocks
     # of a symbolic extent): the blocks at the root apart from the contraction
     _schedule_rest(sch, set(names) - {cname} - moved, lanes)
-    # (not over symbolic rows: a seq x 384 x 1536 GEMM, t8x32p, weights cold, Zen 4, took 104 us
-    # with the prefetch at seq=7 against 79 without, 235 against 222 at 32, the same at 512)
-    if (tile is not None and tile.pack and not tile.rows_outer and not padded and par is not None
+    # over symbolic rows the number of row tiles per panel is known at run time only (padded: the
+    # row tile loop's extent, e.g. (seq + 3) // 4)
+    if (tile is not None and tile.pack and not tile.rows_outer and par is not None
             and vo is not None and (row is None or ext[row] % r == 0)):
         weight = _packed_weight(stmt, lambda s: len(s) == 3 and s[2] == vt and s[0] * vt == ext[v])
         if weight is not None:
-            _prefetch_next_panel(sch, par, red[0], weight, ext[v] // vt, ext[row] // r if row is not None else 1)
+            tiles = 1 if row is None else (row_tiles if padded else ext[row] // r)
+            _prefetch_next_panel(sch, par, red[0], weight, ext[v] // vt, tiles)
     return sch
 
 
@@ -806,32 +808,47 @@ def _prefetch_next_panel(sch, par, red_loop, weight, panels: int, tiles: int) ->
     red = sch.get(red_loop)
     seq = list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
     at = next((i for i, s in enumerate(seq) if s.same_as(red)), None)
-    if at is None or panels < 2 or tiles < 1 or not isinstance(red.extent, tirx.IntImm):
+    static = isinstance(tiles, int)
+    if at is None or panels < 2 or (static and tiles < 1) or not isinstance(red.extent, tirx.IntImm):
         return False  # (one panel: nothing to fetch ahead)
     shape = [int(d) for d in weight.shape]
     elem = tvm.DataType(weight.dtype).bits // 8
     per_panel = int(np.prod(shape[1:]))
     lines = -(-per_panel * elem // CACHE_LINE)
-    share = -(-lines // tiles)
     steps = int(red.extent)
     f = loop.loop_var
     k = red.loop_var - red.min
+    if not static:
+        tiles = tirx.max(tirx.Cast(f.ty.dtype, tiles), 1)
     panel = tirx.floormod(tirx.floordiv(f, tiles) + 1, panels)
 
-    def prefetch(j):  # line `j` of this tile's share of the next panel (clamped to the panel's last line)
-        offset = tirx.min(tirx.floormod(f, tiles) * share + j, lines - 1) * (CACHE_LINE // elem)
+    def fetch_line(line):  # line `line` of the next panel
+        offset = line * (CACHE_LINE // elem)
         index = []
         for d in reversed(shape[1:]):
             index.append(tirx.floormod(offset, d))
             offset = tirx.floordiv(offset, d)
         addr = tirx.address_of(tirx.BufferLoad(weight, [panel, *reversed(index)]))
         return tirx.Evaluate(tirx.call_intrin("void", "tirx.prefetch", addr, 0, 2, 1))
-    if share <= steps:  # at most a line per step: step k fetches line k*share//steps when it begins
-        fetch = tirx.IfThenElse(tirx.floormod(k * share, steps) < share, prefetch(tirx.floordiv(k * share, steps)), None)
-    else:  # several lines per step (a conv's reduction over channel blocks): `per` each, in order
-        per = -(-share // steps)
-        i = tirx.Var("pf", "int32")
-        fetch = tirx.For(i, 0, per, tirx.ForKind.SERIAL, prefetch(tirx.min(k * per + i, share - 1)))
+
+    if not static:  # the number of tiles per panel is known at run time only: tile t fetches line
+        # t*steps + k at step k, so the panel's first tiles fetch all of it (one line a step keeps the
+        # loop as tight as the static one: a share computed at run time, several lines a step, made
+        # LLVM spill the accumulators: seq x 384 x 1536 t4x64p, 2.3x slower hot at seq=512)
+        line = tirx.floormod(f, tiles) * steps + k
+        fetch = tirx.IfThenElse(line < lines, fetch_line(line), None)
+    else:
+        share = -(-lines // tiles)
+
+        def prefetch(j):  # line `j` of this tile's share of the next panel (clamped to the panel's last line)
+            return fetch_line(tirx.min(tirx.floormod(f, tiles) * share + j, lines - 1))
+        if share <= steps:  # at most a line per step: step k fetches line k*share//steps when it begins
+            fetch = tirx.IfThenElse(tirx.floormod(k * share, steps) < share,
+                                    prefetch(tirx.floordiv(k * share, steps)), None)
+        else:  # several lines per step (a conv's reduction over channel blocks): `per` each, in order
+            per = -(-share // steps)
+            i = tirx.Var("pf", "int32")
+            fetch = tirx.For(i, 0, per, tirx.ForKind.SERIAL, prefetch(tirx.min(k * per + i, share - 1)))
     seq[at] = tirx.For(red.loop_var, red.min, red.extent, red.kind, tirx.SeqStmt([fetch, red.body]),
                        red.thread_binding, red.annotations)
     new = tirx.For(f, loop.min, loop.extent, loop.kind, tirx.SeqStmt(seq), loop.thread_binding, loop.annotations)
