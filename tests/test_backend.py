@@ -408,6 +408,20 @@ def test_every_tile_of_the_host_computes_the_reference(shape, target):
         np.testing.assert_allclose(got[0], want[0], rtol=RTOL, atol=ATOL, err_msg=tile.name)
 
 
+def test_a_matmul_whose_packed_weight_fits_in_l2_races_both_loop_orders():
+    """A packed weight that fits in half of L2: every tile with rows outside (`r`) and with column
+    panels outside; a weight too large for it, and an activation right operand, keep one order."""
+    from kernorch.kernels import prim_tiles
+    small, _ = gemm_graph(m=128, k=256, n=64)
+    tiles = prim_tiles(Machine.host(), small, small.prims[0])
+    outer = {replace(t, rows_outer=False) for t in tiles if t.rows_outer}
+    assert outer and outer == {t for t in tiles if not t.rows_outer}
+    machine = replace(Machine.host(), l2_kib=16)  # 256 x 64 floats is 64 KiB: more than half of it
+    assert not any(t.rows_outer for t in prim_tiles(machine, small, small.prims[0]))
+    act, _ = gemm_graph(m=128, k=256, n=64, const=False)
+    assert all(t.rows_outer for t in prim_tiles(Machine.host(), act, act.prims[0]))
+
+
 def test_small_matmuls_race_serial_tiles_too(target):
     """A matmul of at most SERIAL_MAX_MACS multiply-adds gets every tile once more without a
     parallel loop (`s`): which is faster is measured, as between tiles. Larger ones do not."""

@@ -250,7 +250,7 @@ def test_a_reduction_over_seq_keys_runs_whole_chunks_unguarded_and_a_rest(block)
 def test_a_tile_over_symbolic_rows_carries_a_small_tile_for_short_lengths(block):
     """A weight GEMM over seq rows in a 6-row tile (its weight packed in 64 columns) also holds a
     2-row copy of the same packing, chosen at run time by the length (a short length padded to 6
-    rows computes 6); both copies compute the reference, at lengths either picks (1, 7: 2 rows;
+    rows computes 6); both copies compute the reference, at lengths either picks (1: 2 rows; 7,
     23, 64: 6 rows), and a static GEMM has no second copy."""
     import tvm
     from kernorch.backends.tvm.lower import lower

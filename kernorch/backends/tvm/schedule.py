@@ -167,9 +167,11 @@ def _contraction_blocks(sch) -> list[str]:
 
 # the row tile of a contraction's second copy over a symbolic row extent (see _by_rows); measured
 # on a 2-core Zen 4 (a seq x 384 x 384 GEMM with its bias, 64 columns wide): 2 rows cost per row
-# what 4, 6, 8 and 14 do up to 64 rows, and 1.05-1.13x as much at 128-512 rows
+# what 4, 6, 8 and 14 do up to 64 rows, and 1.05-1.13x as much at 128-512 rows; on a Xeon (family
+# 6 model 207, seq x 384 x 1536, weights cold) 1.5x what 6 rows do at 24 and 48 rows, 1.2x what 4
+# do at 12 (each pass of a row tile streams the weight panel, 96 KiB, from L2)
 SMALL_ROWS = 2
-SMALL_ROWS_COST = 1.1  # a row of the small tile against a row of the large one
+SMALL_ROWS_COST = 1.5  # a row of the small tile against a row of the large one
 
 
 def _single_contraction(func):
@@ -203,10 +205,10 @@ def _by_rows(large: tirx.PrimFunc, small: tirx.PrimFunc, rows, mr: int) -> tirx.
     """One kernel of two schedules of the same contraction over a symbolic row extent `rows`, chosen
     at run time by the actual length: rows are padded to the tile, so a short length pays for a
     whole tile (seq=1 in a 6-row tile: 6 rows); the small tile runs when its padded rows, at
-    SMALL_ROWS_COST each, cost less than the large tile's (seq 1, 7, 13 with 6-row tiles; not 512)."""
+    SMALL_ROWS_COST each, cost less than the large tile's (seq 1 and 2 with 6-row tiles; not 3, 7 or 512)."""
     def padded(m: int):
         return (rows + (m - 1)) // m * m
-    cond = tirx.const(int(SMALL_ROWS_COST * 10), "int64") * padded(SMALL_ROWS) < tirx.const(10, "int64") * padded(mr)
+    cond = tirx.const(round(SMALL_ROWS_COST * 10), "int64") * padded(SMALL_ROWS) < tirx.const(10, "int64") * padded(mr)
     return _either(cond, small, large).with_attr("kernorch.small_rows", SMALL_ROWS)
 
 
