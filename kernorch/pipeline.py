@@ -149,22 +149,20 @@ def tile_jobs(graph: Graph, candidates, options: Options, machine: Machine) -> d
     """Per contraction prim and layout class: its kernel alone in every micro-kernel tile (the tile
     that wins alone is the one its fused candidates use: epilogues do not change the register tile)."""
     out: dict[tuple, list[meas.KernelJob]] = {}
-    sized = end = graph
+    at = graph
     probes: tuple = ()
-    if options.ranges:  # over a range: tiles sized at the middle length; a symbolic column or depth at the end
-        from .dynamic import bind, middle, probe_points
-        sized = bind(graph, middle(options.ranges, options.lengths))
-        end = bind(graph, {name: hi for name, _, hi in options.ranges})
+    if options.ranges:  # over a range: tiles sized at its longest length, where the work is (their 2-row
+        # copy serves the shortest; sized at the middle, a bucket 1..8 raced only 3-row tiles: three
+        # passes at 7 rows); attention over a symbolic length pads its seq columns to the tile and
+        # reads a symbolic depth guarded, and the default schedule races its tiles
+        from .dynamic import bind, probe_points
+        at = bind(graph, {name: hi for name, _, hi in options.ranges})
         probes = tuple(tuple(b.items()) for b in probe_points(options.ranges, options.lengths))
     for c in candidates:
         if len(c.members) == 1 and c.linear:
             prim = graph.by_name[c.linear]
-            # attention over a symbolic length (scores x keys: seq columns; probabilities x values:
-            # seq depth): its tiles pad the columns to the tile and read a symbolic depth guarded,
-            # so they are sized where the work is, at the range's end, and the default races them
             symbolic = bool(options.ranges) and not (isinstance(prim.type.shape[-1], int)
                                                      and isinstance(graph.type_of(prim.inputs[0]).shape[-1], int))
-            at = end if symbolic else sized
             for cls in _variant_classes(graph, c, options, machine):
                 if (c.linear, cls) in out:
                     continue
@@ -209,7 +207,7 @@ def fastest_schedules(measurements, jobs_by_prim: Mapping[tuple, list[meas.Kerne
 
 
 def _middle_length(options: Options) -> int:
-    """The length a range's tiles are sized at (0 without a range)."""
+    """The length that stands for a range (0 without a range): its tiles switch rows only above it."""
     if not options.ranges:
         return 0
     from .dynamic import middle
@@ -235,7 +233,7 @@ def switched_tiles(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJo
     rows runs faster, at lengths its tiles were timed at, in another row count of the
     winning tile's packing and loop order: from each timed length on where another row count is
     SWITCH_GAIN faster than the current one, that one, starting halfway (geometrically) from the
-    length before; only at lengths above `middle` (the length the tiles were sized at).
+    length before; only at lengths above `middle` (the length that stands for the range).
     Micro-kernels tuned once, chosen by the length at run time (HAOTuner)."""
     out = dict(tiles)
     for prim, sched in tiles.items():

@@ -771,6 +771,26 @@ def test_tiles_over_symbolic_rows_are_timed_between_the_samples_too():
     assert probed == weights and weights
 
 
+def test_tiles_over_a_short_range_are_as_tall_as_its_longest_length():
+    """A range (or dispatch bucket) of a few lengths races tiles of as many rows as its longest
+    length (their 2-row copy serves the shortest), not tiles as short as its middle: seq=1..8 gets
+    8-row tiles, where sizing at the middle (3) raced only 3-row tiles (three passes at 7 rows)."""
+    from kernorch import pipeline
+    from kernorch.kernels import Tile
+    from kernorch.options import Machine, Options
+    graph = dynamic.generic_graph(examples.transformer_block(seq="seq"), dynamic.parse_range("seq=1..8"))
+    options = Options(threads=1, max_kernel_size=1, ranges=(("seq", 1, 8),))
+    by_prim = pipeline.tile_jobs(graph, pipeline.enumerate_candidates(graph, options).candidates, options,
+                                 Machine.host())
+    from kernorch.kernels import prim_tiles
+    longest = dynamic.bind(graph, {"seq": 8})
+    weights = {p.name for p in graph.prims if p.op == "matmul" and p.inputs[1] in graph.constants}
+    for name in weights:
+        rows = {Tile.parse(j.schedule).mr for j in by_prim[(name, None)] if Tile.parse(j.schedule)}
+        assert rows == {t.mr for t in prim_tiles(Machine.host(), longest, longest.by_name[name])}, name
+        assert max(rows) > 3, (name, rows)
+
+
 def test_a_projection_to_heads_over_seq_rows_runs_its_reshape_and_transpose_per_tile(block):
     """q = (x W + b) reshaped to heads and transposed, over seq rows: the reshape indexes the padded
     result without dividing by seq (a flat index read it as `(... + s) % seq`, a pass of gathers of
