@@ -138,10 +138,10 @@ def prim_tiles(machine, graph, prim, blocked_layout: bool = False) -> tuple[Tile
     output channels, depth C/g x kh x kw; the constant weight is packed OIHW>O{nb}. When the packed
     weight fits in half of L2, each tile also comes with rows outside the channel tiles (`r`: an
     input row stays in cache while every channel tile passes over it); a matmul whose packed weight
-    fits gets both orders as well (seq x 384 x 384, weights cold, 2 threads, Xeon family 6 model 207:
-    rows outside took 48 us at 7 rows against 26, 169 against 139 at 128, the same at 512: each
-    thread streams the whole weight into its own L2; with panels outside, each streams half). A 3x3 stride-1 convolution
-    also gets its Winograd variants (kernels.winograd: F(2x2,3x3) and F(4x4,3x3)), raced like tiles.
+    fits gets both orders as well (seq x 384 x 384, weights cold, 2 threads, Xeon family 6 model
+    207: rows outside took 48 us at 7 rows against 26, 169 against 139 at 128, the same at 512:
+    each thread streams the whole weight into its own L2; with panels outside, each streams half).
+    A 3x3 stride-1 convolution also gets its Winograd variants (kernels.winograd: F(2x2,3x3) and F(4x4,3x3)), raced like tiles.
 
     A convolution in the plain layout whose output channels are no multiple of the vector lanes
     (a 150-class classifier, a 3-channel image output) has no blocked tile; it gets tiles of the

@@ -787,7 +787,7 @@ def _packed_weight(stmt, fits):
     return None
 
 
-def _prefetch_next_panel(sch, par, red_loop, weight, panels: int, tiles: int) -> bool:
+def _prefetch_next_panel(sch, par, red_loop, weight, panels: int, tiles) -> bool:
     """While the tiles of one weight panel run, bring the next panel into L2 (prefetcht1).
 
     A packed weight `[P, ...]` is read one panel (its first axis: the K x nb columns of a GEMM
@@ -804,7 +804,9 @@ def _prefetch_next_panel(sch, par, red_loop, weight, panels: int, tiles: int) ->
     weights cold, Xeon model 207: 609 us with the burst, 529 spread, 601 with none; hot all about
     450-470). LLVM keeps the accumulators in registers around a prefetch only because the tile is
     on the stack (passes.stack_small_buffers); in TVM's workspace it stored them to memory around
-    every prefetch. Returns False (nothing changed) if `par`'s body is not the sequence it expects."""
+    every prefetch. `tiles` is an int, or over padded symbolic rows an expression of the length
+    (then each tile fetches a line a step, see below). Returns False (nothing changed) if `par`'s
+    body is not the sequence it expects."""
     loop = sch.get(par)
     body = loop.body
     red = sch.get(red_loop)
