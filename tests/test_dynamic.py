@@ -776,13 +776,12 @@ def test_tiles_over_a_short_range_are_as_tall_as_its_longest_length():
     length (their 2-row copy serves the shortest), not tiles as short as its middle: seq=1..8 gets
     8-row tiles, where sizing at the middle (3) raced only 3-row tiles (three passes at 7 rows)."""
     from kernorch import pipeline
-    from kernorch.kernels import Tile
+    from kernorch.kernels import Tile, prim_tiles
     from kernorch.options import Machine, Options
     graph = dynamic.generic_graph(examples.transformer_block(seq="seq"), dynamic.parse_range("seq=1..8"))
     options = Options(threads=1, max_kernel_size=1, ranges=(("seq", 1, 8),))
     by_prim = pipeline.tile_jobs(graph, pipeline.enumerate_candidates(graph, options).candidates, options,
                                  Machine.host())
-    from kernorch.kernels import prim_tiles
     longest = dynamic.bind(graph, {"seq": 8})
     weights = {p.name for p in graph.prims if p.op == "matmul" and p.inputs[1] in graph.constants}
     for name in weights:
