@@ -141,7 +141,8 @@ def prim_tiles(machine, graph, prim, blocked_layout: bool = False) -> tuple[Tile
     fits gets both orders as well (seq x 384 x 384, weights cold, 2 threads, Xeon family 6 model
     207: rows outside took 48 us at 7 rows against 26, 169 against 139 at 128, the same at 512:
     each thread streams the whole weight into its own L2; with panels outside, each streams half).
-    A 3x3 stride-1 convolution also gets its Winograd variants (kernels.winograd: F(2x2,3x3) and F(4x4,3x3)), raced like tiles.
+    A 3x3 stride-1 convolution also gets its Winograd variants (kernels.winograd: F(2x2,3x3) and
+    F(4x4,3x3)), raced like tiles.
 
     A convolution in the plain layout whose output channels are no multiple of the vector lanes
     (a 150-class classifier, a 3-channel image output) has no blocked tile; it gets tiles of the
@@ -154,8 +155,9 @@ def prim_tiles(machine, graph, prim, blocked_layout: bool = False) -> tuple[Tile
     if prim.op == "matmul" and not blocked_layout:
         m, n = (int(d) for d in prim.type.shape[-2:])
         k = int(graph.type_of(prim.inputs[0]).shape[-1])
-        tiles = contraction_tiles(machine, m, n, k, packable(graph, prim))
-        if packable(graph, prim) and any(t.rows_outer for t in tiles):  # column panels outside too
+        pack = packable(graph, prim)
+        tiles = contraction_tiles(machine, m, n, k, pack)
+        if pack and any(t.rows_outer for t in tiles):  # column panels outside too
             tiles += tuple(replace(t, rows_outer=False) for t in tiles)
         if prim.type.size * k <= SERIAL_MAX_MACS:  # small: serial too, and the faster one is kept
             tiles += tuple(replace(t, serial=True) for t in tiles)
