@@ -108,7 +108,7 @@ def relative_weights(graph, ranges, lengths, floor_ns) -> tuple[float, ...]:
 
 def probe_points(ranges, lengths=()) -> tuple[dict[str, int], ...]:
     """Bindings between the three `points`, each the geometric middle of two neighbours (seq=1..512:
-    5 and 108): where a kernel is timed to be seen, not counted (kernorch.pipeline.switched_tiles
+    5 and 108): where a kernel is timed to be seen, not counted (kernorch.pipeline.row_copies
     reads there which micro-kernel wins at which length)."""
     name = ranges[0][0]
     values = sorted({b[name] for b in points(ranges, lengths)})

@@ -32,6 +32,7 @@ from .database import Measurement, ProfileDB
 from .frontend import onnx as frontend
 from .ir import Graph, KernorchError, kernel_graph
 from .kernels import Tile, Winograd, blocked, has_blocked_variant, prim_tiles, split
+from .kernels.tiles import fit_copies
 from .kernels.variants import CONVERSIONS
 from .layouts import candidate_io, conversion, conversion_key, conversions
 from .options import Machine, Options
@@ -170,7 +171,7 @@ def tile_jobs(graph: Graph, candidates, options: Options, machine: Machine) -> d
                 tiles = prim_tiles(machine, at, prim, blocked_layout=cls is not None)
                 if tiles:
                     # a tile over symbolic rows is also timed between the samples: where a longer
-                    # row count wins there, the tile switches to it (`switched_tiles`)
+                    # row count wins there, the kernel runs it there (`row_copies`)
                     seen = probes if _rows_only_symbolic(graph, graph.by_name[c.linear]) else ()
                     out[(c.linear, cls)] = [replace(_job(graph, c, "tvm", _in_class(cls, t.name)), probes=seen)
                                             for t in tiles]
@@ -207,7 +208,7 @@ def fastest_schedules(measurements, jobs_by_prim: Mapping[tuple, list[meas.Kerne
 
 
 def _middle_length(options: Options) -> int:
-    """The length that stands for a range (0 without a range): its tiles switch rows only above it."""
+    """The length that stands for a range (0 without a range)."""
     if not options.ranges:
         return 0
     from .dynamic import middle
@@ -221,46 +222,38 @@ def _rows_only_symbolic(graph: Graph, prim) -> bool:
             and isinstance(a[-1], int))
 
 
-# a tile switches to another row count where that one is at least this much faster, at a length
-# from the range's middle up (below it the winner was chosen; at lengths of a few rows every tile
-# runs the same 2-row copy, and a 5 % margin there switched on noise: "t8x32p~14@3~8@11~14@237")
-SWITCH_GAIN = 0.10
-
-
-def switched_tiles(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob]],
-                   tiles: Mapping[tuple, str], middle: int = 0) -> dict[tuple, str]:
-    """`tiles` with a row switch (kernorch.kernels.Tile.switch) where a contraction over symbolic
-    rows runs faster, at lengths its tiles were timed at, in another row count of the
-    winning tile's packing and loop order: from each timed length on where another row count is
-    SWITCH_GAIN faster than the current one, that one, starting halfway (geometrically) from the
-    length before; only at lengths above `middle` (the length that stands for the range).
-    Micro-kernels tuned once, chosen by the length at run time (HAOTuner)."""
+def row_copies(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob]],
+               tiles: Mapping[tuple, str], bounds: tuple[int, int]) -> dict[tuple, str]:
+    """`tiles` with fitted row copies (kernorch.kernels.Tile.copies) where a contraction over
+    symbolic rows (its tiles timed between the samples too) would run another copy than its own at
+    some length of the range `bounds` (lo, hi): each row count of the winning tile's packing and
+    loop order (and their SMALL_ROWS copy) is fitted over the lengths it ran at
+    (kernorch.kernels.tiles.fit_copies), and the kernel runs the cheapest at each length; copies
+    never the cheapest in the range are left out. Micro-kernels tuned once, chosen by the length
+    at run time by a fitted cost (HAOTuner). A seq x 384 x 1536 GEMM, weights cold, Xeon family 6
+    model 207: the 14-row tile alone ran its 2-row copy at 7 and 16 rows (137 and 193 us), the
+    8-row one 125 and 133; the 8-row tile took 199 us at 28 rows, the 14-row one 164."""
     out = dict(tiles)
+    lo, hi = bounds
     for prim, sched in tiles.items():
         block, inner = split(sched)
         win = Tile.parse(inner)
         if win is None or not any(j.probes for j in jobs_by_prim.get(prim, ())):  # rows alone symbolic
             continue
-        by_rows: dict[int, dict[int, int]] = {}  # row count -> {length: ns}
+        times: dict[int, dict[int, int]] = {}  # row count -> {length: ns}
         for j in jobs_by_prim[prim]:
             b, i = split(j.schedule)
             t = Tile.parse(i)
             m = measurements.get(j.ident)
             if t is not None and b == block and replace(t, mr=win.mr) == win and m is not None and m.ok and m.samples_ns:
-                by_rows[t.mr] = dict(m.samples_ns)
-        if win.mr not in by_rows or len(by_rows) < 2:
+                times[t.mr] = dict(m.samples_ns)
+        if win.mr not in times:
             continue
-        switch, now, before = [], win.mr, None
-        for length in sorted(by_rows[win.mr]):
-            times = {mr: ns[length] for mr, ns in by_rows.items() if length in ns}
-            best = min(times, key=times.get)
-            if (before is not None and length > middle and best != now
-                    and times[best] < (1 - SWITCH_GAIN) * times[now]):
-                switch.append((max(2, math.ceil(math.sqrt(before * length))), best))
-                now = best
-            before = length
-        if switch:
-            out[prim] = _in_class(block, replace(win, switch=tuple(switch)).name)
+        fitted = replace(win, copies=fit_copies(times))
+        used = {fitted.pick(n) for n in range(lo, hi + 1)}
+        fitted = replace(fitted, copies=tuple(c for c in fitted.copies if c[0] in used))
+        if len(fitted.copies) > 1 and any(fitted.pick(n) != win.pick(n) for n in range(lo, hi + 1)):
+            out[prim] = _in_class(block, fitted.name)
     return out
 
 
@@ -388,7 +381,9 @@ def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Option
     by_prim = tile_jobs(graph, enumeration.candidates, options, machine)
     results, stats = meas.measure([j for js in by_prim.values() for j in js], db, options, machine, label="tiles",
                                   workers=workers)
-    tiles = switched_tiles(results, by_prim, fastest_schedules(results, by_prim), _middle_length(options))
+    tiles = fastest_schedules(results, by_prim)
+    if options.ranges:
+        tiles = row_copies(results, by_prim, tiles, options.ranges[0][1:])
     direct = fastest_schedules(results, by_prim, direct=True)
     jobs = candidate_jobs(graph, enumeration.candidates, options, machine, tiles,
                           fastest_schedules(results, by_prim, rows_outer=True),

@@ -317,14 +317,14 @@ def _weight_gemm(generic, cols: int):
     return p, list(p.inputs)
 
 
-@pytest.mark.parametrize("tile", ["t4x32p~6@20~8@40", "t3x32~5@9"])
-def test_a_row_switch_holds_a_copy_per_row_count_and_each_computes_the_gemm(block, tile):
-    """A weight GEMM over seq rows whose tile switches its row count at longer lengths holds a copy
-    of the micro-kernel per row count (and the small one), and computes the reference at lengths
-    each copy serves, either side of every switch."""
+@pytest.mark.parametrize("tile", ["t4x32p~8:100+40~6:60+40~4:0+40~2:0+30", "t3x32~5:20+30~3:0+30"])
+def test_row_copies_are_each_in_the_kernel_and_each_computes_the_gemm(block, tile):
+    """A weight GEMM over seq rows whose tile holds fitted row copies holds a copy of the
+    micro-kernel per row count, and computes the reference at lengths where each copy runs, on
+    either side of every change."""
     import tvm
     from kernorch.backends.tvm.lower import lower
-    from kernorch.backends.tvm.schedule import SMALL_ROWS, schedule
+    from kernorch.backends.tvm.schedule import schedule
     from kernorch.backends.tvm.target import make_target
     from kernorch.ir import kernel_graph
     from kernorch.kernels import Tile, pack_args
@@ -335,10 +335,14 @@ def test_a_row_switch_holds_a_copy_per_row_count_and_each_computes_the_gemm(bloc
     target = make_target(1)
     mod = schedule(lower(kg, kg.prims, ins, [p.name], tile), target, tile, bounds={"seq": 512})
     script = mod["main"].script()
-    for mr in (SMALL_ROWS, t.mr, *(m for _, m in t.switch)):
+    assert list(mod["main"].attrs["kernorch.row_copies"]) == [c[0] for c in t.copies]
+    for mr, _, _ in t.copies:
         assert f"T.unroll(T.int64({mr}))" in script, (mr, script)
     ex = tvm.compile(mod, target=target)
-    lengths = sorted({1, t.mr + 1, *(x for s, _ in t.switch for x in (s - 1, s, s + 3)), 300})
+    ran = [t.pick(n) for n in range(1, 301)]
+    changes = [n for n in range(2, 301) if ran[n - 1] != ran[n - 2]]
+    assert {ran[n - 1] for n in range(1, 301)} == {c[0] for c in t.copies}   # every copy runs somewhere
+    lengths = sorted({1, *(x for n in changes for x in (n - 1, n)), 300})
     for s in lengths:
         b = dynamic.bind(kg, {"seq": s})
         x = np.random.default_rng(s).standard_normal(b.type_of(ins[0]).shape).astype(np.float32)
@@ -352,7 +356,7 @@ def test_a_row_switch_holds_a_copy_per_row_count_and_each_computes_the_gemm(bloc
 def test_a_tile_over_symbolic_rows_reads_its_rows_in_place_without_a_padding_copy(block):
     """The weight GEMM's left operand is not copied into a padded buffer first: each tile reads its
     rows in place, the row index clamped to the last row (rows past the length compute on a copy
-    of it and are never written out). The row switch test checks the results at every length."""
+    of it and are never written out). The row copies test checks the results at every length."""
     from kernorch.backends.tvm.lower import lower
     from kernorch.backends.tvm.schedule import schedule
     from kernorch.backends.tvm.target import make_target
@@ -437,7 +441,7 @@ def test_over_a_range_a_fusion_is_estimated_at_the_middle_length_and_scaled_like
     assert out.bounds[job.ident] < members_w   # below its members' weighted cost: it can be wanted
 
 
-def test_a_row_switch_on_a_static_gemm_is_refused(block):
+def test_row_copies_on_a_static_gemm_are_refused(block):
     from kernorch.backends.tvm.lower import lower
     from kernorch.backends.tvm.schedule import schedule
     from kernorch.backends.tvm.target import make_target
@@ -445,7 +449,8 @@ def test_a_row_switch_on_a_static_gemm_is_refused(block):
     p, ins = _weight_gemm(block[1], 32)
     static = dynamic.bind(kernel_graph(block[1], [p.name], ins, [p.name]), {"seq": 23})
     with pytest.raises(KernorchError, match="does not apply.*symbolic row"):
-        schedule(lower(static, static.prims, ins, [p.name], "t4x32p~8@16"), make_target(1), "t4x32p~8@16")
+        schedule(lower(static, static.prims, ins, [p.name], "t4x32p~8:10+8~4:0+5"), make_target(1),
+                 "t4x32p~8:10+8~4:0+5")
 
 
 def test_one_executable_serves_the_whole_range(tmp_path):
@@ -464,7 +469,7 @@ def test_one_executable_serves_the_whole_range(tmp_path):
     tiles = {i: m for i, m in planned.measured.measurements.items() if i[2].startswith("t") and "p" in i[2]}
     assert tiles and all(m.ok for m in tiles.values()), [m.reason for m in tiles.values() if not m.ok][:2]
     # each keeps its time at every length it was timed at: the samples, and between them the
-    # weight GEMMs' (rows alone symbolic) probes, where a switch of row count is decided
+    # weight GEMMs' (rows alone symbolic) probes, where their row copies are fitted
     lengths = {i: {v for v, _ in m.samples_ns} for i, m in tiles.items()}
     assert all({1, 23, 512} <= v for v in lengths.values()), lengths
     assert any(v == {1, 5, 23, 109, 512} for v in lengths.values()), lengths
@@ -730,31 +735,57 @@ def _tile_race(times: dict[str, dict[int, int]], probes=((("seq", 5),), (("seq",
     return {("mm", None): jobs}, ms
 
 
-def test_a_tile_switches_row_count_where_another_is_faster_at_the_lengths_timed():
-    """The winner over the range keeps the lengths where it is best; from the first timed length
-    above the middle where another row count of the same packing is SWITCH_GAIN faster, that one
-    takes over, starting at the geometric middle of that length and the one before; below the
-    middle (seq=5: every tile runs its 2-row copy there) no switch, however large the gap; a tile
-    of another packing (t6x64p) never enters, however fast."""
-    from kernorch.pipeline import switched_tiles
-    by_prim, ms = _tile_race({
-        "t8x32p": {1: 10, 5: 20, 23: 50, 109: 300, 512: 1500},
-        "t14x32p": {1: 10, 5: 12, 23: 60, 109: 260, 512: 1300},
-        "t4x32p": {1: 10, 5: 20, 23: 49, 109: 310, 512: 1600},
-        "t6x64p": {1: 1, 5: 1, 23: 1, 109: 1, 512: 1}})
-    got = switched_tiles(ms, by_prim, {("mm", None): "t8x32p"}, middle=23)
-    assert got == {("mm", None): "t8x32p~14@51"}
+def _copy_times(costs: dict[int, tuple[int, int]], tiles, lengths=(1, 5, 23, 109, 512)) -> dict[str, dict[int, int]]:
+    """What tiles of a family take at `lengths` when each copy costs fixed + per_pass * passes
+    (`costs`: {mr: (fixed, per_pass)}) and a tile runs the copy `ran_copy` says."""
     from kernorch.kernels import Tile
-    assert Tile.parse(got[("mm", None)]).switch == ((51, 14),)
+    from kernorch.kernels.tiles import passes, ran_copy
+    out = {}
+    for name in tiles:
+        t = Tile.parse(name)
+        out[name] = {n: costs[ran_copy(t.mr, n)][0] + costs[ran_copy(t.mr, n)][1] * passes(ran_copy(t.mr, n), n)
+                     for n in lengths}
+    return out
 
 
-def test_a_tile_within_the_gain_everywhere_or_without_lengths_stays_as_it_is():
-    from kernorch.pipeline import switched_tiles
-    by_prim, ms = _tile_race({"t8x32p": {1: 10, 23: 50, 512: 1500}, "t14x32p": {1: 10, 23: 60, 512: 1400}})
-    assert switched_tiles(ms, by_prim, {("mm", None): "t8x32p"}, middle=23) == {("mm", None): "t8x32p"}
-    # tiles over symbolic columns or depth (attention) are not timed between the samples: no switch
+def test_a_tile_over_symbolic_rows_runs_the_copy_of_least_fitted_cost_at_each_length():
+    """Each row count of the winner's packing and loop order, and the 2-row copy, is fitted over
+    the lengths it ran at; the kernel holds the copies that are cheapest somewhere in the range and
+    runs the cheapest at each length (here 8 rows at 7, 16 and 32 rows, 14 at 28 and 512: what a
+    seq x 384 x 1536 GEMM showed on a Xeon); a tile of another packing (t6x64p) never enters,
+    however fast."""
+    from kernorch.kernels import Tile
+    from kernorch.kernels.tiles import passes
+    from kernorch.pipeline import row_copies
+    costs = {14: (80, 53), 8: (71, 33), 2: (80, 14)}
+    times = _copy_times(costs, ["t14x32p", "t8x32p"])
+    by_prim, ms = _tile_race({**times, "t6x64p": {1: 1, 5: 1, 23: 1, 109: 1, 512: 1}})
+    got = row_copies(ms, by_prim, {("mm", None): "t14x32p"}, (1, 512))
+    t = Tile.parse(got[("mm", None)])
+    assert (t.mr, t.nb, t.pack) == (14, 32, True) and [c[0] for c in t.copies] == [14, 8, 2], t
+    assert {mr: (a, b) for mr, a, b in t.copies} == costs   # the fit recovers the costs (two digits)
+    assert [t.pick(n) for n in (1, 7, 16, 28, 32, 512)] == [2, 8, 8, 14, 8, 14]
+    best = {n: min(costs, key=lambda m: (costs[m][0] + costs[m][1] * passes(m, n), -m)) for n in range(1, 513)}
+    assert all(t.pick(n) == best[n] for n in range(1, 513))
+    # the tile alone ran its 2-row copy at 16 rows
+    assert Tile.parse("t14x32p").pick(16) == 2
+
+
+def test_a_tile_whose_own_copies_are_cheapest_everywhere_or_without_lengths_stays_as_it_is():
+    from kernorch.pipeline import row_copies
+    costs = {14: (70, 30), 8: (71, 33), 2: (200, 100)}
+    by_prim, ms = _tile_race(_copy_times(costs, ["t14x32p", "t8x32p"]))
+    assert row_copies(ms, by_prim, {("mm", None): "t14x32p"}, (32, 512)) == {("mm", None): "t14x32p"}
+    # tiles over symbolic columns or depth (attention) are not timed between the samples: no copies
     by_prim, ms = _tile_race({"t8x32r": {1: 10, 23: 50, 512: 1500}, "t14x32r": {1: 10, 23: 60, 512: 900}}, probes=())
-    assert switched_tiles(ms, by_prim, {("mm", None): "t8x32r"}) == {("mm", None): "t8x32r"}
+    assert row_copies(ms, by_prim, {("mm", None): "t8x32r"}, (1, 512)) == {("mm", None): "t8x32r"}
+
+
+def test_row_copies_are_named_and_parsed_back():
+    from kernorch.kernels import Tile
+    t = Tile(14, 32, True, copies=((14, 70, 53), (8, 71, 33), (2, 80, 14)))
+    assert t.name == "t14x32p~14:70+53~8:71+33~2:80+14" and Tile.parse(t.name) == t
+    assert Tile.parse("t14x32p~8:1+0") is None and Tile.parse("t14x32p~8:1+2~8:3+4") is None
 
 
 def test_tiles_over_symbolic_rows_are_timed_between_the_samples_too():

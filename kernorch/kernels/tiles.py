@@ -23,10 +23,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import numpy as np
+
 MAX_ROWS = 16       # longer unrolled row tiles only grow the code: the register budget binds first
 MIN_ROWS = 3        # below this, the broadcast loads dominate
-_NAME = re.compile(r"t(\d+)x(\d+)(p?)(r?)(s?)((?:~\d+@\d+)*)")
-_SWITCH = re.compile(r"~(\d+)@(\d+)")
+_NAME = re.compile(r"t(\d+)x(\d+)(p?)(r?)(s?)((?:~\d+:\d+\+\d+)*)")
+_COPY = re.compile(r"~(\d+):(\d+)\+(\d+)")
 # a contraction of at most this many multiply-adds is also offered serial tiles: a parallel launch
 # cost about 3 us on a 2-core Zen 4 VM, as long as about 2**17 multiply-adds take on one core there
 # (110 GFLOP/s); up to twice that, which of the two is faster is left to the measurement
@@ -40,41 +42,49 @@ class Tile:
     stays in L2 while each row panel is reused from L1); otherwise column panels are outside (each
     packed K x nb panel stays in cache while every row tile passes over it). `serial`: no parallel
     loop (a small contraction's whole work costs less than handing half of it to another thread).
-    `switch`: over a symbolic row extent (kernorch.dynamic), other row counts for longer lengths,
-    as (from this many rows, mr) pairs in ascending order; the kernel holds a copy of the
-    micro-kernel per row count and picks one by the length at run time ("t8x32p~14@108": 14 rows
-    from 108 rows on). Only `mr` changes: the copies share the packing and the loop order."""
+    `copies`: over a symbolic row extent (kernorch.dynamic), the row counts the kernel holds a copy
+    of the micro-kernel for, each with its fitted cost (mr, fixed ns, ns per pass): at run time
+    the copy whose `fixed + per_pass * ceil(rows / mr)` is least runs (`pick`; ties: the first).
+    "t14x32p~14:70+53~8:71+33~2:80+14": 8 rows at 7 rows (104 ns against 123 and 136), 14 at 28.
+    Only `mr` changes: the copies share the packing and the loop order."""
 
     mr: int
     nb: int
     pack: bool = False
     rows_outer: bool = False
     serial: bool = False
-    switch: tuple[tuple[int, int], ...] = ()
+    copies: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self):
-        starts = [s for s, _ in self.switch]
-        if starts != sorted(set(starts)) or any(s < 2 or m < 1 for s, m in self.switch):
-            raise ValueError(f"row switch {self.switch}: ascending starts of at least 2 rows expected")
+        rows = [m for m, _, _ in self.copies]
+        if len(set(rows)) != len(rows) or any(m < 1 or a < 0 or b < 1 for m, a, b in self.copies):
+            raise ValueError(f"row copies {self.copies}: distinct row counts, costs >= 0 and >= 1 a pass expected")
 
     @property
     def name(self) -> str:
         """The schedule name stored in the profile database and the plan, e.g. "t14x32p", "t8x32rs",
-        "t8x32p~14@108"."""
+        "t14x32p~14:70+53~8:71+33"."""
         return (f"t{self.mr}x{self.nb}{'p' if self.pack else ''}{'r' if self.rows_outer else ''}"
-                f"{'s' if self.serial else ''}" + "".join(f"~{m}@{s}" for s, m in self.switch))
+                f"{'s' if self.serial else ''}" + "".join(f"~{m}:{a}+{b}" for m, a, b in self.copies))
 
     @staticmethod
     def parse(name: str) -> "Tile | None":
         m = _NAME.fullmatch(name)
         if not m:
             return None
-        switch = tuple((int(s), int(r)) for r, s in _SWITCH.findall(m.group(6)))
+        copies = tuple((int(r), int(a), int(b)) for r, a, b in _COPY.findall(m.group(6)))
         try:
             return Tile(int(m.group(1)), int(m.group(2)), bool(m.group(3)), bool(m.group(4)), bool(m.group(5)),
-                        switch)
+                        copies)
         except ValueError:
             return None
+
+    def pick(self, rows: int) -> int:
+        """The row count of the copy that runs at `rows` rows: with `copies`, the one of least fitted
+        cost (what the kernel computes at run time); without, `ran_copy`."""
+        if not self.copies:
+            return ran_copy(self.mr, rows)
+        return min(self.copies, key=lambda c: c[1] + c[2] * passes(c[0], rows))[0]
 
     def registers(self, lanes: int) -> int:
         """Vector registers the tile occupies (accumulators, operand vectors, one broadcast)."""
@@ -124,3 +134,57 @@ def row_tile(mr: int, extent: int) -> int:
     if extent <= mr:
         return extent
     return next((r for r in range(mr, (mr + 1) // 2 - 1, -1) if extent % r == 0), mr)
+
+
+# over a symbolic row extent, a tile without fitted `copies` also holds a copy in SMALL_ROWS rows for
+# short lengths; measured on a 2-core Zen 4 (a seq x 384 x 384 GEMM with its bias, 64 columns wide):
+# 2 rows cost per row what 4, 6, 8 and 14 do up to 64 rows, and 1.05-1.13x as much at 128-512
+# rows; on a Xeon (family 6 model 207, seq x 384 x 1536, weights cold) 1.5x what 6 rows do at 24
+# and 48 rows, 1.2x what 4 do at 12 (each pass of a row tile streams the weight panel from L2)
+SMALL_ROWS = 2
+SMALL_ROWS_COST = 1.5  # a row of the small tile against a row of the large one
+
+
+def passes(mr: int, rows: int) -> int:
+    """Row tiles of `mr` rows over `rows` rows (the last one padded)."""
+    return -(-rows // mr)
+
+
+def ran_copy(mr: int, rows: int) -> int:
+    """The row count a tile of `mr` rows without fitted copies runs at `rows` symbolic rows: the
+    SMALL_ROWS copy where its padded rows, at SMALL_ROWS_COST each, cost less than the tile's
+    (seq 1 and 2 with 6-row tiles; not 3, 7 or 512), else its own."""
+    if mr > SMALL_ROWS and SMALL_ROWS_COST * passes(SMALL_ROWS, rows) * SMALL_ROWS < passes(mr, rows) * mr:
+        return SMALL_ROWS
+    return mr
+
+
+def fit_copies(times: dict[int, dict[int, float]]) -> tuple[tuple[int, int, int], ...]:
+    """Fitted costs of the row copies a tile family holds, from its tiles' times over symbolic rows.
+
+    `times`: per tile row count (a tile without copies), its time in ns at each length it was
+    timed at. At each length a tile ran one copy (`ran_copy`: its own or the SMALL_ROWS one); every
+    copy's time is fitted as `fixed + per_pass * passes` by least squares of the relative error
+    over the lengths it ran at (one pass count alone: all of it per pass), two significant digits. Returns (mr, fixed ns,
+    ns per pass) per copy, the largest row count first."""
+    points: dict[int, list[tuple[int, float]]] = {}
+    for mr, by_length in times.items():
+        for rows, ns in by_length.items():
+            c = ran_copy(mr, rows)
+            points.setdefault(c, []).append((passes(c, rows), float(ns)))
+    out = []
+    for mr in sorted(points, reverse=True):
+        xs = np.array([p for p, _ in points[mr]], float)
+        ys = np.array([t for _, t in points[mr]], float)
+        if len(set(xs)) > 1:
+            slope, fixed = np.polyfit(xs, ys, 1, w=1.0 / ys)   # relative residuals: short lengths count too
+            if slope <= 0 or fixed < 0:   # noise: a line through the origin and the mean
+                slope, fixed = ys.sum() / xs.sum(), 0.0
+        else:
+            slope, fixed = ys.mean() / xs[0], 0.0
+        out.append((mr, _two_digits(fixed), max(1, _two_digits(slope))))
+    return tuple(out)
+
+
+def _two_digits(x: float) -> int:
+    return int(float(f"{max(x, 0.0):.2g}"))

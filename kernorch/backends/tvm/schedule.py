@@ -19,7 +19,7 @@ from tvm import s_tir
 
 from ...ir import KernorchError
 from ...kernels import Tile, Winograd, split
-from ...kernels.tiles import row_tile
+from ...kernels.tiles import SMALL_ROWS, SMALL_ROWS_COST, row_tile
 from ...kernels.variants import CONVERSIONS
 from .lower import ROWS_OUT, UNPACK, VIEW, divisible
 from .target import vector_bits
@@ -117,19 +117,20 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
 
 
 def _tile_over_rows(func, lanes: int, tile: Tile, mode: str) -> tvm.IRModule:
-    """The micro-kernel `tile` on `func`; over a symbolic row extent, with a copy in SMALL_ROWS rows
-    for short lengths (`_by_rows`) and one per row count of `tile.switch` for long ones
-    (`_from_rows`), picked at run time by the length."""
+    """The micro-kernel `tile` on `func`; over a symbolic row extent, a copy per row count of
+    `tile.copies` picked at run time by their fitted costs at the length (`_cheapest`), or without
+    copies the tile and a copy in SMALL_ROWS rows for short lengths (`_by_rows`)."""
     def copy(t: Tile) -> tirx.PrimFunc:
         return _scheduled(_tiled(func, lanes, t, mode), f"contraction {mode}")["main"]
 
-    base = replace(tile, switch=())
+    base = replace(tile, copies=())
     rows = _symbolic_rows(func)
     try:
-        if tile.switch and rows is None:
-            raise _NotApplicable("a switch of row tiles needs one symbolic row extent")
+        if tile.copies and rows is None:
+            raise _NotApplicable("row copies need one symbolic row extent")
+        if tile.copies:
+            return tvm.IRModule({"main": _cheapest([(c, copy(replace(base, mr=c[0]))) for c in tile.copies], rows)})
         out = copy(base)
-        longer = [(start, copy(replace(base, mr=mr))) for start, mr in tile.switch]
     except Exception as e:  # noqa: BLE001 - the variant does not apply to this kernel
         raise KernorchError(f"tile {mode} does not apply: {type(e).__name__}: {_first_line(e)}") from None
     if rows is not None and base.mr > SMALL_ROWS:
@@ -139,8 +140,6 @@ def _tile_over_rows(func, lanes: int, tile: Tile, mode: str) -> tvm.IRModule:
             log.debug("no small-row tile for %s: %s", mode, _first_line(e))
         else:
             out = _by_rows(out, small, rows, base.mr)
-    for start, long_copy in longer:  # ascending: the longest lengths' test ends outermost
-        out = _from_rows(out, long_copy, rows, start)
     return tvm.IRModule({"main": out})
 
 
@@ -163,15 +162,6 @@ def _count_contractions(func) -> int:
 def _contraction_blocks(sch) -> list[str]:
     """The names of the root blocks that are contractions (matmul/conv), in order."""
     return [n for n in _root_blocks(sch) if _contraction_operands(sch.get(sch.get_sblock(n))) is not None]
-
-
-# the row tile of a contraction's second copy over a symbolic row extent (see _by_rows); measured
-# on a 2-core Zen 4 (a seq x 384 x 384 GEMM with its bias, 64 columns wide): 2 rows cost per row
-# what 4, 6, 8 and 14 do up to 64 rows, and 1.05-1.13x as much at 128-512 rows; on a Xeon (family
-# 6 model 207, seq x 384 x 1536, weights cold) 1.5x what 6 rows do at 24 and 48 rows, 1.2x what 4
-# do at 12 (each pass of a row tile streams the weight panel, 96 KiB, from L2)
-SMALL_ROWS = 2
-SMALL_ROWS_COST = 1.5  # a row of the small tile against a row of the large one
 
 
 def _single_contraction(func):
@@ -201,22 +191,37 @@ def _symbolic_rows(func):
     return rows[0] if len(rows) == 1 else None
 
 
+def _padded(rows, m: int):
+    return (rows + (m - 1)) // m * m
+
+
 def _by_rows(large: tirx.PrimFunc, small: tirx.PrimFunc, rows, mr: int) -> tirx.PrimFunc:
     """One kernel of two schedules of the same contraction over a symbolic row extent `rows`, chosen
     at run time by the actual length: rows are padded to the tile, so a short length pays for a
     whole tile (seq=1 in a 6-row tile: 6 rows); the small tile runs when its padded rows, at
-    SMALL_ROWS_COST each, cost less than the large tile's (seq 1 and 2 with 6-row tiles; not 3, 7 or 512)."""
-    def padded(m: int):
-        return (rows + (m - 1)) // m * m
-    cond = tirx.const(round(SMALL_ROWS_COST * 10), "int64") * padded(SMALL_ROWS) < tirx.const(10, "int64") * padded(mr)
+    SMALL_ROWS_COST each, cost less than the large tile's (kernorch.kernels.tiles.ran_copy)."""
+    cond = (tirx.const(round(SMALL_ROWS_COST * 10), "int64") * _padded(rows, SMALL_ROWS)
+            < tirx.const(10, "int64") * _padded(rows, mr))
     return _either(cond, small, large).with_attr("kernorch.small_rows", SMALL_ROWS)
 
 
-def _from_rows(short: tirx.PrimFunc, long: tirx.PrimFunc, rows, start: int) -> tirx.PrimFunc:
-    """One kernel of two schedules of the same contraction over a symbolic row extent `rows`: `long`
-    from `start` rows on, `short` below (kernorch.kernels.Tile.switch; the row counts were measured
-    at lengths on both sides)."""
-    return _either(rows >= tirx.const(start, "int64"), long, short)
+def _cheapest(copies: list, rows) -> tirx.PrimFunc:
+    """One kernel of several schedules of the same contraction over a symbolic row extent `rows`
+    (`copies`: ((mr, fixed, per_pass), func) pairs): the copy of least `fixed + per_pass *
+    ceil(rows / mr)` runs, the first of equal ones (kernorch.kernels.Tile.pick)."""
+    def cost(c):
+        mr, fixed, per_pass = c
+        return tirx.const(fixed, "int64") + tirx.const(per_pass, "int64") * (_padded(rows, mr) // mr)
+
+    out = copies[-1][1]
+    for i in range(len(copies) - 2, -1, -1):  # the first copy's test outermost
+        c, func = copies[i]
+        cond = None
+        for c2, _ in copies[i + 1:]:
+            le = cost(c) <= cost(c2)
+            cond = le if cond is None else tirx.And(cond, le)
+        out = _either(cond, func, out)
+    return out.with_attr("kernorch.row_copies", [c[0] for c, _ in copies])
 
 
 def _either(cond, then: tirx.PrimFunc, other: tirx.PrimFunc) -> tirx.PrimFunc:
