@@ -32,7 +32,7 @@ from .database import Measurement, ProfileDB
 from .frontend import onnx as frontend
 from .ir import Graph, KernorchError, kernel_graph
 from .kernels import Tile, Winograd, blocked, has_blocked_variant, prim_tiles, split
-from .kernels.tiles import fit_copies
+from .kernels.tiles import fit_copies, passes
 from .kernels.variants import CONVERSIONS
 from .layouts import candidate_io, conversion, conversion_key, conversions
 from .options import Machine, Options
@@ -223,37 +223,44 @@ def _rows_only_symbolic(graph: Graph, prim) -> bool:
 
 
 def row_copies(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob]],
-               tiles: Mapping[tuple, str], bounds: tuple[int, int]) -> dict[tuple, str]:
-    """`tiles` with fitted row copies (kernorch.kernels.Tile.copies) where a contraction over
-    symbolic rows (its tiles timed between the samples too) would run another copy than its own at
-    some length of the range `bounds` (lo, hi): each row count of the winning tile's packing and
-    loop order (and their SMALL_ROWS copy) is fitted over the lengths it ran at
-    (kernorch.kernels.tiles.fit_copies), and the kernel runs the cheapest at each length; copies
-    never the cheapest in the range are left out. Micro-kernels tuned once, chosen by the length
-    at run time by a fitted cost (HAOTuner). A seq x 384 x 1536 GEMM, weights cold, Xeon family 6
-    model 207: the 14-row tile alone ran its 2-row copy at 7 and 16 rows (137 and 193 us), the
-    8-row one 125 and 133; the 8-row tile took 199 us at 28 rows, the 14-row one 164."""
+               tiles: Mapping[tuple, str], bounds: tuple[int, int], weights: Mapping[int, float]) -> dict[tuple, str]:
+    """`tiles` with fitted row copies (kernorch.kernels.Tile.copies) for contractions over symbolic
+    rows (their tiles timed between the samples too). Per packing and loop order (a family), each
+    row count of its tiles and their SMALL_ROWS copy is fitted over the lengths it ran at
+    (kernorch.kernels.tiles.fit_copies); the family's kernel holds the copies that are the
+    cheapest at some length of the range `bounds` (lo, hi) and runs the cheapest at each. The
+    family of least weighted time over the samples (`weights`: {length: weight}) is kept: its
+    fitted copies' predicted time where they run another copy than its fastest tile somewhere,
+    else that tile's measured time. Micro-kernels tuned once, chosen by the length at run time by a
+    fitted cost (HAOTuner). A seq x 384 x 1536 GEMM, weights cold, Xeon family 6 model 207: the
+    14-row tile alone ran its 2-row copy at 7 and 16 rows (137 and 193 us), the 8-row one 125 and
+    133; the 8-row tile took 199 us at 28 rows, the 14-row one 164."""
     out = dict(tiles)
-    lo, hi = bounds
+    lengths = range(bounds[0], bounds[1] + 1)
     for prim, sched in tiles.items():
         block, inner = split(sched)
-        win = Tile.parse(inner)
-        if win is None or not any(j.probes for j in jobs_by_prim.get(prim, ())):  # rows alone symbolic
+        if Tile.parse(inner) is None or not any(j.probes for j in jobs_by_prim.get(prim, ())):  # rows alone symbolic
             continue
-        times: dict[int, dict[int, int]] = {}  # row count -> {length: ns}
+        families: dict[Tile, dict[Tile, object]] = {}   # family -> {tile: its measurement}
         for j in jobs_by_prim[prim]:
             b, i = split(j.schedule)
             t = Tile.parse(i)
             m = measurements.get(j.ident)
-            if t is not None and b == block and replace(t, mr=win.mr) == win and m is not None and m.ok and m.samples_ns:
-                times[t.mr] = dict(m.samples_ns)
-        if win.mr not in times:
-            continue
-        fitted = replace(win, copies=fit_copies(times))
-        used = {fitted.pick(n) for n in range(lo, hi + 1)}
-        fitted = replace(fitted, copies=tuple(c for c in fitted.copies if c[0] in used))
-        if len(fitted.copies) > 1 and any(fitted.pick(n) != win.pick(n) for n in range(lo, hi + 1)):
-            out[prim] = _in_class(block, fitted.name)
+            if t is not None and b == block and m is not None and m.ok and m.samples_ns:
+                families.setdefault(replace(t, mr=1), {})[t] = m
+        best: tuple = ()
+        for fam in families.values():
+            fastest = min(fam, key=lambda t: fam[t].median_ns)
+            fitted = replace(fastest, copies=fit_copies({t.mr: dict(m.samples_ns) for t, m in fam.items()}))
+            used = {fitted.pick(n) for n in lengths}
+            fitted = replace(fitted, copies=tuple(c for c in fitted.copies if c[0] in used))
+            if len(fitted.copies) > 1 and any(fitted.pick(n) != fastest.pick(n) for n in lengths):
+                ns = sum(w * min(a + b * passes(mr, n) for mr, a, b in fitted.copies) for n, w in weights.items())
+                best = min(best, (ns, fitted.name)) if best else (ns, fitted.name)
+            else:
+                best = min(best, (fam[fastest].median_ns, fastest.name)) if best else (fam[fastest].median_ns, fastest.name)
+        if best:
+            out[prim] = _in_class(block, best[1])
     return out
 
 
@@ -383,7 +390,10 @@ def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Option
                                   workers=workers)
     tiles = fastest_schedules(results, by_prim)
     if options.ranges:
-        tiles = row_copies(results, by_prim, tiles, options.ranges[0][1:])
+        from .dynamic import samples
+        name, lo, hi = options.ranges[0]
+        weights = {dict(b)[name]: w for b, w in samples(options.ranges, options.lengths, options.sample_weights)}
+        tiles = row_copies(results, by_prim, tiles, (lo, hi), weights)
     direct = fastest_schedules(results, by_prim, direct=True)
     jobs = candidate_jobs(graph, enumeration.candidates, options, machine, tiles,
                           fastest_schedules(results, by_prim, rows_outer=True),
