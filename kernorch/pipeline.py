@@ -32,7 +32,7 @@ from .database import Measurement, ProfileDB
 from .frontend import onnx as frontend
 from .ir import Graph, KernorchError, kernel_graph
 from .kernels import Tile, Winograd, blocked, has_blocked_variant, prim_tiles, split
-from .kernels.tiles import fit_copies, passes
+from .kernels.tiles import curve_ns, fit_copies, passes
 from .kernels.variants import CONVERSIONS
 from .layouts import candidate_io, conversion, conversion_key, conversions
 from .options import Machine, Options
@@ -223,18 +223,18 @@ def _rows_only_symbolic(graph: Graph, prim) -> bool:
 
 
 def row_copies(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob]],
-               tiles: Mapping[tuple, str], bounds: tuple[int, int], weights: Mapping[int, float]) -> dict[tuple, str]:
+               tiles: Mapping[tuple, str], bounds: tuple[int, int]) -> dict[tuple, str]:
     """`tiles` with fitted row copies (kernorch.kernels.Tile.copies) for contractions over symbolic
     rows (their tiles timed between the samples too). Per packing and loop order (a family), each
-    row count of its tiles and their SMALL_ROWS copy is fitted over the lengths it ran at
+    row count of its tiles and their SMALL_ROWS copy gets the cost curve of the lengths it ran at
     (kernorch.kernels.tiles.fit_copies); the family's kernel holds the copies that are the
-    cheapest at some length of the range `bounds` (lo, hi) and runs the cheapest at each. The
-    family of least weighted time over the samples (`weights`: {length: weight}) is kept: its
-    fitted copies' predicted time where they run another copy than its fastest tile somewhere,
-    else that tile's measured time. Micro-kernels tuned once, chosen by the length at run time by a
-    fitted cost (HAOTuner). A seq x 384 x 1536 GEMM, weights cold, Xeon family 6 model 207: the
-    14-row tile alone ran its 2-row copy at 7 and 16 rows (137 and 193 us), the 8-row one 125 and
-    133; the 8-row tile took 199 us at 28 rows, the 14-row one 164."""
+    cheapest at some length of the range `bounds` (lo, hi) and runs the cheapest at each. Where
+    that runs the same copies as the family's fastest tile everywhere, that tile stays. The family
+    kept is the one closest to the best family at every length timed (`_relative_score`).
+    Micro-kernels tuned once, chosen by the length at run time by their measured cost (HAOTuner).
+    A seq x 384 x 1536 GEMM, weights cold, Xeon family 6 model 207: the 14-row tile alone ran its
+    2-row copy at 7 and 16 rows (137 and 193 us), the 8-row one 125 and 133; the 8-row tile took
+    199 us at 28 rows, the 14-row one 164."""
     out = dict(tiles)
     lengths = range(bounds[0], bounds[1] + 1)
     for prim, sched in tiles.items():
@@ -248,20 +248,31 @@ def row_copies(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob]],
             m = measurements.get(j.ident)
             if t is not None and b == block and m is not None and m.ok and m.samples_ns:
                 families.setdefault(replace(t, mr=1), {})[t] = m
-        best: tuple = ()
+        kept: dict[str, dict[int, int]] = {}   # schedule -> its time (measured or read off its curves) by length
         for fam in families.values():
             fastest = min(fam, key=lambda t: fam[t].median_ns)
             fitted = replace(fastest, copies=fit_copies({t.mr: dict(m.samples_ns) for t, m in fam.items()}))
             used = {fitted.pick(n) for n in lengths}
             fitted = replace(fitted, copies=tuple(c for c in fitted.copies if c[0] in used))
+            timed = dict(fam[fastest].samples_ns)
             if len(fitted.copies) > 1 and any(fitted.pick(n) != fastest.pick(n) for n in lengths):
-                ns = sum(w * min(a + b * passes(mr, n) for mr, a, b in fitted.copies) for n, w in weights.items())
-                best = min(best, (ns, fitted.name)) if best else (ns, fitted.name)
+                kept[fitted.name] = {n: min(curve_ns(pts, passes(mr, n)) for mr, pts in fitted.copies) for n in timed}
             else:
-                best = min(best, (fam[fastest].median_ns, fastest.name)) if best else (fam[fastest].median_ns, fastest.name)
-        if best:
-            out[prim] = _in_class(block, best[1])
+                kept[fastest.name] = timed
+        if kept:
+            out[prim] = _in_class(block, _relative_score(kept))
     return out
+
+
+def _relative_score(times: Mapping[str, Mapping[int, int]]) -> str:
+    """Of schedules timed at lengths ({schedule: {length: ns}}), the one of least mean ratio to the
+    best at each length, the lengths weighted by the trapezoid rule over log(length) (each octave
+    counts the same, as `kernorch.dynamic.samples` weighs the samples; here at the probes too)."""
+    common = sorted(set.intersection(*(set(t) for t in times.values())))
+    x = [math.log(n) for n in common]
+    q = [((x[min(i + 1, len(x) - 1)] - x[max(i - 1, 0)]) / 2) if len(x) > 1 else 1.0 for i in range(len(x))]
+    best = {n: max(1, min(t[n] for t in times.values())) for n in common}
+    return min(times, key=lambda s: (sum(w * times[s][n] / best[n] for w, n in zip(q, common)), s))
 
 
 def conversion_jobs(graph: Graph, jobs: Sequence[meas.KernelJob], machine: Machine) -> list[meas.KernelJob]:
@@ -390,10 +401,7 @@ def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Option
                                   workers=workers)
     tiles = fastest_schedules(results, by_prim)
     if options.ranges:
-        from .dynamic import samples
-        name, lo, hi = options.ranges[0]
-        weights = {dict(b)[name]: w for b, w in samples(options.ranges, options.lengths, options.sample_weights)}
-        tiles = row_copies(results, by_prim, tiles, (lo, hi), weights)
+        tiles = row_copies(results, by_prim, tiles, options.ranges[0][1:])
     direct = fastest_schedules(results, by_prim, direct=True)
     jobs = candidate_jobs(graph, enumeration.candidates, options, machine, tiles,
                           fastest_schedules(results, by_prim, rows_outer=True),

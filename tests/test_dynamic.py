@@ -317,7 +317,7 @@ def _weight_gemm(generic, cols: int):
     return p, list(p.inputs)
 
 
-@pytest.mark.parametrize("tile", ["t4x32p~8:100+40~6:60+40~4:0+40~2:0+30", "t3x32~5:20+30~3:0+30"])
+@pytest.mark.parametrize("tile", ["t4x32p~8:1@140,3@220~6:1@100,3@180~4:1@40,2@80~2:1@30,2@60", "t3x32~5:1@50,2@80~3:1@30"])
 def test_row_copies_are_each_in_the_kernel_and_each_computes_the_gemm(block, tile):
     """A weight GEMM over seq rows whose tile holds fitted row copies holds a copy of the
     micro-kernel per row count, and computes the reference at lengths where each copy runs, on
@@ -336,7 +336,7 @@ def test_row_copies_are_each_in_the_kernel_and_each_computes_the_gemm(block, til
     mod = schedule(lower(kg, kg.prims, ins, [p.name], tile), target, tile, bounds={"seq": 512})
     script = mod["main"].script()
     assert list(mod["main"].attrs["kernorch.row_copies"]) == [c[0] for c in t.copies]
-    for mr, _, _ in t.copies:
+    for mr, _ in t.copies:
         assert f"T.unroll(T.int64({mr}))" in script, (mr, script)
     ex = tvm.compile(mod, target=target)
     ran = [t.pick(n) for n in range(1, 301)]
@@ -449,8 +449,8 @@ def test_row_copies_on_a_static_gemm_are_refused(block):
     p, ins = _weight_gemm(block[1], 32)
     static = dynamic.bind(kernel_graph(block[1], [p.name], ins, [p.name]), {"seq": 23})
     with pytest.raises(KernorchError, match="does not apply.*symbolic row"):
-        schedule(lower(static, static.prims, ins, [p.name], "t4x32p~8:10+8~4:0+5"), make_target(1),
-                 "t4x32p~8:10+8~4:0+5")
+        schedule(lower(static, static.prims, ins, [p.name], "t4x32p~8:1@18~4:1@5"), make_target(1),
+                 "t4x32p~8:1@18~4:1@5")
 
 
 def test_one_executable_serves_the_whole_range(tmp_path):
@@ -725,7 +725,7 @@ def test_positions_and_a_causal_mask_computed_from_the_length_become_slices(tmp_
         dynamic.generalize({s: flipped(s) for s in (61, 67, 71, 73)}, "seq", lambda: (80, flipped(80)))
 
 
-WEIGHTS = {1: 0.25, 23: 0.5, 512: 0.25}   # the samples of seq=1..512 (other lengths: probes)
+WEIGHTS = {1: 0.25, 23: 0.5, 512: 0.25}   # the samples of seq=1..512 (other lengths: probes, weight 0)
 
 
 def _tile_race(times: dict[str, dict[int, int]], probes=((("seq", 5),), (("seq", 109),))):
@@ -753,48 +753,74 @@ def _copy_times(costs: dict[int, tuple[int, int]], tiles, lengths=(1, 5, 23, 109
     return out
 
 
-def test_a_tile_over_symbolic_rows_runs_the_copy_of_least_fitted_cost_at_each_length():
-    """Each row count of a packing and loop order, and the 2-row copy, is fitted over the lengths
-    it ran at; the kernel holds the copies that are cheapest somewhere in the range and runs the
-    cheapest at each length (here 8 rows at 7, 16 and 32 rows, 14 at 28 and 512: what a
-    seq x 384 x 1536 GEMM showed on a Xeon). The family whose copies' predicted weighted time is
-    least wins, even over a tile of another packing that was measured faster than each of its
-    tiles alone (t6x64p: 623 ns weighted, t14x32p 627, its copies 619)."""
+def test_a_tile_over_symbolic_rows_runs_the_copy_cheapest_at_each_length():
+    """Each row count of a packing and loop order, and the 2-row copy, gets the curve of its times
+    at the pass counts it ran at; the kernel holds the copies that are cheapest somewhere in the
+    range and runs the cheapest at each length (here 8 rows at 7, 16 and 32 rows, 14 at 28 and
+    512: what a seq x 384 x 1536 GEMM showed on a Xeon). The family closest to the best at every
+    length timed wins, even over a tile of another packing that was faster at both ends."""
     from kernorch.kernels import Tile
-    from kernorch.kernels.tiles import passes
+    from kernorch.kernels.tiles import curve_ns, passes
     from kernorch.pipeline import row_copies
-    costs = {14: (80, 53), 8: (71, 33), 2: (80, 14)}
-    times = {**_copy_times(costs, ["t14x32p", "t8x32p"]), **_copy_times({6: (110, 22), 2: (0, 94)}, ["t6x64p"])}
-    by_prim, ms = _tile_race(times)
-    got = row_copies(ms, by_prim, {("mm", None): "t6x64p"}, (1, 512), WEIGHTS)
+    times = _copy_times({14: (80000, 53000), 8: (71000, 33000), 2: (80000, 14000)}, ["t14x32p", "t8x32p"])
+    assert times["t8x32p"] == {1: 94000, 5: 104000, 23: 170000, 109: 533000, 512: 2183000}
+    x64 = {1: 90000, 5: 300000, 23: 400000, 109: 900000, 512: 2000000}
+    by_prim, ms = _tile_race({**times, "t6x64p": x64})
+    got = row_copies(ms, by_prim, {("mm", None): "t6x64p"}, (1, 512))
     t = Tile.parse(got[("mm", None)])
-    assert (t.nb, t.pack) == (32, True) and [c[0] for c in t.copies] == [14, 8, 2], t
-    assert {mr: (a, b) for mr, a, b in t.copies} == costs   # the fit recovers the costs (two digits)
+    assert (t.nb, t.pack) == (32, True) and dict(t.copies) == {
+        14: ((2, 186000), (8, 504000), (37, 2040000)), 8: ((1, 104000), (3, 170000), (14, 533000), (64, 2180000)),
+        2: ((1, 94000), (3, 122000))}, t
     assert [t.pick(n) for n in (1, 7, 16, 28, 32, 512)] == [2, 8, 8, 14, 8, 14]
-    best = {n: min(costs, key=lambda m: (costs[m][0] + costs[m][1] * passes(m, n), -m)) for n in range(1, 513)}
-    assert all(t.pick(n) == best[n] for n in range(1, 513))
     assert Tile.parse("t14x32p").pick(16) == 2   # the tile alone ran its 2-row copy at 16 rows
-    # a tile of another packing measured faster than the copies' prediction stays (615 ns)
-    times.update(_copy_times({6: (100, 22), 2: (0, 94)}, ["t6x64p"]))
-    by_prim, ms = _tile_race(times)
-    assert row_copies(ms, by_prim, {("mm", None): "t6x64p"}, (1, 512), WEIGHTS) == {("mm", None): "t6x64p"}
+    # at every length timed, the copy that was fastest there
+    for n in (1, 5, 23, 109, 512):
+        ran = {mr: curve_ns(pts, passes(mr, n)) for mr, pts in t.copies}
+        assert ran[t.pick(n)] == min(ran.values())
+    # a tile of another packing that is faster at every length stays as it is
+    by_prim, ms = _tile_race({**times, "t6x64p": {1: 90000, 5: 100000, 23: 160000, 109: 480000, 512: 1900000}})
+    assert row_copies(ms, by_prim, {("mm", None): "t6x64p"}, (1, 512)) == {("mm", None): "t6x64p"}
+
+
+def test_a_copy_curve_is_held_below_its_first_point_and_extended_beyond_its_last():
+    from kernorch.kernels.tiles import curve_ns
+    pts = ((2, 100), (4, 140), (8, 300))
+    assert [curve_ns(pts, p) for p in (1, 2, 3, 4, 6, 8, 10)] == [100, 100, 120, 140, 220, 300, 380]
+    assert [curve_ns(((3, 90),), p) for p in (1, 3, 6)] == [90, 90, 180]
+
+
+def test_the_kernels_copy_curve_is_the_one_the_plan_reads():
+    """The run-time test inside the kernel computes every curve as kernorch.kernels.tiles.curve_ns."""
+    import tvm
+    from tvm import tirx
+    from kernorch.backends.tvm.schedule import _curve
+    from kernorch.kernels.tiles import curve_ns
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 4):
+        for _ in range(5):
+            ps = np.sort(rng.choice(np.arange(1, 60), n, replace=False))
+            pts = tuple((int(p), int(rng.integers(0, 10**6))) for p in ps)
+            for p in range(1, 80):
+                got = tvm.sym.Analyzer().simplify(_curve(pts, tirx.const(p, "int64")))
+                assert int(got) == curve_ns(pts, p), (pts, p)
 
 
 def test_a_tile_whose_own_copies_are_cheapest_everywhere_or_without_lengths_stays_as_it_is():
     from kernorch.pipeline import row_copies
     costs = {14: (70, 30), 8: (71, 33), 2: (200, 100)}
     by_prim, ms = _tile_race(_copy_times(costs, ["t14x32p", "t8x32p"]))
-    assert row_copies(ms, by_prim, {("mm", None): "t14x32p"}, (32, 512), WEIGHTS) == {("mm", None): "t14x32p"}
+    assert row_copies(ms, by_prim, {("mm", None): "t14x32p"}, (32, 512)) == {("mm", None): "t14x32p"}
     # tiles over symbolic columns or depth (attention) are not timed between the samples: no copies
     by_prim, ms = _tile_race({"t8x32r": {1: 10, 23: 50, 512: 1500}, "t14x32r": {1: 10, 23: 60, 512: 900}}, probes=())
-    assert row_copies(ms, by_prim, {("mm", None): "t8x32r"}, (1, 512), WEIGHTS) == {("mm", None): "t8x32r"}
+    assert row_copies(ms, by_prim, {("mm", None): "t8x32r"}, (1, 512)) == {("mm", None): "t8x32r"}
 
 
 def test_row_copies_are_named_and_parsed_back():
     from kernorch.kernels import Tile
-    t = Tile(14, 32, True, copies=((14, 70, 53), (8, 71, 33), (2, 80, 14)))
-    assert t.name == "t14x32p~14:70+53~8:71+33~2:80+14" and Tile.parse(t.name) == t
-    assert Tile.parse("t14x32p~8:1+0") is None and Tile.parse("t14x32p~8:1+2~8:3+4") is None
+    t = Tile(14, 32, True, copies=((14, ((2, 186000), (8, 504000))), (8, ((1, 104000),)), (2, ((1, 94000), (3, 122000)))))
+    assert t.name == "t14x32p~14:2@186000,8@504000~8:1@104000~2:1@94000,3@122000" and Tile.parse(t.name) == t
+    assert Tile.parse("t14x32p~8:3@1,1@2") is None and Tile.parse("t14x32p~8:1@1~8:3@4") is None
+
 
 
 def test_tiles_over_symbolic_rows_are_timed_between_the_samples_too():

@@ -23,12 +23,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import numpy as np
-
 MAX_ROWS = 16       # longer unrolled row tiles only grow the code: the register budget binds first
 MIN_ROWS = 3        # below this, the broadcast loads dominate
-_NAME = re.compile(r"t(\d+)x(\d+)(p?)(r?)(s?)((?:~\d+:\d+\+\d+)*)")
-_COPY = re.compile(r"~(\d+):(\d+)\+(\d+)")
+_NAME = re.compile(r"t(\d+)x(\d+)(p?)(r?)(s?)((?:~\d+:\d+@\d+(?:,\d+@\d+)*)*)")
+_COPY = re.compile(r"~(\d+):([\d@,]+)")
+_POINT = re.compile(r"(\d+)@(\d+)")
 # a contraction of at most this many multiply-adds is also offered serial tiles: a parallel launch
 # cost about 3 us on a 2-core Zen 4 VM, as long as about 2**17 multiply-adds take on one core there
 # (110 GFLOP/s); up to twice that, which of the two is faster is left to the measurement
@@ -43,9 +42,11 @@ class Tile:
     packed K x nb panel stays in cache while every row tile passes over it). `serial`: no parallel
     loop (a small contraction's whole work costs less than handing half of it to another thread).
     `copies`: over a symbolic row extent (kernorch.dynamic), the row counts the kernel holds a copy
-    of the micro-kernel for, each with its fitted cost (mr, fixed ns, ns per pass): at run time
-    the copy whose `fixed + per_pass * ceil(rows / mr)` is least runs (`pick`; ties: the first).
-    "t14x32p~14:70+53~8:71+33~2:80+14": 8 rows at 7 rows (104 ns against 123 and 136), 14 at 28.
+    of the micro-kernel for, each with its measured cost curve: (mr, ((passes, ns), ...)), the
+    time at so many row tiles (passes) of `mr` rows, ascending (`curve_ns` reads between and
+    beyond the points). At run time the copy whose curve is least at ceil(rows / mr) passes runs
+    (`pick`; ties: the first). "t14x32p~14:2@160000,8@490000~8:1@130000,3@210000": at 7 rows,
+    8 rows (1 pass: 130 us against 160, which 14 rows take at 2 passes and are held to below).
     Only `mr` changes: the copies share the packing and the loop order."""
 
     mr: int
@@ -53,26 +54,31 @@ class Tile:
     pack: bool = False
     rows_outer: bool = False
     serial: bool = False
-    copies: tuple[tuple[int, int, int], ...] = ()
+    copies: tuple[tuple[int, tuple[tuple[int, int], ...]], ...] = ()
 
     def __post_init__(self):
-        rows = [m for m, _, _ in self.copies]
-        if len(set(rows)) != len(rows) or any(m < 1 or a < 0 or b < 1 for m, a, b in self.copies):
-            raise ValueError(f"row copies {self.copies}: distinct row counts, costs >= 0 and >= 1 a pass expected")
+        rows = [m for m, _ in self.copies]
+        if len(set(rows)) != len(rows) or any(
+                m < 1 or not pts or [p for p, _ in pts] != sorted({p for p, _ in pts}) or pts[0][0] < 1
+                or any(t < 0 for _, t in pts) for m, pts in self.copies):
+            raise ValueError(f"row copies {self.copies}: distinct row counts, each with a curve of ascending "
+                             "pass counts (>= 1) and times >= 0 expected")
 
     @property
     def name(self) -> str:
         """The schedule name stored in the profile database and the plan, e.g. "t14x32p", "t8x32rs",
-        "t14x32p~14:70+53~8:71+33"."""
+        "t14x32p~14:2@160000,8@490000~8:1@130000"."""
         return (f"t{self.mr}x{self.nb}{'p' if self.pack else ''}{'r' if self.rows_outer else ''}"
-                f"{'s' if self.serial else ''}" + "".join(f"~{m}:{a}+{b}" for m, a, b in self.copies))
+                f"{'s' if self.serial else ''}"
+                + "".join(f"~{m}:" + ",".join(f"{p}@{t}" for p, t in pts) for m, pts in self.copies))
 
     @staticmethod
     def parse(name: str) -> "Tile | None":
         m = _NAME.fullmatch(name)
         if not m:
             return None
-        copies = tuple((int(r), int(a), int(b)) for r, a, b in _COPY.findall(m.group(6)))
+        copies = tuple((int(r), tuple((int(p), int(t)) for p, t in _POINT.findall(pts)))
+                       for r, pts in _COPY.findall(m.group(6)))
         try:
             return Tile(int(m.group(1)), int(m.group(2)), bool(m.group(3)), bool(m.group(4)), bool(m.group(5)),
                         copies)
@@ -80,11 +86,11 @@ class Tile:
             return None
 
     def pick(self, rows: int) -> int:
-        """The row count of the copy that runs at `rows` rows: with `copies`, the one of least fitted
-        cost (what the kernel computes at run time); without, `ran_copy`."""
+        """The row count of the copy that runs at `rows` rows: with `copies`, the one whose curve is
+        least there (what the kernel computes at run time); without, `ran_copy`."""
         if not self.copies:
             return ran_copy(self.mr, rows)
-        return min(self.copies, key=lambda c: c[1] + c[2] * passes(c[0], rows))[0]
+        return min(self.copies, key=lambda c: curve_ns(c[1], passes(c[0], rows)))[0]
 
     def registers(self, lanes: int) -> int:
         """Vector registers the tile occupies (accumulators, operand vectors, one broadcast)."""
@@ -159,32 +165,36 @@ def ran_copy(mr: int, rows: int) -> int:
     return mr
 
 
-def fit_copies(times: dict[int, dict[int, float]]) -> tuple[tuple[int, int, int], ...]:
-    """Fitted costs of the row copies a tile family holds, from its tiles' times over symbolic rows.
+def curve_ns(points, p: int) -> int:
+    """A copy's cost curve (ascending (passes, ns) points) at `p` passes: linear between two
+    points; below the first, the first (held, not extrapolated: one pass of 14 rows costs more
+    than half of two when the weight stream, not the FMAs, bounds it); beyond the last, the last
+    segment's slope (one point alone: proportional). Integer arithmetic, as the kernel's test."""
+    (p0, t0) = points[0]
+    if p <= p0:
+        return t0
+    if len(points) == 1:
+        return t0 * p // p0
+    segments = list(zip(points, points[1:]))
+    (p1, t1), (p2, t2) = next((a, b) for a, b in segments if p <= b[0]) if p <= points[-1][0] else segments[-1]
+    return t1 + (p - p1) * (t2 - t1) // (p2 - p1)
 
-    `times`: per tile row count (a tile without copies), its time in ns at each length it was
-    timed at. At each length a tile ran one copy (`ran_copy`: its own or the SMALL_ROWS one); every
-    copy's time is fitted as `fixed + per_pass * passes` by least squares of the relative error
-    over the lengths it ran at (one pass count alone: all of it per pass), two significant digits. Returns (mr, fixed ns,
-    ns per pass) per copy, the largest row count first."""
-    points: dict[int, list[tuple[int, float]]] = {}
+
+def fit_copies(times: dict[int, dict[int, float]]) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
+    """The cost curves of the row copies a tile family holds, from its tiles' times over symbolic
+    rows. `times`: per tile row count (a tile without copies), its time in ns at each length it
+    was timed at. At each length a tile ran one copy (`ran_copy`: its own or the SMALL_ROWS one) at
+    some number of passes; a copy's curve holds its time at every pass count it ran at (the mean
+    where several tiles ran it there), three significant digits. Returns (mr, ((passes, ns), ...))
+    per copy, the largest row count first."""
+    points: dict[int, dict[int, list[float]]] = {}
     for mr, by_length in times.items():
         for rows, ns in by_length.items():
             c = ran_copy(mr, rows)
-            points.setdefault(c, []).append((passes(c, rows), float(ns)))
-    out = []
-    for mr in sorted(points, reverse=True):
-        xs = np.array([p for p, _ in points[mr]], float)
-        ys = np.array([t for _, t in points[mr]], float)
-        if len(set(xs)) > 1:
-            slope, fixed = np.polyfit(xs, ys, 1, w=1.0 / ys)   # relative residuals: short lengths count too
-            if slope <= 0 or fixed < 0:   # noise: a line through the origin and the mean
-                slope, fixed = ys.sum() / xs.sum(), 0.0
-        else:
-            slope, fixed = ys.mean() / xs[0], 0.0
-        out.append((mr, _two_digits(fixed), max(1, _two_digits(slope))))
-    return tuple(out)
+            points.setdefault(c, {}).setdefault(passes(c, rows), []).append(float(ns))
+    return tuple((mr, tuple((p, _three_digits(sum(ts) / len(ts))) for p, ts in sorted(points[mr].items())))
+                 for mr in sorted(points, reverse=True))
 
 
-def _two_digits(x: float) -> int:
-    return int(float(f"{max(x, 0.0):.2g}"))
+def _three_digits(x: float) -> int:
+    return int(float(f"{max(x, 0.0):.3g}"))

@@ -207,11 +207,11 @@ def _by_rows(large: tirx.PrimFunc, small: tirx.PrimFunc, rows, mr: int) -> tirx.
 
 def _cheapest(copies: list, rows) -> tirx.PrimFunc:
     """One kernel of several schedules of the same contraction over a symbolic row extent `rows`
-    (`copies`: ((mr, fixed, per_pass), func) pairs): the copy of least `fixed + per_pass *
-    ceil(rows / mr)` runs, the first of equal ones (kernorch.kernels.Tile.pick)."""
+    (`copies`: ((mr, cost curve), func) pairs): the copy whose curve is least at ceil(rows / mr)
+    passes runs, the first of equal ones (kernorch.kernels.Tile.pick, tiles.curve_ns)."""
     def cost(c):
-        mr, fixed, per_pass = c
-        return tirx.const(fixed, "int64") + tirx.const(per_pass, "int64") * (_padded(rows, mr) // mr)
+        mr, points = c
+        return _curve(points, _padded(rows, mr) // mr)
 
     out = copies[-1][1]
     for i in range(len(copies) - 2, -1, -1):  # the first copy's test outermost
@@ -222,6 +222,22 @@ def _cheapest(copies: list, rows) -> tirx.PrimFunc:
             cond = le if cond is None else tirx.And(cond, le)
         out = _either(cond, func, out)
     return out.with_attr("kernorch.row_copies", [c[0] for c, _ in copies])
+
+
+def _curve(points, p):
+    """kernorch.kernels.tiles.curve_ns as an expression of `p` passes (int64)."""
+    def i64(v: int):
+        return tirx.const(v, "int64")
+
+    def between(a, b):
+        (p1, t1), (p2, t2) = a, b
+        return i64(t1) + tirx.floordiv((p - i64(p1)) * i64(t2 - t1), i64(p2 - p1))
+
+    (p0, t0) = points[0]
+    out = tirx.floordiv(i64(t0) * p, i64(p0)) if len(points) == 1 else between(*points[-2:])
+    for a, b in reversed(list(zip(points, points[1:]))):
+        out = tirx.Select(p <= i64(b[0]), between(a, b), out)
+    return tirx.Select(p <= i64(p0), i64(t0), out)
 
 
 def _either(cond, then: tirx.PrimFunc, other: tirx.PrimFunc) -> tirx.PrimFunc:
