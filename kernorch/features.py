@@ -35,7 +35,7 @@ def schedule_features(schedule: str) -> dict[str, float]:
     model)."""
     block, inner = split(schedule)
     wino = Winograd.parse(inner)
-    tile = Tile.parse(inner)  # (a row switch shows as its first row count)
+    tile = Tile.parse(inner)  # (a tile with row copies shows as its own row count)
     rows, cols, flags = (tile.mr, tile.nb, ("p" if tile.pack else "") + ("r" if tile.rows_outer else "")) if tile \
         else (0, 0, "")
     if wino is not None:
