@@ -127,6 +127,19 @@ def _rows_clamped(x, rows, padded, name: str):
                       lambda *i: x(*i[:-2], tirx.min(i[-2], _index(rows - 1, i[-2])), i[-1]), name=name)
 
 
+def _zero_padded(x, axis: int, length, padded, name: str):
+    """`x` copied with its axis `axis` grown to `padded`, zero past `length` (its reads clamped into
+    the buffer)."""
+    def value(*i):
+        k = i[axis]
+        at = list(i)
+        at[axis] = tirx.min(k, _index(length - 1, k))
+        return tirx.if_then_else(k < _index(length, k), x(*at), tirx.const(0, x.dtype))
+    shape = list(x.shape)
+    shape[axis] = padded
+    return te.compute(tuple(shape), value, name=name)
+
+
 class _PaddedAttention:
     """An attention kernel (kernorch.candidates.attention_parts) over a symbolic length (or over
     static keys that are no multiple of KEYS_MULTIPLE: seq=300), computed on a domain padded to its
@@ -193,19 +206,9 @@ class _PaddedAttention:
         if p.name == self.scores:
             a, b = args
             if self.pad_rows:
-                rows, q = self.rows, args[0]
-                a = te.compute((*q.shape[:-2], self.prows, q.shape[-1]),
-                               lambda *i: tirx.if_then_else(i[-2] < _index(rows, i[-2]),
-                                                            q(*i[:-2], tirx.min(i[-2], _index(rows - 1, i[-2])), i[-1]),
-                                                            tirx.const(0, q.dtype)),
-                               name="queries_padded")
+                a = _zero_padded(a, -2, self.rows, self.prows, "queries_padded")
             if self.pad_cols:
-                cols = self.cols
-                b = te.compute((*b.shape[:-1], self.pcols),
-                               lambda *i: tirx.if_then_else(i[-1] < _index(cols, i[-1]),
-                                                            args[1](*i[:-1], tirx.min(i[-1], _index(cols - 1, i[-1]))),
-                                                            tirx.const(0, args[1].dtype)),
-                               name="keys_padded")
+                b = _zero_padded(b, -1, self.cols, self.pcols, "keys_padded")
             return [a, b]
         if p.name == self.values:
             probs, v = args

@@ -209,18 +209,13 @@ def _cheapest(copies: list, rows) -> tirx.PrimFunc:
     """One kernel of several schedules of the same contraction over a symbolic row extent `rows`
     (`copies`: ((mr, cost curve), func) pairs): the copy whose curve is least at ceil(rows / mr)
     passes runs, the first of equal ones (kernorch.kernels.Tile.pick, tiles.curve_ns)."""
-    def cost(c):
-        mr, points = c
-        return _curve(points, _padded(rows, mr) // mr)
-
+    costs = [_curve(points, _padded(rows, mr) // mr) for (mr, points), _ in copies]
     out = copies[-1][1]
     for i in range(len(copies) - 2, -1, -1):  # the first copy's test outermost
-        c, func = copies[i]
-        cond = None
-        for c2, _ in copies[i + 1:]:
-            le = cost(c) <= cost(c2)
-            cond = le if cond is None else tirx.And(cond, le)
-        out = _either(cond, func, out)
+        cond = costs[i] <= costs[i + 1]
+        for later in costs[i + 2:]:
+            cond = tirx.And(cond, costs[i] <= later)
+        out = _either(cond, copies[i][1], out)
     return out.with_attr("kernorch.row_copies", [c[0] for c, _ in copies])
 
 
