@@ -241,7 +241,23 @@ def _either(cond, then: tirx.PrimFunc, other: tirx.PrimFunc) -> tirx.PrimFunc:
     a, b = other.body.block, then.body.block
     allocs = list(a.alloc_buffers)  # (an intermediate both copies keep is one buffer: only one copy runs)
     allocs += [buf for buf in b.alloc_buffers if not any(buf.same_as(x) for x in allocs)]
-    return _with_root_body(other, tirx.IfThenElse(cond, b.body, a.body), allocs)
+    body, flag = _opaque_branch(cond, b.body, a.body)
+    return _with_root_body(other, body, allocs + [flag])
+
+
+def _opaque_branch(cond, then, other) -> tuple:
+    """(`if cond: then else: other` with `cond` stored in a one-element local buffer first and the
+    branch testing its load, that buffer). Both branches compute the same result for every length
+    (two schedules of one kernel); TVM's CompactBufferAllocation, though, narrows every access
+    under a branch by its condition, and over a symbolic extent that search grows with the
+    condition: a fused LayerNorm + GEMM + GELU kernel with three row copies picked by their cost
+    curves spent 1.84 of its 2.30 s of compilation there (Xeon model 207), 0.07 with the condition
+    behind the buffer. The flag lives on the stack (kernorch.backends.tvm.passes)."""
+    flag = tirx.decl_buffer((1,), "int32", "branch", scope="local")
+    at = [tirx.const(0, "int32")]
+    store = tirx.BufferStore(flag, tirx.Select(cond, tirx.const(1, "int32"), tirx.const(0, "int32")), at)
+    test = tirx.BufferLoad(flag, at) != tirx.const(0, "int32")
+    return tirx.SeqStmt([store, tirx.IfThenElse(test, then, other)]), flag
 
 
 def _with_root_body(func: tirx.PrimFunc, body, allocs=None) -> tirx.PrimFunc:
@@ -286,7 +302,7 @@ def _serial_when_small(func: tirx.PrimFunc) -> tirx.PrimFunc:
     from tvm.sym.analyzer import Analyzer
     ana = Analyzer()
     bounds = func.attrs[BOUNDS_ATTR] if func.attrs is not None and BOUNDS_ATTR in func.attrs else {}
-    out, changed = [], False
+    out, flags = [], []
     for st in stmts:
         if isinstance(st, tirx.For) and st.kind == tirx.ForKind.PARALLEL:
             work = st.extent * _iterations(st.body)
@@ -296,12 +312,12 @@ def _serial_when_small(func: tirx.PrimFunc) -> tirx.PrimFunc:
             if not isinstance(work, tirx.IntImm) and ana.const_int_bound(work).min_value < PARALLEL_MIN_WORK:
                 serial = tirx.For(st.loop_var, st.min, st.extent, tirx.ForKind.SERIAL, st.body,
                                   st.thread_binding, st.annotations)
-                st = tirx.IfThenElse(work >= tirx.const(PARALLEL_MIN_WORK, "int64"), st, serial)
-                changed = True
+                st, flag = _opaque_branch(work >= tirx.const(PARALLEL_MIN_WORK, "int64"), st, serial)
+                flags.append(flag)
         out.append(st)
-    if not changed:
+    if not flags:
         return func
-    return _with_root_body(func, tirx.SeqStmt(out) if len(out) > 1 else out[0])
+    return _with_root_body(func, tirx.SeqStmt(out) if len(out) > 1 else out[0], list(blk.alloc_buffers) + flags)
 
 
 def _first_line(e: Exception) -> str:
