@@ -26,12 +26,22 @@ class BuiltKernel:
     """A compiled PrimFunc `main(*inputs, *outputs)` callable on numpy arrays."""
 
     def __init__(self, rt_mod, params: list[tuple[tuple[int, ...], str]], num_inputs: int, executable=None):
-        self.rt_mod = rt_mod
+        self._rt_mod = rt_mod
         self.params = params
         self.num_inputs = num_inputs
         self._executable = executable
-        self._fn = rt_mod["main"]
         self.dev = tvm.cpu()
+
+    @functools.cached_property
+    def rt_mod(self):
+        """The runtime module: loaded from a file, or just-in-time compiled from the executable on
+        first use (LLVM emits the machine code then; `export` emits it again for the file, so a
+        kernel built to be exported and loaded elsewhere need not pay for both)."""
+        return self._rt_mod if self._rt_mod is not None else self._executable.jit()
+
+    @functools.cached_property
+    def _fn(self):
+        return self.rt_mod["main"]
 
     @property
     def input_types(self):
@@ -152,7 +162,7 @@ def build(mod: tvm.IRModule, target: tvm.target.Target) -> BuiltKernel:
     n_in = func.attrs[NUM_INPUTS_ATTR] if func.attrs is not None and NUM_INPUTS_ATTR in func.attrs else len(params) - 1
     check_bounds(mod)
     ex = tvm.compile(mod, target=target, tir_pipeline=PIPELINE)
-    return BuiltKernel(ex.jit(), params, int(n_in), ex)
+    return BuiltKernel(None, params, int(n_in), ex)
 
 
 SYMBOLIC_PROBES = (1, 2, 7, 64)  # lengths a kernel over a symbolic dimension is bounds-checked at (and its end)
