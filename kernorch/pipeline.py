@@ -82,15 +82,19 @@ class Measured:
     sigma: float = 0.0                      # the learned model's spread (log space)
     residual: cm.Residual = field(default_factory=cm.Residual)  # this run's correction of the model
     model: Any = None                       # the learned model (kernorch.costmodel.CostModel) in use
-    rows: Mapping[tuple[str, str, str], cm.Row] = field(default_factory=dict)  # pending jobs' features
-    seen: tuple[cm.Row, ...] = ()           # the fusions this run measured, with their times
+    # pending jobs' features: a row per length of `at` (a static shape: one)
+    rows: Mapping[tuple[str, str, str], tuple[cm.Row, ...]] = field(default_factory=dict)
+    seen: tuple[cm.Row, ...] = ()           # the fusions this run measured, a row per length, with their times
     fitted: int = 0                         # how many of `seen` the estimates in use were made with
     state: str = ""                         # where the run's last estimates are kept (`_state_key`)
-    # over a range: the length the learned model sees kernels at (their sizes, their members' and
-    # their own times there), and per pending job the factor from a time there to its weighted time
-    # over the range (its members' weighted times over theirs at that length)
-    middle: int = 0
-    scales: Mapping[tuple[str, str, str], float] = field(default_factory=dict)
+    # the lengths the learned model sees a kernel at, with their weights: over a range its samples
+    # (kernorch.dynamic.samples; a kernel's time is their weighted sum), a static shape (0, 1.0)
+    at: tuple[tuple[int, float], ...] = ((0, 1.0),)
+    # the least ratio of measured time to bound among the fusions the learned model does not estimate
+    # (`_learnable`) that this run measured (0: none yet). A fused attention took 2-3x its bound; kept
+    # at their bounds, each of the 29 attentions of a transformer block over seq=1..512 was wanted in
+    # turn and measured in all 4 tiles (116 builds, 68 s of builders)
+    unlearned: float = 0.0
 
     def with_measurement(self, m: Measurement) -> "Measured":
         """A copy where `m` replaces the earlier measurements of its (key, impl)."""
@@ -205,14 +209,6 @@ def fastest_schedules(measurements, jobs_by_prim: Mapping[tuple, list[meas.Kerne
         if ok:
             out[prim] = min(ok)[1]
     return out
-
-
-def _middle_length(options: Options) -> int:
-    """The length that stands for a range (0 without a range)."""
-    if not options.ranges:
-        return 0
-    from .dynamic import middle
-    return next(iter(middle(options.ranges, options.lengths).values()))
 
 
 def _rows_only_symbolic(graph: Graph, prim) -> bool:
@@ -426,11 +422,14 @@ def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Option
     return _resumed(measured, _state_key(deferred, options, machine), db) if pending else measured
 
 
+ESTIMATES_VERSION = 2  # how estimates are made (2: at each length of a range; attentions by their bound)
+
+
 def _state_key(idents, options: Options, machine: Machine) -> str:
     """Where a run over these deferred jobs keeps its last estimates: the jobs, the machine, the
-    tools that measure and the cost model that estimates."""
+    tools that measure and the cost model that estimates, and how estimates are made."""
     model = cm.SHIPPED.read_bytes() if options.cost_model == "learned" and cm.SHIPPED.exists() else b""
-    text = json.dumps([meas.target_of(machine, options), meas.versions("tvm"), options.cost_model,
+    text = json.dumps([ESTIMATES_VERSION, meas.target_of(machine, options), meas.versions("tvm"), options.cost_model,
                        hashlib.sha256(model).hexdigest(), sorted(map(list, idents))])
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -491,42 +490,76 @@ def _with_pending(measured: Measured, pending: Mapping, options: Options, machin
     alone, cheapest = cm.alone_times(measured.measurements)
     prim_alone = cm.prims_alone(graphs, alone)
     members_ns = {i: float(max(1, sum(prim_alone.get(p.name, 0) for p in j.graph.prims))) for i, j in pending.items()}
-    sized, known_sized, seen_at, scales, mid = pending, list(known), measured.measurements, {}, 0
-    if options.ranges:
-        # over a range every estimate is made at the middle length, from the times there (bound,
-        # features, the model's labels), then scaled as the members' times scale to their weighted
-        # sum over the range: mixing a time at one length with the other's weighted sums made the
-        # learned model predict 2.5x the members for a weight GEMM with its bias, and the floor at
-        # that length exceed their weighted time, so no such fusion was ever measured
-        from .dynamic import middle
-        at = middle(options.ranges, options.lengths)
-        mid = _middle_length(options)
-        seen_at = {k: _at_length(m, mid) for k, m in measured.measurements.items()}
-        sized = {i: j.at(at) for i, j in pending.items()}
-        known_sized = [j.at(at) for j in known]
+    # over a range each estimate is the weighted sum of estimates at the lengths the kernels are
+    # timed at, each made from the times there (bound, features, the model's labels): made at the
+    # middle length and scaled as the members' times scale over the range, a fused attention over
+    # seq=1..512 was estimated at twice its time (its keys padded to its tile cost it more at short
+    # lengths than its members, less at long ones), so it was never measured
+    at = _lengths_at(options)
+    model = cm.shipped() if options.cost_model == "learned" else None
+    learned = [i for i, j in pending.items() if _learnable(j.graph)]
+    bounds: dict = {i: 0.0 for i in pending}
+    rows_at, seen = [], []
+    for length, weight, binding in at:
+        seen_at = {k: _at_length(m, length) for k, m in measured.measurements.items()} if length \
+            else measured.measurements
         alone, cheapest = cm.alone_times(seen_at)
         prim_alone = cm.prims_alone(graphs, alone)
-        scales = {i: members_ns[i] / max(1, sum(prim_alone.get(p.name, 0) for p in j.graph.prims))
-                  for i, j in pending.items()}
-    bounds = {i: int(fused_estimate_ns(j.graph, cal["peak_gflops"], cal["bandwidth_gbs"], prim_alone, cheapest)
-                     * scales.get(i, 1.0)) for i, j in sized.items()}
-    model = cm.shipped() if options.cost_model == "learned" else None
+        sized = {i: j.at(binding) for i, j in pending.items()} if length else pending
+        for i, j in sized.items():
+            bounds[i] += weight * fused_estimate_ns(j.graph, cal["peak_gflops"], cal["bandwidth_gbs"], prim_alone,
+                                                    cheapest)
+        if model is not None:
+            rows_at.append(cm.rows_for([sized[i] for i in learned], prim_alone, cheapest, machine, cal,
+                                       options.threads))
+            known_sized = [j.at(binding) for j in known] if length else list(known)
+            times = {j.ident: _at_length(measured.measurements[j.ident], length) for j in known
+                     if j.ident in measured.measurements}
+            seen += [r for r in cm.rows_for(known_sized, prim_alone, cheapest, machine, cal, options.threads, times)
+                     if r.measured_ns]
+    bounds = {i: int(b) for i, b in bounds.items()}
     predicted: dict = {}
     if model is not None:
-        rows = cm.rows_for(list(sized.values()), prim_alone, cheapest, machine, cal, options.threads)
-        seen = tuple(sorted((r for r in cm.rows_for(known_sized, prim_alone, cheapest, machine, cal, options.threads,
-                                                    seen_at) if r.measured_ns), key=lambda r: r.ident))
+        rows = {i: tuple(rs[n] for rs in rows_at) for n, i in enumerate(learned)}
+        seen = tuple(sorted(seen, key=lambda r: r.ident))
         residual = cm.Residual().add(zip(model.predict_ns(list(seen)), (r.measured_ns for r in seen))) if seen \
             else cm.Residual()
         fitted = model
-        if len(seen) >= CORRECT_AFTER:  # the spread: the corrected model's errors on fusions it did not see
+        if len(seen) >= CORRECT_AFTER * len(at):  # the spread: the corrected model's errors on fusions it did not see
             fitted, residual = model.corrected(seen), cm.Residual(earlier=model.held_out_errors(seen))
-        predicted = {r.ident: ns * scales.get(r.ident, 1.0) for r, ns in zip(rows, fitted.predict_ns(rows))}
-        measured = replace(measured, sigma=model.sigma, model=model, rows={r.ident: r for r in rows}, seen=seen,
+        predicted = _weighted_predictions(fitted, rows, [w for _, w, _ in at])
+        measured = replace(measured, sigma=model.sigma, model=model, rows=rows, seen=seen,
                            residual=residual, fitted=len(seen))
     out = replace(measured, pending=dict(pending), bounds=bounds, members_ns=members_ns, predicted=predicted,
-                  middle=mid, scales=scales)
+                  at=tuple((length, w) for length, w, _ in at))
     return replace(out, estimates=_estimates(out))
+
+
+def _learnable(kg: Graph) -> bool:
+    """Whether the learned model estimates this fusion: not an attention (two contractions, the
+    scores never written; kernorch.candidates.attention_parts). Its training holds few of them,
+    from before the attention kernel was fast, and it predicted twice their time: a fused attention
+    over seq=1..512 estimated at 68-88 us (weighted over the range) took 36-39 us (Xeon model
+    207), so no plan ever had one measured and the split attention it kept took 3.1 ms at seq=512
+    against 2.3. Such a fusion keeps its optimistic bound."""
+    return sum(primitives.kind(p.op) == "linear" for p in kg.prims) < 2
+
+
+def _lengths_at(options: Options) -> list[tuple[int, float, dict]]:
+    """(length, weight, binding) of each sample a kernel over the range of `options` is timed at
+    (kernorch.dynamic.samples); a static shape: [(0, 1.0, {})]."""
+    if not options.ranges:
+        return [(0, 1.0, {})]
+    from .dynamic import samples
+    return [(int(dict(b).popitem()[1]), w, dict(b)) for b, w in samples(options.ranges, options.lengths,
+                                                                         options.sample_weights) if w > 0]
+
+
+def _weighted_predictions(model, rows: Mapping, weights: Sequence[float]) -> dict:
+    """Each job's learned time: its rows' predictions (one per length) weighted as its measurement is."""
+    flat = [r for rs in rows.values() for r in rs]
+    ns = iter(model.predict_ns(flat))
+    return {i: sum(w * next(ns) for w in weights[:len(rs)]) for i, rs in rows.items()}
 
 
 def _at_length(m: Measurement, length: int) -> Measurement:
@@ -546,9 +579,13 @@ def _sigma(measured: Measured) -> float:
 
 def _estimates(measured: Measured) -> dict:
     """Each pending job's estimate: its bound, or the learned prediction corrected by this run's
-    residual and lowered by CONFIDENCE of its sigmas (`_sigma`) when that is higher."""
+    residual and lowered by CONFIDENCE of its sigmas (`_sigma`) when that is higher. A fusion the
+    learned model does not estimate (`_learnable`) while it estimates the others: its bound raised
+    by the least ratio of time to bound among such fusions measured in this run (`Measured.unlearned`)."""
     factor = math.exp(measured.residual.shift - CONFIDENCE * _sigma(measured))
-    return {i: max(b, int(measured.predicted.get(i, 0) * factor)) for i, b in measured.bounds.items()}
+    raise_by = max(measured.unlearned, 1.0) if measured.model is not None else 1.0
+    return {i: max(b, int(measured.predicted[i] * factor)) if i in measured.predicted else int(b * raise_by)
+            for i, b in measured.bounds.items()}
 
 
 FILL_AGAINST_PLAN = True  # a round's fill-up weighs a fusion against the last plan (else its members alone)
@@ -595,7 +632,9 @@ def promising(measured: Measured, wanted, solve_s: float, plan=None, near: Mappi
     rest = sorted(rest, key=lambda i: (_promise(measured, i), i))
     if measured.predicted:
         within = math.exp(-_sigma(measured))  # the run's spread (its last errors): once, not per fusion
-        likely = [i for i in rest if _promise(measured, i) * within < 1.0]
+        # (a fusion the model does not estimate is likely only against the plan: measured against its
+        # members alone, every attention of a transformer block beat them, and all 116 were measured)
+        likely = [i for i in rest if i in measured.predicted and _promise(measured, i) * within < 1.0]
         if len(likely) < more:
             chosen = set(likely)
             kernels = plan.kernels if plan and FILL_AGAINST_PLAN else ()
@@ -631,23 +670,28 @@ def refine(measured: Measured, idents, db: ProfileDB, options: Options, machine:
     left = {i: j for i, j in measured.pending.items() if i not in results}
     residual = measured.residual.add((measured.predicted[i], m.median_ns) for i, m in results.items()
                                      if m.ok and i in measured.predicted)
-    seen = measured.seen + tuple(replace(measured.rows[i], measured_ns=_at_length(m, measured.middle).median_ns)
-                                 for i, m in results.items() if m.ok and i in measured.rows)
+    seen = measured.seen + tuple(replace(row, measured_ns=_at_length(m, length).median_ns)
+                                 for i, m in results.items() if m.ok and i in measured.rows
+                                 for row, (length, _) in zip(measured.rows[i], measured.at))
     rows = {i: measured.rows[i] for i in left if i in measured.rows}
     predicted = {i: measured.predicted[i] for i in left if i in measured.predicted}
-    refit = bool(measured.model is not None and len(seen) >= max(CORRECT_AFTER, REFIT_GROWTH * measured.fitted)
+    correct_after = CORRECT_AFTER * len(measured.at)  # rows: one per length a fusion is timed at
+    refit = bool(measured.model is not None and len(seen) >= max(correct_after, REFIT_GROWTH * measured.fitted)
                  and len(seen) > len(measured.seen) and rows)
     if refit:
-        predicted = {i: ns * measured.scales.get(i, 1.0)
-                     for i, ns in zip(rows, measured.model.corrected(seen).predict_ns(list(rows.values())))}
+        predicted = _weighted_predictions(measured.model.corrected(seen), rows, [w for _, w in measured.at])
         residual = residual.corrected()  # the correction took the mean error in
+    ratios = [m.median_ns / measured.bounds[i] for i, m in results.items()
+              if m.ok and measured.bounds.get(i, 0) > 0 and i not in measured.rows]
+    unlearned = min([measured.unlearned] * (measured.unlearned > 0) + ratios, default=0.0)
     out = replace(measured, measurements={**measured.measurements, **results}, stats=measured.stats.merged(stats),
                   pending=left, residual=residual, bounds={i: measured.bounds[i] for i in left},
                   predicted=predicted, rows=rows, seen=seen, members_ns={i: measured.members_ns[i] for i in left},
-                  fitted=len(seen) if refit else measured.fitted)
-    if not refit and len(seen) >= CORRECT_AFTER:  # not corrected this round: the estimates are kept
-        return replace(out, estimates={i: measured.estimates[i] for i in left})
-    return replace(out, estimates=_estimates(out))
+                  fitted=len(seen) if refit else measured.fitted, unlearned=unlearned)
+    estimates = _estimates(out)
+    if not refit and len(seen) >= correct_after:  # not corrected this round: the learned estimates are kept
+        return replace(out, estimates={i: measured.estimates[i] if i in predicted else e for i, e in estimates.items()})
+    return replace(out, estimates=estimates)
 
 
 # ------------------------------------------------------------------------------------------------

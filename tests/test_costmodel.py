@@ -242,7 +242,7 @@ def test_refine_corrects_the_model_with_the_fusions_the_run_measured(monkeypatch
     from kernorch.measure import MeasureStats
     monkeypatch.setattr(pipeline, "CORRECT_AFTER", 3)
     ids = [(f"k{i}", "tvm", "default") for i in range(6)]
-    rows = {i: cm.Row(i, {}, 1000.0) for i in ids}
+    rows = {i: (cm.Row(i, {}, 1000.0),) for i in ids}
 
     def fake_measure(jobs, *args):
         return {j: Measurement("", j[0], j[1], j[2], "", "ok", 2000, (), "") for j in jobs}, MeasureStats()
@@ -269,7 +269,7 @@ def test_estimates_stay_put_between_corrections(monkeypatch):
     monkeypatch.setattr(pipeline, "CORRECT_AFTER", 2)
     monkeypatch.setattr(pipeline, "REFIT_GROWTH", 2.0)
     ids = [(f"k{i}", "tvm", "default") for i in range(8)]
-    rows = {i: cm.Row(i, {}, 1000.0) for i in ids}
+    rows = {i: (cm.Row(i, {}, 1000.0),) for i in ids}
 
     def fake_measure(jobs, *args):
         return {j: Measurement("", j[0], j[1], j[2], "", "ok", 2000 + 100 * int(j[0][1:]), (), "")
@@ -353,7 +353,7 @@ def test_a_run_starts_from_the_model_errors_on_the_fusions_the_database_holds(tm
     assert not measured.residual.errors
     assert measured.residual.earlier == Shifting().held_out_errors(measured.seen)  # the corrected model's
     scale = float(len(measured.seen))  # Shifting corrected by n fusions predicts n times the base
-    assert measured.predicted == pytest.approx({i: scale * r.base_ns for i, r in measured.rows.items()})
+    assert measured.predicted == pytest.approx({i: scale * r.base_ns for i, (r,) in measured.rows.items()})
 
 
 def test_a_second_run_starts_where_the_first_ended(tmp_path, monkeypatch):
@@ -396,6 +396,6 @@ def test_a_second_run_starts_where_the_first_ended(tmp_path, monkeypatch):
     fresh = start(options)  # corrected by the fusions measured: 50 times their base, lowered by the spread
     spread = pipeline._sigma(fresh)
     assert fresh.residual.earlier == Pessimist().held_out_errors(fresh.seen)
-    assert fresh.estimates == {i: max(b, int(50.0 * fresh.rows[i].base_ns * math.exp(-spread)))
+    assert fresh.estimates == {i: max(b, int(50.0 * fresh.rows[i][0].base_ns * math.exp(-spread)))
                                for i, b in fresh.bounds.items()}
     assert fresh.estimates != again.estimates

@@ -423,6 +423,68 @@ def test_a_refine_round_fills_up_with_what_the_solver_may_still_ask_for():
     assert set(every) == set(ids[:30])               # estimates at 1.5x their members: never
 
 
+def test_a_fusion_the_model_does_not_estimate_fills_up_a_round_only_against_the_plan():
+    """A pending fusion without a learned prediction (an attention, pipeline._learnable) while the
+    model predicts the others is not taken as likely to save against its members alone (every
+    fused attention beats them), only where its estimate undercuts what the plan spends on its prims."""
+    from types import SimpleNamespace
+    from kernorch.measure import MeasureStats
+    ids = [(f"k{i}", "tvm", "default") for i in range(4)]
+    learned, cheap, dear = ids[0], ids[1], ids[2]
+    graphs = {i: SimpleNamespace(graph=SimpleNamespace(prims=[SimpleNamespace(name=f"p{n}")])) for n, i in enumerate(ids)}
+    plan = SimpleNamespace(kernels=[SimpleNamespace(cost_ns=600.0 if n == 1 else 100.0, members=[f"p{n}"])
+                                    for n in range(4)])
+    m = pipeline.Measured({}, MeasureStats(measured=100, seconds=50.0), pending=graphs,
+                          estimates={learned: 500, cheap: 300, dear: 300, ids[3]: 5000},
+                          members_ns=dict.fromkeys(ids, 1000.0), sigma=0.3, predicted={learned: 500.0, ids[3]: 10_000.0})
+    # against members alone all three undercut them; against the plan only `cheap` (300 < 600) does
+    assert pipeline.promising(m, [], solve_s=1.0, plan=plan) == [learned, cheap]
+
+
+def test_fusions_the_model_does_not_estimate_are_raised_by_the_least_ratio_measured_of_their_kind(monkeypatch):
+    """Attentions (two contractions) keep their bound (pipeline._learnable); once the run measured
+    some, the others' bounds are raised by the least ratio of measured time to bound among them,
+    while the learned estimates stay as they were between refits."""
+    from kernorch import costmodel as cm
+    from kernorch.database import Measurement
+    from kernorch.measure import MeasureStats
+    from tests.test_costmodel import Shifting
+    ids = [(f"a{i}", "tvm", "t4x64r") for i in range(4)] + [("f", "tvm", "default")]
+    durations = {ids[0]: 3000, ids[1]: 2500}
+
+    def fake_measure(jobs, *args):
+        return {j: Measurement("", j[0], j[1], j[2], "", "ok", durations[j], (), "") for j in jobs}, MeasureStats()
+    monkeypatch.setattr(pipeline, "_measure_with_fallback", fake_measure)
+    bounds = {i: 1000 for i in ids}
+    m = pipeline.Measured({}, MeasureStats(), pending={i: i for i in ids}, bounds=bounds,
+                          members_ns=dict.fromkeys(ids, 5000.0), predicted={ids[4]: 4000.0}, sigma=0.1,
+                          model=Shifting(), rows={ids[4]: (cm.Row(ids[4], {}, 2000.0),)})
+    m = pipeline.replace(m, estimates=pipeline._estimates(m))
+    assert [m.estimates[i] for i in ids[:4]] == [1000] * 4   # nothing of their kind measured: the bound
+    m = pipeline.refine(m, ids[:1], None, None, None)
+    assert m.unlearned == 3.0 and [m.estimates[i] for i in ids[1:4]] == [3000] * 3
+    m = pipeline.refine(m, ids[1:2], None, None, None)
+    assert m.unlearned == 2.5 and [m.estimates[i] for i in ids[2:4]] == [2500] * 2
+    assert m.estimates[ids[4]] > bounds[ids[4]]               # the learned estimate, not raised
+    ok = [pipeline._learnable(g) for g in _attention_and_gemm_graphs()]
+    assert ok == [False, True]
+
+
+def _attention_and_gemm_graphs():
+    """A kernel graph of a fused attention (two matmuls) and one of a GEMM with its bias."""
+    from kernorch.ir import Graph, TensorType, make_prim
+    t = TensorType((4, 8))
+    q = make_prim("s", "matmul", ["q", "k"], TensorType((4, 4)))
+    o = make_prim("o", "matmul", ["s", "v"], t)
+    attention = Graph((("q", t), ("k", TensorType((8, 4))), ("v", TensorType((4, 8)))), ("o",), (q, o), {})
+    g = make_prim("y", "matmul", ["x", "w"], t)
+    b = make_prim("z", "add", ["y", "bias"], t)
+    import numpy as np
+    gemm = Graph((("x", TensorType((4, 8))),), ("z",), (g, b), {"w": np.zeros((8, 8), np.float32),
+                                                              "bias": np.zeros((4, 8), np.float32)})
+    return attention, gemm
+
+
 def test_the_fill_up_stays_in_the_partitions_the_plan_wants_fusions_in():
     from types import SimpleNamespace as NS
     from kernorch.measure import MeasureStats
