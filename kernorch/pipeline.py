@@ -512,7 +512,7 @@ def _with_pending(measured: Measured, pending: Mapping, options: Options, machin
         if model is not None:
             rows_at.append(cm.rows_for([sized[i] for i in learned], prim_alone, cheapest, machine, cal,
                                        options.threads))
-            known_sized = [j.at(binding) for j in known] if length else list(known)
+            known_sized = [j.at(binding) if length else j for j in known if _learnable(j.graph)]
             times = {j.ident: _at_length(measured.measurements[j.ident], length) for j in known
                      if j.ident in measured.measurements}
             seen += [r for r in cm.rows_for(known_sized, prim_alone, cheapest, machine, cal, options.threads, times)
@@ -540,8 +540,9 @@ def _learnable(kg: Graph) -> bool:
     scores never written; kernorch.candidates.attention_parts). Its training holds few of them,
     from before the attention kernel was fast, and it predicted twice their time: a fused attention
     over seq=1..512 estimated at 68-88 us (weighted over the range) took 36-39 us (Xeon model
-    207), so no plan ever had one measured and the split attention it kept took 3.1 ms at seq=512
-    against 2.3. Such a fusion keeps its optimistic bound."""
+    207): in three optimizes none was measured, and the split attention their plans kept took
+    3.1 ms at seq=512 against 2.3. Such a fusion keeps its optimistic bound, and does not correct
+    the model either."""
     return sum(primitives.kind(p.op) == "linear" for p in kg.prims) < 2
 
 
