@@ -210,7 +210,7 @@ def _build_task(job: KernelJob, threads: int, out_dir: str, verify: bool, tune_d
         mod = tb.schedule(mod, target, job.schedule, dict(job.bounds))
     path = str(Path(out_dir) / f"{job.key}-{job.schedule.replace('/', '_')}.so")
     tb.build(mod, target).export(path)  # checked as the timer will load it: no second (just-in-time) code generation
-    kernel = tb.load(path)
+    kernel = tb.load(path) if verify else None
     build_s = time.perf_counter() - t0
     err = None
     if verify and job.samples:  # one build serves every length: checked at each sample

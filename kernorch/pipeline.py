@@ -560,7 +560,7 @@ def _weighted_predictions(model, rows: Mapping, weights: Sequence[float]) -> dic
     """Each job's learned time: its rows' predictions (one per length) weighted as its measurement is."""
     flat = [r for rs in rows.values() for r in rs]
     ns = iter(model.predict_ns(flat))
-    return {i: sum(w * next(ns) for w in weights[:len(rs)]) for i, rs in rows.items()}
+    return {i: sum(w * next(ns) for w in weights) for i in rows}
 
 
 def _at_length(m: Measurement, length: int) -> Measurement:
@@ -682,9 +682,10 @@ def refine(measured: Measured, idents, db: ProfileDB, options: Options, machine:
     if refit:
         predicted = _weighted_predictions(measured.model.corrected(seen), rows, [w for _, w in measured.at])
         residual = residual.corrected()  # the correction took the mean error in
-    ratios = [m.median_ns / measured.bounds[i] for i, m in results.items()
-              if m.ok and measured.bounds.get(i, 0) > 0 and i not in measured.rows]
-    unlearned = min([measured.unlearned] * (measured.unlearned > 0) + ratios, default=0.0)
+    ratios = [m.median_ns / measured.bounds[i] for i, m in results.items()  # (without the model every
+              if measured.model is not None and m.ok and measured.bounds.get(i, 0) > 0  # fusion keeps its bound)
+              and i not in measured.predicted]
+    unlearned = min(filter(None, (measured.unlearned, *ratios)), default=0.0)
     out = replace(measured, measurements={**measured.measurements, **results}, stats=measured.stats.merged(stats),
                   pending=left, residual=residual, bounds={i: measured.bounds[i] for i in left},
                   predicted=predicted, rows=rows, seen=seen, members_ns={i: measured.members_ns[i] for i in left},
