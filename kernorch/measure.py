@@ -229,10 +229,12 @@ def _build_task(job: KernelJob, threads: int, out_dir: str, verify: bool, tune_d
 
 
 def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: float, verify: bool,
-               cutoff_s: float | None = None, big_bytes: int | None = None) -> dict:
+               cutoff_s: float | None = None, big_bytes: int | None = None, evict: int = 0) -> dict:
     """Time one kernel. `cutoff_s`: when one call already takes longer, that single run is the
     measurement (the kernel is dominated by another implementation of the same key). `big_bytes`:
-    outputs larger than this are flushed before each call too (`cold_args`)."""
+    outputs larger than this are flushed before each call too (`cold_args`). `evict`: the model's
+    weights fit in the last-level cache, so they are not flushed but evicted from the cores' own
+    caches, each thread reading this many bytes (`evict_bytes`)."""
     inputs = make_inputs(job) if not job.samples else []
     if not registry.native(job.impl):
         kernel = registry.python_kernel(job.impl, job.graph, job.graph.prims, job.inputs, job.outputs)
@@ -249,7 +251,7 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
             bj = job.at(binding)
             # the timing a static kernel gets, shared among the samples (their weighted sum averages them)
             runs = _timed(kernel, kernel_args(bj, make_inputs(bj)), repeats, min_repeat_ms / len(job.samples),
-                          cold_args(bj, big_bytes),
+                          cold_args(bj, big_bytes, cached=bool(evict)), _evicting(bj, evict),
                           max_calls=COLD_MAX_CALLS // len(job.samples),
                           out_shapes=[bj.graph.type_of(o).shape for o in bj.outputs])
             per_sample.append(weight * np.array(runs))
@@ -257,30 +259,36 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
         n = min(len(r) for r in per_sample)
         return {"runs": [float(r) for r in sum(r[:n] for r in per_sample)], "error": None, "at": at}
     inputs = kernel_args(job, inputs)
-    cold = cold_args(job, big_bytes)
+    cold, evict = cold_args(job, big_bytes, cached=bool(evict)), _evicting(job, evict)
     if cutoff_s is not None:
-        first = kernel.time(*inputs, number=1, repeat=1, cold=cold)
+        first = kernel.time(*inputs, number=1, repeat=1, cold=cold, evict=evict)
         if first[0] > cutoff_s:
             return {"runs": [float(first[0])], "error": None, "cut": True}
-    return {"runs": [float(r) for r in _timed(kernel, inputs, repeats, min_repeat_ms, cold)], "error": None}
+    return {"runs": [float(r) for r in _timed(kernel, inputs, repeats, min_repeat_ms, cold, evict)], "error": None}
 
 
 COLD_MAX_CALLS = 200  # calls of a kernel timed with its weights or large outputs flushed (one call per repeat)
 
 
-def cold_args(job: KernelJob, big_bytes: int | None = None) -> list[int]:
+def cold_args(job: KernelJob, big_bytes: int | None = None, cached: bool = False) -> list[int]:
     """The kernel's parameters (by position: inputs, then outputs) flushed from the caches before
     every timed call (see `_timed`), as the model finds them: its weights (constants), which arrive
-    from memory, and its outputs larger than `big_bytes` (`big_output_bytes`: more than the caches
+    from memory unless the model's weights all fit in the last-level cache (`cached`, see
+    `weights_fit`), and its outputs larger than `big_bytes` (`big_output_bytes`: more than the caches
     of the cores writing them hold, so in the model their lines are not in any cache and every
     store first reads its line from memory). Measured on a Xeon (family 6 model 207, 2 threads):
     segformer_b0's 16384x32 x 32x256 attention scores (16 MB) took 1.08 ms timed with the output
     warm, 2.08 ms inside the model, 1.94 ms with the output flushed."""
-    weights = [i for i, t in enumerate(job.inputs) if t in job.graph.constants]
+    weights = [] if cached else [i for i, t in enumerate(job.inputs) if t in job.graph.constants]
     if big_bytes is None:
         return weights
     types = [job.graph.type_of(o) for o in job.outputs]
     return weights + [len(job.inputs) + i for i, t in enumerate(types) if t.static and t.nbytes > big_bytes]
+
+
+def _evicting(job: KernelJob, evict: int) -> int:
+    """`evict` for a kernel that reads weights (they are what the model finds in the last level), else 0."""
+    return evict if any(t in job.graph.constants for t in job.inputs) else 0
 
 
 def big_output_bytes(machine: Machine, threads: int) -> int:
@@ -290,27 +298,51 @@ def big_output_bytes(machine: Machine, threads: int) -> int:
     return machine.l2_kib * 1024 * max(1, min(threads, machine.cores))
 
 
-def _timed(kernel, inputs, repeats: int, min_repeat_ms: float, cold: Sequence[int], out_shapes=None,
-           max_calls: int = COLD_MAX_CALLS) -> list[float]:
+LAST_LEVEL_SHARE = 0.5  # of the last-level cache the model's weights may take and still be found there
+
+
+def weights_fit(graph: Graph, machine: Machine) -> bool:
+    """Whether a model's weights (all its constants) stay in the last-level cache from one
+    inference to the next: at most LAST_LEVEL_SHARE of it (the rest for the activations and, on a
+    VM, the neighbours). Then its kernels find their weights there, not in memory, and are timed so
+    (`evict_bytes`). Measured on a Xeon (family 6 model 207, 2 threads, 260 MB L3): a transformer
+    block (7 MB of weights) at 7 tokens ran its kernels in the model as timed with the weights in
+    the last level (its 7x1536x384 GEMM 60.5 us, timed so 62.4), not as timed flushed (159 us):
+    the plan's kernels summed to 202 us so against 212 in the model, 369 flushed."""
+    nbytes = sum(graph.type_of(c).nbytes for c in graph.constants)
+    return nbytes <= LAST_LEVEL_SHARE * machine.l3_kib * 1024
+
+
+def evict_bytes(machine: Machine) -> int:
+    """What each timing thread reads before a call so that the lines the kernel touched leave its
+    core's own caches (twice its L1 and L2: their replacement is not exact LRU) for the last level."""
+    return 2 * (machine.l1d_kib + machine.l2_kib) * 1024
+
+
+def _timed(kernel, inputs, repeats: int, min_repeat_ms: float, cold: Sequence[int], evict: int = 0,
+           out_shapes=None, max_calls: int = COLD_MAX_CALLS) -> list[float]:
     """Seconds per call of a built kernel, as it runs inside the model: its weights and its large
-    outputs (`cold`, see `cold_args`) flushed from the caches before each call, its activations and
-    smaller outputs warm (they were just written by the kernel before, or are buffers the executable
-    reuses). Each call is one repeat, as many as `repeats` repeats of `min_repeat_ms` of wall time
+    outputs (`cold`, see `cold_args`) flushed from the caches before each call, or its weights
+    evicted to the last level when the model's fit there (`evict` bytes read by each thread first,
+    see `weights_fit`), its activations and smaller outputs warm (they were just written by the
+    kernel before, or are buffers the executable reuses; evicting takes them to the last level
+    too). Each call is one repeat, as many as `repeats` repeats of `min_repeat_ms` of wall time
     would hold, the flush included (at most `max_calls`): flushing a written 16 MB output takes
     longer than the call, and counting only the call made segformer_b0's cold optimize 2.2x
-    longer. A kernel with nothing to flush is timed hot, `repeats` repeats of at least
+    longer. A kernel with nothing to flush or evict is timed hot, `repeats` repeats of at least
     `min_repeat_ms` each.
 
-    Measured on gpt2_mini (2 threads): the sum of its 86 kernels timed so, 7.43 ms, end to end
-    7.47 ms; timed hot, 5.9 ms. The protocol also ranks the tiles as the model does: the guarded
-    14-row tile of its 128-row GEMMs was as fast as the 8-row one hot, and slower in the model."""
-    if not cold:
+    Measured on gpt2_mini (2 threads, an earlier Xeon): the sum of its 86 kernels timed with the
+    weights flushed, 7.43 ms, end to end 7.47 ms; timed hot, 5.9 ms. The protocol also ranks the
+    tiles as the model does: the guarded 14-row tile of its 128-row GEMMs was as fast as the
+    8-row one hot, and slower in the model."""
+    if not cold and not evict:
         return kernel.time(*inputs, number=1, repeat=repeats, min_repeat_ms=int(min_repeat_ms), out_shapes=out_shapes)
     start = time.perf_counter()
-    one = kernel.time(*inputs, repeat=1, cold=cold, out_shapes=out_shapes)[0]
+    one = kernel.time(*inputs, repeat=1, cold=cold, evict=evict, out_shapes=out_shapes)[0]
     per_call = time.perf_counter() - start - one  # less the warm-up call: a flush and a call
     calls = int(min(max_calls, max(repeats, repeats * min_repeat_ms / 1e3 / max(one, per_call, 1e-7))))
-    return kernel.time(*inputs, repeat=calls, cold=cold, out_shapes=out_shapes, warmup=0)
+    return kernel.time(*inputs, repeat=calls, cold=cold, evict=evict, out_shapes=out_shapes, warmup=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,7 +445,7 @@ def target_of(machine: Machine, options: Options) -> str:
     """The database namespace of a run's measurements: the machine and threads, and the range of a
     symbolic dimension (a kernel over seq=1..512 costs its weighted time over that range), with
     the sampled lengths and their weights when observed lengths or the model chose them."""
-    fp = machine.fingerprint(options.threads)
+    fp = machine.fingerprint(options.threads) + ("|weights-cached" if options.weights_cached else "")
     if not options.ranges:
         return fp
     from .dynamic import samples
@@ -537,12 +569,13 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
 
         pool = workers.timer()
         big = big_output_bytes(machine, options.threads)
+        evict = evict_bytes(machine) if options.weights_cached else 0
         with progress.bar(f"{label}: time", len(timed)) as bar:
             groups = ([j for j in timed if not registry.native(j.impl)],
                       sorted((j for j in timed if registry.native(j.impl)), key=_likely_slower))
             for group in groups:  # the cutoffs of the second group come from the first
                 args = lambda j: (j, built.get(j.ident, {}).get("path"), options.repeats,  # noqa: E731
-                                  options.min_repeat_ms, options.verify, cutoff(j), big)
+                                  options.min_repeat_ms, options.verify, cutoff(j), big, evict)
                 for j, r in _run_with_retry(pool, _time_task, group, args, options.run_timeout):
                     build_s = built.get(j.ident, {}).get("build_s", 0.0)
                     if not r.ok:

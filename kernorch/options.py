@@ -133,6 +133,9 @@ class Options:
     # the weights of the lengths a range is timed at (dynamic.samples), set by the pipeline from the
     # model: each length counts by its time relative to the model's floor there (dynamic.relative_weights)
     sample_weights: tuple[float, ...] = ()
+    # set by the pipeline from the model (measure.weights_fit): its weights stay in the last-level
+    # cache between inferences, so its kernels are timed with them there, not flushed to memory
+    weights_cached: bool = False
     db_path: str | None = None          # None: the user's cache directory
     max_partition: int = 48             # prims per partition (automatic cuts)
     max_kernel_size: int = 8            # prims per candidate kernel (a softmax is 5), not counting...

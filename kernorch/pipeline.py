@@ -1,6 +1,7 @@
 """optimize(): the stages in order, each a function from one frozen value to the next.
 
     loaded   = load(model, options)                                   # Loaded: ONNX graph + prim graph
+    options  = model_options(loaded.graph, options, machine)          # where its weights are, lengths' weights
     cands    = enumerate_candidates(loaded.graph, options)            # candidates.Enumeration
     measured = measure_candidates(loaded.graph, cands, db, options, machine)   # Measured
     plan     = orchestrate(loaded.graph, cands, measured, options, meta)       # plan.Plan
@@ -118,6 +119,22 @@ def load(model, options: Options, clock: Clock | None = None) -> Loaded:
         else:
             graph = fis.fission(og)
     return Loaded(og.source, og, graph, rewritten)
+
+
+def model_options(graph: Graph, options: Options, machine: Machine) -> Options:
+    """What the model tells the measurements: where its kernels find their weights (in the
+    last-level cache when they all fit there, `measure.weights_fit`), and over a range, the weight
+    of each length timed, relative to the model's floor there (`dynamic.relative_weights`)."""
+    options = options.with_(weights_cached=meas.weights_fit(graph, machine))
+    if options.ranges and not options.sample_weights:
+        from .calibrate import calibrate
+        from .dynamic import relative_weights
+        from .estimate import kernel_floor_ns
+        cal = calibrate(options.threads)
+        options = options.with_(sample_weights=relative_weights(
+            graph, options.ranges, options.lengths,
+            lambda g: kernel_floor_ns(g, cal["peak_gflops"], cal["bandwidth_gbs"])))
+    return options
 
 
 def enum_options(options: Options) -> cands.EnumOptions:
@@ -828,7 +845,8 @@ def plan_meta(source: str, machine: Machine, options: Options) -> dict[str, str]
     rounded to 10 ns), which `orchestrate` charges every kernel: looked up once per plan."""
     from .calibrate import calibrate
     meta = {"model": source, "machine": machine.name, "threads": str(options.threads),
-            "boundary_ns": str(int(round(calibrate(options.threads)["boundary_ns"], -1)))}
+            "boundary_ns": str(int(round(calibrate(options.threads)["boundary_ns"], -1))),
+            "weights": "cached" if options.weights_cached else "memory"}  # where its kernels were timed to find them
     if options.ranges:  # the emitter bounds the symbol, the runtime checks it
         meta["ranges"] = ",".join(f"{n}={lo}..{hi}" for n, lo, hi in options.ranges)
         if options.sample_weights:
@@ -899,14 +917,7 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
     """One plan over the range (or the static shapes) of `options`. Over a range, its lengths are
     weighted relative to the model's floor at each (dynamic.relative_weights)."""
     loaded = load(model, options, clock)
-    if options.ranges and not options.sample_weights:
-        from .calibrate import calibrate
-        from .dynamic import relative_weights
-        from .estimate import kernel_floor_ns
-        cal = calibrate(options.threads)
-        options = options.with_(sample_weights=relative_weights(
-            loaded.graph, options.ranges, options.lengths,
-            lambda g: kernel_floor_ns(g, cal["peak_gflops"], cal["bandwidth_gbs"])))
+    options = model_options(loaded.graph, options, machine)
     with clock("enumerate"):
         enumeration = enumerate_candidates(loaded.graph, options)
     meta = plan_meta(loaded.source, machine, options)

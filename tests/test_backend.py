@@ -490,6 +490,9 @@ def test_timing_with_cold_weights_keeps_them_intact(target):
     secs = k.time(*arrays, repeat=7, cold=[1, 2])
     assert len(secs) == 7 and all(s > 0 for s in secs)
     np.testing.assert_array_equal(k(*arrays)[0], before)
+    secs = k.time(*arrays, repeat=5, evict=1 << 20)  # weights evicted to the last level instead
+    assert len(secs) == 5 and all(s > 0 for s in secs)
+    np.testing.assert_array_equal(k(*arrays)[0], before)
 
 
 def test_a_tile_that_does_not_fit_is_refused_not_replaced(target):

@@ -151,7 +151,7 @@ def test_workers_die_with_a_killed_parent(tmp_path):
 
 # -- measurement: a crashed or hung worker is retried, and never a verdict on its own ----------------
 
-def crash_first_time(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None):
+def crash_first_time(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None, evict=0):
     """Crash the worker the first time this job is timed (a flag file remembers), then time it."""
     import pathlib
     from kernorch import measure
@@ -159,7 +159,7 @@ def crash_first_time(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, b
     if not flag.exists():
         flag.write_text("crashed once")
         os.kill(os.getpid(), signal.SIGSEGV)
-    return measure._time_task(job, path, repeats, min_repeat_ms, verify, cutoff_s, big_bytes)  # unpatched in the worker
+    return measure._time_task(job, path, repeats, min_repeat_ms, verify, cutoff_s, big_bytes, evict)  # unpatched in the worker
 
 
 def test_measure_retries_a_crashed_worker_once(tmp_path, monkeypatch):
@@ -178,12 +178,12 @@ def test_measure_retries_a_crashed_worker_once(tmp_path, monkeypatch):
     assert res[job.ident].ok and stats.measured == 1 and stats.refused == 0
 
 
-def crash_bad_kernels(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None):
+def crash_bad_kernels(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None, evict=0):
     """The worker dies whenever it times a kernel whose key starts with "k-bad"."""
     from kernorch import measure
     if job.key.startswith("k-bad"):
         os.kill(os.getpid(), signal.SIGKILL)
-    return measure._time_task(job, path, repeats, min_repeat_ms, verify, cutoff_s, big_bytes)
+    return measure._time_task(job, path, repeats, min_repeat_ms, verify, cutoff_s, big_bytes, evict)
 
 
 def test_a_crashing_kernel_is_refused_only_when_it_crashes_again_in_a_healthy_run(tmp_path, monkeypatch):
@@ -375,8 +375,10 @@ class _StubKernel:
     def __init__(self, secs):
         self.secs, self.calls = secs, []
 
-    def time(self, *inputs, number=10, repeat=5, warmup=1, min_repeat_ms=0, out_shapes=None, cold=()):
+    def time(self, *inputs, number=10, repeat=5, warmup=1, min_repeat_ms=0, out_shapes=None, cold=(), evict=0):
         self.calls.append(dict(number=number, repeat=repeat, min_repeat_ms=min_repeat_ms, cold=list(cold)))
+        if evict:
+            self.calls[-1]["evict"] = evict
         return [self.secs] * repeat
 
 
@@ -398,6 +400,34 @@ def test_kernels_with_weights_are_timed_one_cold_call_at_a_time(secs, calls):
     hot = _StubKernel(secs)
     measure._timed(hot, [None], repeats=5, min_repeat_ms=10, cold=[])
     assert hot.calls == [dict(number=1, repeat=5, min_repeat_ms=10, cold=[])]
+
+
+def test_a_model_whose_weights_fit_in_the_last_level_is_timed_finding_them_there(tmp_path):
+    """Weights that all fit in half the last-level cache are not flushed before each call but
+    evicted to that level (each thread reads twice its own caches first); the measurements of such
+    a model have a database namespace of their own, and the plan says where its weights were."""
+    from dataclasses import replace
+    from kernorch import measure, pipeline
+    from kernorch.ir import Graph, TensorType, make_prim
+    from kernorch.options import Machine, Options
+    t = TensorType((4, 8), "float32")
+    g = Graph((("x", TensorType((4, 3), "float32")),), ("y",),
+              (make_prim("y", "matmul", ["x", "w"], t),), constants={"w": np.ones((3, 8), np.float32)})
+    m = Machine.host()
+    small, tiny = replace(m, l3_kib=1), replace(m, l3_kib=0)   # 96 bytes of weights: half of 1 KiB holds them
+    assert measure.weights_fit(g, small) and not measure.weights_fit(g, tiny)
+    assert measure.evict_bytes(m) == 2 * (m.l1d_kib + m.l2_kib) * 1024
+    job = measure.KernelJob("k", "tvm", "default", g, ("x", "w"), ("y",))
+    assert measure.cold_args(job, cached=True) == [] and measure.cold_args(job, 4 * 8 * 4 - 1, cached=True) == [2]
+    assert measure._evicting(job, 1000) == 1000
+    hot_only = Graph((("x", t),), ("y",), (make_prim("y", "relu", ["x"], t),))
+    assert measure._evicting(measure.KernelJob("r", "tvm", "default", hot_only, ("x",), ("y",)), 1000) == 0
+    k = _StubKernel(1e-3)
+    measure._timed(k, [None, None], repeats=5, min_repeat_ms=10, cold=[], evict=1000)
+    assert [c.get("evict") for c in k.calls] == [1000, 1000] and k.calls[1]["repeat"] == 50  # one call per repeat
+    o = Options(threads=2)
+    assert pipeline.model_options(g, o, small).weights_cached and not pipeline.model_options(g, o, tiny).weights_cached
+    assert measure.target_of(m, o.with_(weights_cached=True)) == measure.target_of(m, o) + "|weights-cached"
 
 
 def test_a_kernel_is_timed_with_its_output_flushed():

@@ -75,19 +75,22 @@ class BuiltKernel:
         return [o.numpy() for o in outs]
 
     def time(self, *inputs: np.ndarray, number: int = 10, repeat: int = 5, warmup: int = 1,
-             min_repeat_ms: int = 0, out_shapes=None, cold: Sequence[int] = ()) -> list[float]:
+             min_repeat_ms: int = 0, out_shapes=None, cold: Sequence[int] = (), evict: int = 0) -> list[float]:
         """Seconds per call, one value per repeat (each the mean of `number` calls), on
         preallocated tensors. Take the median yourself; never assert on it in tests.
 
         `cold`: the parameters (by position: the inputs, then the outputs) flushed from every cache
-        level before each call, as the model finds its weights and large outputs: then each repeat
-        is one call (`number` and `min_repeat_ms` ignored) and `repeat` calls are made."""
+        level before each call, as the model finds its weights in memory and its large outputs.
+        `evict`: bytes each of the pool's threads reads before each call, so that what the call
+        touched last leaves the cores' own caches for the shared last level (as the model finds its
+        weights when they all fit there). With either, each repeat is one call (`number` and
+        `min_repeat_ms` ignored) and `repeat` calls are made."""
         args, outs = self._args(inputs, out_shapes)
         for _ in range(max(warmup, 0)):
             self._fn(*args, *outs)
-        if cold:
+        if cold or evict:
             params = [*args, *outs]
-            flush = _flusher([params[i] for i in cold])
+            flush = _flusher([params[i] for i in cold], evict)
             fe = self.rt_mod.time_evaluator("main", self.dev, number=1, repeat=repeat, f_preproc=flush)
         else:
             fe = self.rt_mod.time_evaluator("main", self.dev, number=number, repeat=repeat, min_repeat_ms=min_repeat_ms)
@@ -127,18 +130,50 @@ def _clflush_kernel():
     return tvm.compile(tvm.IRModule({"main": clflush}), target="llvm")["main"]
 
 
-def _flusher(tensors: Sequence) -> str:
+@functools.lru_cache(maxsize=1)
+def _evict_kernel():
+    """A compiled kernel that reads one word of every cache line of its (threads, n) buffer, row t
+    on the pool's thread t, into out[t]: each thread's core then holds that row in its own caches,
+    and what it held before went to the shared level (a victim cache on the parts seen here)."""
+    step = CACHE_LINE // 4
+
+    @T.prim_func
+    def evict(a: T.handle, o: T.handle):
+        t = T.int64()
+        n = T.int64()
+        A = T.match_buffer(a, (t, n), "float32")
+        O = T.match_buffer(o, (t,), "float32")
+        for i in T.parallel(t):
+            O[i] = T.float32(0)
+            for j in range(n // step):
+                O[i] = O[i] + A[i, j * step]
+    return tvm.compile(tvm.IRModule({"main": evict}), target="llvm")["main"]
+
+
+@functools.lru_cache(maxsize=2)
+def _evict_buffers(threads: int, nbytes: int):
+    dev = tvm.cpu()
+    return (tvm.runtime.tensor(np.ones((threads, max(nbytes // 4, CACHE_LINE)), "float32"), dev),
+            tvm.runtime.tensor(np.zeros(threads, "float32"), dev))
+
+
+def _flusher(tensors: Sequence, evict: int = 0) -> str:
     """The name of a registered function that flushes the cache lines of `tensors` (byte views of
-    them) from every cache level; `time_evaluator` calls it before each repeat (`f_preproc`). Why
-    kernels are timed so: kernorch.measure._timed. Not x86 (no clflush): nothing is flushed."""
+    them) from every cache level, then has each of the pool's threads read `evict` bytes of its own
+    (`BuiltKernel.time`); `time_evaluator` calls it before each repeat (`f_preproc`). Why kernels
+    are timed so: kernorch.measure._timed. Not x86 (no clflush): nothing is flushed."""
     views = [t._create_view((int(np.prod(t.shape)) * tvm.DataType(t.dtype).bits // 8,), "uint8")
              for t in tensors]
     views = [v for v in views if v.shape[0] > 0]
     kernel = _clflush_kernel() if platform.machine().lower() in ("x86_64", "amd64", "i686") else None
+    reader = _evict_kernel() if evict else None
+    own = _evict_buffers(int(tvm.runtime.num_threads()), evict) if evict else None
 
     def flush(*_):
         for v in views if kernel is not None else ():
             kernel(v)
+        if reader is not None:
+            reader(*own)
     tvm_ffi.register_global_func(FLUSH_FUNC, flush, override=True)
     return FLUSH_FUNC
 
