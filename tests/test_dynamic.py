@@ -247,6 +247,36 @@ def test_a_reduction_over_seq_keys_runs_whole_chunks_unguarded_and_a_rest(block)
         np.testing.assert_array_equal(got, want, err_msg=f"seq={s}")
 
 
+def test_the_scores_fused_with_their_softmax_are_right_where_a_row_holds_no_whole_chunk(block):
+    """The attention scores (a matmul over seq x seq) fused with their scaling and softmax, in the
+    default schedule over seq=1..512: the sum over seq keys is split into whole chunks and a rest,
+    and the chunks' loop, split by the lanes, runs no iteration on a row of at most REDUCE_CHUNK
+    keys; its init is outside that loop, so the sum starts at zero there too (it had stayed inside:
+    the sum added whatever the buffer held, and every such fusion was refused by its check)."""
+    import tvm
+    from kernorch.backends.tvm.lower import lower
+    from kernorch.backends.tvm.schedule import schedule
+    from kernorch.backends.tvm.target import make_target
+    from kernorch.ir import kernel_graph
+    generic = block[1]
+    mm = next(q for q in generic.prims
+              if q.op == "matmul" and sum(not isinstance(d, int) for d in generic.type_of(q.name).shape) == 2)
+    members = [mm]
+    for q in generic.prims[generic.prims.index(mm) + 1:]:
+        if q.op != "matmul" and any(t in {m.name for m in members} for t in q.inputs):
+            members.append(q)
+    assert [q.op for q in members] == ["matmul", "div", "reduce_max", "sub", "exp", "reduce_sum", "div"]
+    names = {q.name for q in members}
+    ins = list(dict.fromkeys(t for q in members for t in q.inputs if t not in names))
+    out = members[-1].name
+    kg = kernel_graph(generic, [q.name for q in members], ins, [out])
+    target = make_target(2)
+    ex = tvm.compile(schedule(lower(kg, kg.prims, ins, [out]), target, bounds={"seq": 512}), target=target)
+    for s in (1, 5, 16, 17, 40):
+        got, want = _run_symbolic(kg, ins, out, ex, s)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"seq={s}")
+
+
 def test_a_tile_over_symbolic_rows_carries_a_small_tile_for_short_lengths(block):
     """A weight GEMM over seq rows in a 6-row tile (its weight packed in 64 columns) also holds a
     2-row copy of the same packing, chosen at run time by the length (a short length padded to 6

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 20
+SCHEDULES_VERSION = 21
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -1478,11 +1478,27 @@ def _init_outside(sch, blk) -> None:
     """A reduction over a symbolic extent (kernorch.dynamic) may run no iteration at some length
     (the chunks of a short row); its init, inside the reduction loops, would then never run: it
     moves out of them. Call it last (vectorize and parallel refuse a decomposed block)."""
+    red = _reduction_loops(sch, blk)
+    if red and any(_extent(sch, lp) is None for lp in red):
+        sch.decompose_reduction(blk, red[0])
+
+
+def _reduction_loops(sch, blk) -> list:
+    """The loops a block's reduction iter vars are bound to, outermost first: the innermost ones,
+    as many as its reduction vars, unless a split made more (a chunk loop of symbolic extent split
+    by the lanes: its static inner loop alone looked like the whole reduction, and the init stayed
+    inside the chunks, never run on a row of no whole chunk)."""
     stmt = sch.get(blk)
     loops = list(sch.get_loops(blk))
+    realize = sch.get(loops[-1]).body if loops else None
+    if isinstance(realize, s_tir.stmt.SBlockRealize) and realize.block.same_as(stmt):
+        used = set()
+        for iv, value in zip(stmt.iter_vars, realize.iter_values):
+            if int(iv.iter_type) == _COMM_REDUCE:
+                used |= _var_names(value)
+        return [lp for lp in loops if sch.get(lp).loop_var.name in used]
     nred = sum(1 for iv in stmt.iter_vars if int(iv.iter_type) == _COMM_REDUCE)
-    if nred and len(loops) >= nred and any(_extent(sch, lp) is None for lp in loops[-nred:]):
-        sch.decompose_reduction(blk, loops[-nred])
+    return loops[-nred:] if nred and len(loops) >= nred else []
 
 
 def _rfactor_lanes(sch, block, lanes: int, min_vectors: int = 4):
