@@ -853,6 +853,22 @@ def test_a_copy_curve_is_held_below_its_first_point_and_extended_beyond_its_last
     assert [curve_ns(((3, 90),), p) for p in (1, 3, 6)] == [90, 90, 180]
 
 
+def test_a_copy_curve_point_far_above_the_chord_of_its_neighbours_is_lowered_onto_it():
+    """Noise only slows: an inner point of a copy's curve more than 10 % above the line between its
+    neighbours is taken as disturbed and lowered onto it (the 8-row copy's 14 passes at seq=109,
+    stored at 839 us where 3 and 64 passes put 569); one within 10 % and the ends stay as timed."""
+    from kernorch.kernels.tiles import fit_copies
+    lengths = {5: 140000, 23: 168000, 109: 839000, 512: 2390000}  # 1, 3, 14 and 64 passes of 8 rows
+    assert fit_copies({8: lengths}) == ((8, ((1, 140000), (3, 168000), (14, 569000), (64, 2390000))),)
+    assert fit_copies({8: {**lengths, 109: 600000}}) == ((8, ((1, 140000), (3, 168000), (14, 600000), (64, 2390000))),)
+    # lowering one point can put its neighbour far above its own chord: lowered in turn
+    two = {5: 100000, 23: 400000, 109: 900000, 512: 1000000}
+    (_, pts), = fit_copies({8: two})
+    assert pts[0] == (1, 100000) and pts[-1] == (64, 1000000)
+    for (p0, t0), (p, t), (p1, t1) in zip(pts, pts[1:], pts[2:]):
+        assert t <= 1.1 * (t0 + (p - p0) * (t1 - t0) / (p1 - p0)) + 1
+
+
 def test_the_kernels_copy_curve_is_the_one_the_plan_reads():
     """The run-time test inside the kernel computes every curve as kernorch.kernels.tiles.curve_ns."""
     import tvm
