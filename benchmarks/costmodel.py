@@ -68,6 +68,7 @@ def stored_rows(path: Path, db: ProfileDB, options: Options, machine: Machine, c
     """(rows of every fused job of the model, with times where the database has them; analytic
     estimates by ident)."""
     loaded = pl.load(str(path), options)
+    options = pl.model_options(loaded.graph, options, machine)  # the namespace its optimize measured in
     en = pl.enumerate_candidates(loaded.graph, options)
     by_prim = pl.tile_jobs(loaded.graph, en.candidates, options, machine)
     stored = meas.stored([j for js in by_prim.values() for j in js], db, options, machine)

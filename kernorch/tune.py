@@ -350,7 +350,7 @@ def tune_loop(graph, enumeration, measured, plan, db: ProfileDB, options, machin
     chunk = chunk or (4 if budget.unit == "t" and budget.amount <= 32 else 8)
     directory = tune_dir(options, machine)
     directory.mkdir(parents=True, exist_ok=True)
-    fingerprint = machine.fingerprint(options.threads)
+    namespace = meas.target_of(machine, options)  # where measure() keeps the run's measurements
     tb.set_threads(options.threads)
     target = tb.make_target(options.threads)
     state = State(directory)
@@ -409,7 +409,7 @@ def tune_loop(graph, enumeration, measured, plan, db: ProfileDB, options, machin
                 e["seconds"] = e.get("seconds", 0.0) + time.perf_counter() - ts
                 e["trials"] = max(e["trials"], trials)  # the budget was spent
                 state.put(key, e)
-                add(Measurement(fingerprint, key, IMPL, f"ms:{e['trials']}", meas.versions(IMPL), "refused",
+                add(Measurement(namespace, key, IMPL, f"ms:{e['trials']}", meas.versions(IMPL), "refused",
                                 None, (), f"tuning failed: {e['error']}", 0.0, k.job.description))
                 failed_now.add(key)
                 log.warning("tuning %s (%s) failed: %s", k.job.description, key, e["error"])

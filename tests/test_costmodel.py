@@ -346,6 +346,7 @@ def test_a_run_starts_from_the_model_errors_on_the_fusions_the_database_holds(tm
     machine = Machine.host()
     with ProfileDB(options.resolved_db()) as db:
         loaded = pipeline.load(str(tmp_path / "chain.onnx"), options)
+        options = pipeline.model_options(loaded.graph, options, machine)  # the stages as plan_model runs them
         en = pipeline.enumerate_candidates(loaded.graph, options)
         measured = pipeline.measure_candidates(loaded.graph, en, db, options, machine)
     assert measured.pending and all(len(j.graph.prims) == 3 for j in measured.pending.values())
@@ -381,6 +382,7 @@ def test_a_second_run_starts_where_the_first_ended(tmp_path, monkeypatch):
     def start(options):
         with ProfileDB(options.resolved_db()) as db:
             loaded = pipeline.load(str(tmp_path / "chain.onnx"), options)
+            options = pipeline.model_options(loaded.graph, options, Machine.host())
             en = pipeline.enumerate_candidates(loaded.graph, options)
             return pipeline.measure_candidates(loaded.graph, en, db, options, Machine.host())
     again = start(options)

@@ -106,6 +106,7 @@ def tuned(tmp_path_factory):
     machine = Machine.host()
     with ProfileDB(opts.resolved_db()) as db:
         loaded = pipeline.load(str(model), opts)
+        opts = pipeline.model_options(loaded.graph, opts, machine)  # the stages as plan_model runs them
         en = pipeline.enumerate_candidates(loaded.graph, opts)
         measured = pipeline.measure_candidates(loaded.graph, en, db, opts, machine)
         meta = pipeline.plan_meta(loaded.source, machine, opts)
