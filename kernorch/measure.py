@@ -279,16 +279,21 @@ def cold_args(job: KernelJob, big_bytes: int | None = None, cached: bool = False
     store first reads its line from memory). Measured on a Xeon (family 6 model 207, 2 threads):
     segformer_b0's 16384x32 x 32x256 attention scores (16 MB) took 1.08 ms timed with the output
     warm, 2.08 ms inside the model, 1.94 ms with the output flushed."""
-    weights = [] if cached else [i for i, t in enumerate(job.inputs) if t in job.graph.constants]
+    weights = [] if cached else _weights(job)
     if big_bytes is None:
         return weights
     types = [job.graph.type_of(o) for o in job.outputs]
     return weights + [len(job.inputs) + i for i, t in enumerate(types) if t.static and t.nbytes > big_bytes]
 
 
+def _weights(job: KernelJob) -> list[int]:
+    """The positions of the kernel's weights (constants) among its parameters."""
+    return [i for i, t in enumerate(job.inputs) if t in job.graph.constants]
+
+
 def _evicting(job: KernelJob, evict: int) -> int:
     """`evict` for a kernel that reads weights (they are what the model finds in the last level), else 0."""
-    return evict if any(t in job.graph.constants for t in job.inputs) else 0
+    return evict if _weights(job) else 0
 
 
 def big_output_bytes(machine: Machine, threads: int) -> int:
