@@ -36,7 +36,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from kernorch import examples  # noqa: E402
-from kernorch.peers import Timer, load_state  # noqa: E402
+from kernorch.peers import Timer, load_state, round_ratios  # noqa: E402
+
+BLOCK = 3  # timed runs per system per round
 
 
 def optimize(model: Path, out: Path, shape: str, args, extra=()) -> float:
@@ -57,7 +59,9 @@ def timed(length: int, dim: int, systems: dict[str, tuple[Path, int]], model: Pa
     """Every system at `length`, each in a process of its own, in turns with the same threads
     (kernorch.peers.Timer): the kernorch executables of `systems` ({label: (directory, the length
     it runs at)}: a padded one runs at its bucket), ONNX Runtime and OpenVINO (the dynamic model,
-    compiled once for every length; f32, LATENCY hint). Returns the medians (ms) and the runs."""
+    compiled once for every length; f32, LATENCY hint). Returns the medians (ms), the runs, every
+    run (s, in order: BLOCK per round) and, per pair of systems, the median of their per-round
+    ratios (kernorch.peers.round_ratios)."""
     rng = np.random.default_rng(length)
     with Timer(args.threads) as t:
         for label, (directory, at) in systems.items():
@@ -69,9 +73,11 @@ def timed(length: int, dim: int, systems: dict[str, tuple[Path, int]], model: Pa
         if t.add("openvino", str(model), feeds)["status"] != "ok":
             print(f"OpenVINO: {t.info['openvino']}", flush=True)
         before = load_state()
-        times = t.rounds(args.rounds, block=3)
+        times = t.rounds(args.rounds, block=BLOCK)
+    paired = {f"{a}/{b}": statistics.median(r) for a in times for b in times
+              if a != b and (r := round_ratios(times, a, b, BLOCK))}
     return {"ms": {n: statistics.median(v) * 1e3 for n, v in times.items() if v},
-            "runs": {n: len(v) for n, v in times.items()}, "load": before}
+            "runs": {n: len(v) for n, v in times.items()}, "paired": paired, "times_s": times, "load": before}
 
 
 def main(argv=None) -> int:
@@ -127,8 +133,12 @@ def main(argv=None) -> int:
     def geomean(xs):
         return float(np.exp(np.mean(np.log(xs)))) if xs else None
 
+    def ratio(r: dict, num: str, den: str) -> float:
+        """`num` over `den` at one length: the median of their per-round ratios (same phase of the machine)."""
+        return r["paired"][f"{num}/{den}"]
+
     def ratios(num: str, den: str) -> list[float]:
-        return [r["ms"][num] / r["ms"][den] for r in rows if num in r["ms"] and den in r["ms"]]
+        return [ratio(r, num, den) for r in rows if num in r["ms"] and den in r["ms"]]
     static_sum = sum(builds[f"static{s}"] for s in lengths)
     summary = {"optimize_dynamic_s": builds["dynamic"], "optimize_static_sum_s": static_sum,
                "optimize_ratio": builds["dynamic"] / static_sum}
@@ -136,11 +146,11 @@ def main(argv=None) -> int:
         if not any(name in r["ms"] for r in rows):
             continue
         vs_static, vs_pad = ratios(name, "static"), ratios("padded", name)
-        vs_peer = [r["ms"][name] / r["ms"][r["best_peer"]] for r in rows if name in r["ms"]]
+        vs_peer = [ratio(r, name, r["best_peer"]) for r in rows if name in r["ms"]]
         summary[name] = {"vs_static_max": max(vs_static), "vs_static_geomean": geomean(vs_static),
                          "pad_over_geomean": geomean(vs_pad), "vs_best_peer_max": max(vs_peer),
                          "vs_best_peer_geomean": geomean(vs_peer)}
-    static_peer = [r["ms"]["static"] / r["ms"][r["best_peer"]] for r in rows]
+    static_peer = [ratio(r, "static", r["best_peer"]) for r in rows]
     summary["static"] = {"vs_best_peer_max": max(static_peer), "vs_best_peer_geomean": geomean(static_peer)}
     if args.dispatch:
         summary["optimize_dispatch_s"] = builds["dispatch"]
@@ -152,8 +162,9 @@ def main(argv=None) -> int:
     names = ["dynamic", "dispatch", "static", "padded", "ort", "openvino"]
     lines = [f"# One executable over seq={args.range} (transformer block, dim {args.dim}, {args.threads} threads, "
              f"max kernel size {args.max_kernel_size})", "",
-             f"Median ms; at each length every system runs in its own process, in turns ({args.rounds} rounds of 3 "
-             "runs). dynamic: one plan over the range; dispatch: a plan per bucket "
+             f"Median ms; at each length every system runs in its own process, in turns ({args.rounds} rounds of "
+             f"{BLOCK} runs). The ratios are medians of the per-round ratios (two systems compared within one round, "
+             "seconds apart: kernorch.peers.round_ratios). dynamic: one plan over the range; dispatch: a plan per bucket "
              f"({args.dispatch or 'none'}) chosen inside the executable; static: a plan made for that length; "
              "padded: the static plan of the smallest bucket that holds the length (the padding copy not "
              "counted); ONNX Runtime and OpenVINO run the same dynamic model.", "",
@@ -163,7 +174,7 @@ def main(argv=None) -> int:
         ms = r["ms"]
         cells = [f"{ms[n]:.3f}" if n in ms else "-" for n in names]
         cells[names.index("padded")] += f" ({r['bucket']})" if "padded" in ms else ""
-        rel = [f"{ms[a] / ms[b]:.2f}x" if a in ms and b in ms else "-"
+        rel = [f"{ratio(r, a, b):.2f}x" if a in ms and b in ms else "-"
                for a, b in (("dynamic", "static"), ("dispatch", "static"), ("dynamic", r["best_peer"]))]
         lines.append(f"| {r['length']} | " + " | ".join(cells + rel) + " |")
     sm = summary

@@ -332,6 +332,19 @@ class Timer:
         return times
 
 
+def round_ratios(times: dict[str, list[float]], num: str, den: str, block: int) -> list[float]:
+    """Per round of `Timer.rounds` (`block` runs of each system in turn): the median of `num`'s
+    runs over the median of `den`'s. Two systems timed in one round ran seconds apart; rounds run
+    minutes apart. On the 2-core VMs this project is measured on, the machine spends seconds to a
+    minute at a time running compute 1.5x slower (kernorch.measure's timings show it: the same
+    GEMM 1877 or 2809 us depending on the minute), so medians taken over all rounds compare
+    systems that met different phases; the median of these ratios compares them in the same one."""
+    a, b = times.get(num, []), times.get(den, [])
+    n = min(len(a), len(b)) // block
+    return [float(np.median(a[i * block:(i + 1) * block]) / np.median(b[i * block:(i + 1) * block]))
+            for i in range(n)]
+
+
 def stats(times_s) -> dict:
     ms = np.asarray(times_s) * 1e3
     return {"median_ms": float(np.median(ms)), "p10_ms": float(np.percentile(ms, 10)),

@@ -206,3 +206,19 @@ def test_each_turn_warms_a_system_up_for_a_while_before_timing_it():
         times = t.rounds(1, block=3, warmup=1)
     assert len(times["a"]) == 3 and len(calls) > 4
     assert calls[-3] - calls[0] >= WARMUP_S
+
+
+def test_systems_are_compared_round_by_round():
+    """Two systems timed in turns while the machine changes pace between rounds: the median of the
+    per-round ratios is their true ratio (2), where the ratio of their overall medians is not."""
+    pace = [1.0, 1.5, 1.5, 1.0, 1.5]          # the machine's slowdown in each round
+    times = {"a": [], "b": []}
+    for p in pace:
+        times["a"] += [2.0 * p] * 3            # a takes 2 s at the round's pace, b 1 s
+        times["b"] += [1.0 * p, 1.0 * p, 9.0]  # one run of b disturbed: the round's median keeps the rest
+    assert peers.round_ratios(times, "a", "b", block=3) == [2.0] * 5
+    assert peers.round_ratios({"a": [1.0] * 7, "b": [1.0] * 5}, "a", "b", block=3) == [1.0]   # whole rounds only
+    assert peers.round_ratios({"a": [1.0] * 3}, "a", "b", block=3) == []
+    skewed = {"a": [2.0] * 3 + [3.0] * 6, "b": [1.0] * 6 + [1.5] * 3}   # a's slow rounds were not all b's
+    assert float(np.median(skewed["a"]) / np.median(skewed["b"])) == 3.0
+    assert peers.round_ratios(skewed, "a", "b", block=3) == [2.0, 3.0, 2.0]
