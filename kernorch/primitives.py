@@ -316,7 +316,12 @@ def _reduce(name, np_fn, te_reducer, combine):
         divisible = getattr(T, "divisible", None)  # (a padded symbolic extent: whole chunks only)
         if (len(axes) == 1 and axes[0] == rank - 1 and not isinstance(n, int)
                 and not (divisible is not None and divisible(n, REDUCE_CHUNK))):
-            whole = (n - 1) // REDUCE_CHUNK * REDUCE_CHUNK  # the rest: 1 to REDUCE_CHUNK elements, never none
+            # the rest: 1 to REDUCE_CHUNK elements, never none. Written n - rest, not (n - 1) // c * c:
+            # both parts then provably end inside the axis (TVM could not place (n - 1) // 16 * 16
+            # inside a producer padded to (n + 63) // 64 * 64, and reverse_compute_at refused every
+            # register tile of the attention scores followed by their max); `divisible` proves the
+            # chunks whole
+            whole = n - ((n - 1) % REDUCE_CHUNK + 1)
             head = part([T.te.reduce_axis((0, whole), name=f"r{axes[0]}")], "_chunks")
             tail = part([T.te.reduce_axis((whole, n), name=f"r{axes[0]}t")], "_rest")
             res = T.te.compute(tuple(out.shape), lambda *i: combine(T, head(*i), tail(*i)), name=name)

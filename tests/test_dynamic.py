@@ -277,6 +277,36 @@ def test_the_scores_fused_with_their_softmax_are_right_where_a_row_holds_no_whol
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"seq={s}")
 
 
+@pytest.mark.parametrize("tile", ["t4x64r", "t8x32r"])
+def test_the_scores_and_their_max_take_a_register_tile_over_a_range(block, tile):
+    """The attention scores fused with their scaling, max and subtraction over seq=1..512, in a
+    register tile with rows outside: the max over seq keys ends its rest part at seq itself, which
+    TVM proves inside the scores' padded columns (written as (seq - 1) // 16 * 16 plus the rest, it
+    could not, and reverse_compute_at refused every tile: the range's attention then had only the
+    default schedule to split into)."""
+    import tvm
+    from kernorch.backends.tvm.lower import lower
+    from kernorch.backends.tvm.schedule import schedule
+    from kernorch.backends.tvm.target import make_target
+    from kernorch.ir import kernel_graph
+    generic = block[1]
+    mm = next(q for q in generic.prims
+              if q.op == "matmul" and sum(not isinstance(d, int) for d in generic.type_of(q.name).shape) == 2)
+    members = generic.prims[generic.prims.index(mm):generic.prims.index(mm) + 4]
+    assert [q.op for q in members] == ["matmul", "div", "reduce_max", "sub"]
+    names = {q.name for q in members}
+    ins = list(dict.fromkeys(t for q in members for t in q.inputs if t not in names))
+    out = members[-1].name
+    kg = kernel_graph(generic, [q.name for q in members], ins, [out])
+    target = make_target(2)
+    mod = schedule(lower(kg, kg.prims, ins, [out], tile), target, tile, bounds={"seq": 512})
+    assert f"contraction {tile}" in mod.script()
+    ex = tvm.compile(mod, target=target)
+    for s in (1, 7, 16, 17, 40):
+        got, want = _run_symbolic(kg, ins, out, ex, s)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"seq={s}")
+
+
 def test_a_tile_over_symbolic_rows_carries_a_small_tile_for_short_lengths(block):
     """A weight GEMM over seq rows in a 6-row tile (its weight packed in 64 columns) also holds a
     2-row copy of the same packing, chosen at run time by the length (a short length padded to 6

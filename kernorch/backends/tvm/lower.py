@@ -21,11 +21,51 @@ from ...kernels.tiles import row_tile
 from ...kernels.winograd import te_conv as winograd_conv
 
 
+PERIOD_MAX = 4096  # the longest period `divisible` checks value by value
+
+
 def divisible(extent, k: int) -> bool:
-    """An extent (a symbolic one provably: a length padded to a tile) is a multiple of `k`."""
+    """An extent (a symbolic one provably: a length padded to a tile, or a reduction's whole chunks
+    n - ((n - 1) % 16 + 1)) is a multiple of `k`. What TVM's analyzer cannot prove is checked over
+    one period: an expression of one variable built from integer constants, +, -, * and floor
+    division or modulo by constants, taken modulo k, repeats every k times the product of its
+    divisors."""
     if isinstance(extent, (int, tirx.IntImm)):
         return int(extent) % k == 0
-    return bool(tvm.sym.Analyzer().can_prove(tirx.floormod(extent, k) == 0))
+    if tvm.sym.Analyzer().can_prove(tirx.floormod(extent, k) == 0):
+        return True
+    names: set[str] = set()
+    period = k
+
+    def walk(e) -> bool:  # the variables and divisors of `extent`; False for anything else
+        nonlocal period
+        if isinstance(e, tirx.Var):
+            names.add(e.name)
+            return True
+        if isinstance(e, tirx.IntImm):
+            return True
+        if isinstance(e, tirx.Cast):
+            return walk(e.value)
+        if isinstance(e, (tirx.FloorDiv, tirx.FloorMod)):
+            if not isinstance(e.b, tirx.IntImm) or int(e.b.value) <= 0:
+                return False
+            period *= int(e.b.value)
+        return isinstance(e, (tirx.Add, tirx.Sub, tirx.Mul, tirx.FloorDiv, tirx.FloorMod)) and walk(e.a) and walk(e.b)
+
+    def value(e, v: int) -> int:
+        if isinstance(e, tirx.Var):
+            return v
+        if isinstance(e, tirx.IntImm):
+            return int(e.value)
+        if isinstance(e, tirx.Cast):
+            return value(e.value, v)
+        a, b = value(e.a, v), value(e.b, v)
+        return {tirx.Add: a + b, tirx.Sub: a - b, tirx.Mul: a * b}.get(type(e)) if not isinstance(
+            e, (tirx.FloorDiv, tirx.FloorMod)) else (a // b if isinstance(e, tirx.FloorDiv) else a % b)
+
+    if not walk(extent) or len(names) != 1 or period > PERIOD_MAX:
+        return False
+    return all(value(extent, v) % k == 0 for v in range(1, period + 1))
 
 
 #: The TVM namespace handed to the primitive table's TE computes (they never import tvm).

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 21
+SCHEDULES_VERSION = 22
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -1512,7 +1512,8 @@ def _rfactor_lanes(sch, block, lanes: int, min_vectors: int = 4):
     ext = _extent(sch, loops[-1])
     if ext is not None and (ext < min_vectors * lanes or ext % lanes):
         return None
-    _, li = sch.split(loops[-1], factors=[None, lanes])
+    # (a symbolic extent that `divisible` proves whole needs no guard, which TVM would add)
+    _, li = sch.split(loops[-1], factors=[None, lanes], disable_predication=divisible(sch.get(loops[-1]).extent, lanes))
     nsp = sum(1 for iv in stmt.iter_vars if int(iv.iter_type) == _DATA_PAR)
     return sch.rfactor(li, factor_axis=nsp)
 
