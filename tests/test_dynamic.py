@@ -1048,3 +1048,20 @@ def test_an_attention_over_seq_runs_row_tile_by_row_tile_on_a_padded_domain_and_
         got = tvm.runtime.empty(want.shape, "float32", tvm.cpu())
         ex["main"](*[tvm.runtime.tensor(feeds[n] if n in feeds else np.asarray(b.constants[n])) for n in ins], got)
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5, err_msg=f"seq={s}")
+
+
+def test_an_extent_is_proven_whole_over_one_period():
+    """`divisible` proves what TVM's analyzer cannot: n - ((n - 1) % 16 + 1) (a reduction's whole
+    chunks) is a multiple of 16 and of 8 at every n, not of 32; n itself is not; an expression it
+    cannot check by period (two variables, a product of variables: 16 n^2 is whole, unproven) is
+    not taken as whole."""
+    import tvm
+    from tvm import tirx
+    from kernorch.backends.tvm.lower import divisible
+    n, m = tirx.Var("n", "int64"), tirx.Var("m", "int64")
+    c = lambda v: tirx.IntImm("int64", v)  # noqa: E731
+    whole = n - ((n - c(1)) % c(16) + c(1))
+    assert not tvm.sym.Analyzer().can_prove(tirx.floormod(whole, 16) == 0)   # (why the period check exists)
+    assert divisible(whole, 16) and divisible(whole, 8) and not divisible(whole, 32)
+    assert not divisible(n, 16) and divisible((n + c(15)) // c(16) * c(16), 16) and divisible(48, 16)
+    assert not divisible(whole + m, 16) and not divisible(n * n * c(16), 16)

@@ -28,8 +28,8 @@ def divisible(extent, k: int) -> bool:
     """An extent (a symbolic one provably: a length padded to a tile, or a reduction's whole chunks
     n - ((n - 1) % 16 + 1)) is a multiple of `k`. What TVM's analyzer cannot prove is checked over
     one period: an expression of one variable built from integer constants, +, -, * and floor
-    division or modulo by constants, taken modulo k, repeats every k times the product of its
-    divisors."""
+    division or modulo by constants (products by constants only), taken modulo k, repeats every k
+    times the product of its divisors."""
     if isinstance(extent, (int, tirx.IntImm)):
         return int(extent) % k == 0
     if tvm.sym.Analyzer().can_prove(tirx.floormod(extent, k) == 0):
@@ -50,6 +50,8 @@ def divisible(extent, k: int) -> bool:
             if not isinstance(e.b, tirx.IntImm) or int(e.b.value) <= 0:
                 return False
             period *= int(e.b.value)
+        if isinstance(e, tirx.Mul) and not isinstance(e.a, tirx.IntImm) and not isinstance(e.b, tirx.IntImm):
+            return False  # (a product of variables: not checked)
         return isinstance(e, (tirx.Add, tirx.Sub, tirx.Mul, tirx.FloorDiv, tirx.FloorMod)) and walk(e.a) and walk(e.b)
 
     def value(e, v: int) -> int:
