@@ -1053,7 +1053,7 @@ def test_an_attention_over_seq_runs_row_tile_by_row_tile_on_a_padded_domain_and_
 def test_an_extent_is_proven_whole_over_one_period():
     """`divisible` proves what TVM's analyzer cannot: n - ((n - 1) % 16 + 1) (a reduction's whole
     chunks) is a multiple of 16 and of 8 at every n, not of 32; n itself is not; an expression it
-    cannot check by period (two variables, a product of variables: 16 n^2 is whole, unproven) is
+    cannot check by period (two variables, a product of variables: n^2 - n is even, unproven) is
     not taken as whole."""
     import tvm
     from tvm import tirx
@@ -1064,4 +1064,4 @@ def test_an_extent_is_proven_whole_over_one_period():
     assert not tvm.sym.Analyzer().can_prove(tirx.floormod(whole, 16) == 0)   # (why the period check exists)
     assert divisible(whole, 16) and divisible(whole, 8) and not divisible(whole, 32)
     assert not divisible(n, 16) and divisible((n + c(15)) // c(16) * c(16), 16) and divisible(48, 16)
-    assert not divisible(whole + m, 16) and not divisible(n * n * c(16), 16)
+    assert not divisible(whole + m, 16) and not divisible(n * n - n, 2)
