@@ -54,7 +54,7 @@ def divisible(extent, k: int) -> bool:
             return False  # (a product of variables: not checked)
         return isinstance(e, (tirx.Add, tirx.Sub, tirx.Mul, tirx.FloorDiv, tirx.FloorMod)) and walk(e.a) and walk(e.b)
 
-    def value(e, v: int) -> int:
+    def value(e, v: int) -> int:  # `extent` at the variable's value v
         if isinstance(e, tirx.Var):
             return v
         if isinstance(e, tirx.IntImm):
@@ -62,8 +62,13 @@ def divisible(extent, k: int) -> bool:
         if isinstance(e, tirx.Cast):
             return value(e.value, v)
         a, b = value(e.a, v), value(e.b, v)
-        return {tirx.Add: a + b, tirx.Sub: a - b, tirx.Mul: a * b}.get(type(e)) if not isinstance(
-            e, (tirx.FloorDiv, tirx.FloorMod)) else (a // b if isinstance(e, tirx.FloorDiv) else a % b)
+        if isinstance(e, tirx.Add):
+            return a + b
+        if isinstance(e, tirx.Sub):
+            return a - b
+        if isinstance(e, tirx.Mul):
+            return a * b
+        return a // b if isinstance(e, tirx.FloorDiv) else a % b
 
     if not walk(extent) or len(names) != 1 or period > PERIOD_MAX:
         return False

@@ -713,7 +713,7 @@ def _vectorize_rows(sch, blocks: list, lanes: int) -> None:
             sch.vectorize(lane)
         elif not _is_reduction(stmt):
             if divisible(sch.get(loops[-1]).extent, lanes):
-                _, li = sch.split(loops[-1], factors=[None, lanes])
+                _, li = _split(sch, loops[-1], lanes)
                 sch.vectorize(li)
 
 
@@ -753,7 +753,7 @@ def _rule_attention(func, lanes: int, tile: Tile) -> s_tir.Schedule:
     if rows is None and not divisible(sch.get(loops2[nsp - 2]).extent, r):
         raise _NotApplicable("the symbolic rows are not padded to the row tile")
     order = _rfactor_by_lanes(sch, chain, lanes)
-    io, ii = sch.split(loops2[nsp - 2], factors=[None, r])
+    io, ii = _split(sch, loops2[nsp - 2], r)
     red = loops2[nsp:]
     # the output's rows in register tiles: rows x V's columns accumulators, V's vectors, a broadcast
     v = depth // lanes
@@ -795,7 +795,7 @@ def _rule_attention(func, lanes: int, tile: Tile) -> s_tir.Schedule:
     nb = tile.nb if divisible(cols, tile.nb) else lanes
     if not divisible(cols, nb):
         raise _NotApplicable("the score columns are no multiple of the lanes")
-    jo, ji = sch.split(cols1, factors=[None, nb])
+    jo, ji = _split(sch, cols1, nb)
     sch.reorder(jo, *red1, rows1, ji)
     sch.vectorize(ji)
     sch.unroll(rows1)
@@ -1288,7 +1288,7 @@ def _schedule_block(sch, blk, lanes: int) -> None:
     symbolic_inner = _extent(sch, loops[-1]) is None
     if symbolic_inner and len(loops) > 1 and divisible(sch.get(loops[-1]).extent, lanes):
         # a symbolic extent padded to a tile (an attention's keys copied into zero columns)
-        lo, li = sch.split(loops[-1], factors=[None, lanes])
+        lo, li = _split(sch, loops[-1], lanes)
         sch.vectorize(li)
         _parallel(sch, loops[:-1], min_work=_span(sch, lo) * lanes)
         return
@@ -1501,6 +1501,12 @@ def _reduction_loops(sch, blk) -> list:
     return loops[-nred:] if nred and len(loops) >= nred else []
 
 
+def _split(sch, loop, factor: int) -> list:
+    """`loop` split by `factor`, without TVM's guard where `divisible` proves the extent whole (a
+    reduction's whole chunks over a symbolic length, which TVM's analyzer cannot prove)."""
+    return sch.split(loop, factors=[None, factor], disable_predication=divisible(sch.get(loop).extent, factor))
+
+
 def _rfactor_lanes(sch, block, lanes: int, min_vectors: int = 4):
     """Split the innermost reduction loop by `lanes` and rfactor the lane loop; returns the rf
     block (lane partials, a spatial lane axis) or None if the loop is shorter than `min_vectors`
@@ -1512,8 +1518,7 @@ def _rfactor_lanes(sch, block, lanes: int, min_vectors: int = 4):
     ext = _extent(sch, loops[-1])
     if ext is not None and (ext < min_vectors * lanes or ext % lanes):
         return None
-    # (a symbolic extent that `divisible` proves whole needs no guard, which TVM would add)
-    _, li = sch.split(loops[-1], factors=[None, lanes], disable_predication=divisible(sch.get(loops[-1]).extent, lanes))
+    _, li = _split(sch, loops[-1], lanes)
     nsp = sum(1 for iv in stmt.iter_vars if int(iv.iter_type) == _DATA_PAR)
     return sch.rfactor(li, factor_axis=nsp)
 
