@@ -72,7 +72,8 @@ def markdown(all_results: list[dict]) -> str:
                   f"{' (calibrated under load)' if cal.get('loaded') else ''}. Timings: median ms [p10–p90], each "
                   "system alone in its own process, the processes in turns (blocks of "
                   f"{r0.get('timing_method', {}).get('runs_per_turn', 3)} runs), same random inputs; "
-                  "vs best peer = best peer's median / kernorch's; roofline = floor / median.", ""]
+                  "vs best peer = the median over the rounds of the best peer's time / kernorch's in that round "
+                  "(kernorch.peers.round_ratios); roofline = floor / median.", ""]
     head = ["model", "floor ms"] + [f"{s} ms" for s in systems] + ["best peer", "kernorch vs best peer"] + \
            [f"{s} roofline" for s in systems] + ["runs", "CPU pressure / load", "date"]
     lines.append("| " + " | ".join(head) + " |")

@@ -9,7 +9,8 @@ graph) with the same explicit thread count. kernorch's system is its saved execu
 its process like a user would (optimized first, in this process, when `outdir` holds none).
 Reported: medians with p10/p90 and run counts, the CPU pressure and load average before and after,
 each system's max error against ONNX Runtime, its speedup over ONNX Runtime and over the best
-peer, and its fraction of the model's roofline floor (FLOPs / the measured GEMM peak).
+peer (medians of the per-round ratios, kernorch.peers.round_ratios), and its fraction of the
+model's roofline floor (FLOPs / the measured GEMM peak).
 """
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ def bench(model, systems: Sequence[str] = ("kernorch", *DEFAULT_AGAINST), thread
     finally:
         if tmp is not None:
             tmp.cleanup()
-    _summarize(results, times, wanted)
+    _summarize(results, times, wanted, block)
     results["seconds"] = time.perf_counter() - t_start
     results["created"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     if outdir is not None and Path(outdir).exists():
@@ -152,25 +153,31 @@ def _check_outputs(timer, results: dict, wanted: Sequence[str]) -> None:
         timer.info[REFERENCE]["status"] = "reference only"
 
 
-def _summarize(results: dict, times: dict[str, list[float]], wanted: Sequence[str]) -> None:
+def _summarize(results: dict, times: dict[str, list[float]], wanted: Sequence[str], block: int) -> None:
+    """Per system its timing stats; its speedups over ONNX Runtime and over the best peer (the
+    peer of least median) as the median of their per-round ratios (`peers.round_ratios`: two
+    systems compared within one round, in the same phase of the machine); its roofline fraction."""
     med = {s: float(np.median(t)) * 1e3 for s, t in times.items() if t}
+
+    def over(num: str, den: str) -> float:  # num's time over den's
+        r = peers.round_ratios(times, num, den, block)
+        return float(np.median(r)) if r else med[num] / med[den]
     floor = results.get("roofline", {}).get("floor_ms")
     ref_ms = med.get(REFERENCE)
-    peer_ms = [med[s] for s in wanted if s != "kernorch" and s in med]
-    best_peer = min(peer_ms) if peer_ms else None
+    best_peer = min((s for s in wanted if s != "kernorch" and s in med), key=med.get, default=None)
     for s in wanted:
         entry = results["systems"][s]
         if s not in med:
             continue
         entry.update(peers.stats(times[s]))
         if ref_ms:
-            entry["speedup_vs_ort"] = ref_ms / entry["median_ms"]
+            entry["speedup_vs_ort"] = over(REFERENCE, s)
         if best_peer:
-            entry["vs_best_peer"] = best_peer / entry["median_ms"]
+            entry["vs_best_peer"] = over(best_peer, s)
         if floor:
             entry["roofline_fraction"] = floor / entry["median_ms"]
     if best_peer:
-        results["best_peer"] = min((s for s in wanted if s != "kernorch" and s in med), key=med.get)
+        results["best_peer"] = best_peer
 
 
 def save_json(results: dict, path) -> Path:

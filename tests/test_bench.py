@@ -222,3 +222,17 @@ def test_systems_are_compared_round_by_round():
     skewed = {"a": [2.0] * 3 + [3.0] * 6, "b": [1.0] * 6 + [1.5] * 3}   # a's slow rounds were not all b's
     assert float(np.median(skewed["a"]) / np.median(skewed["b"])) == 3.0
     assert peers.round_ratios(skewed, "a", "b", block=3) == [2.0, 3.0, 2.0]
+
+
+def test_speedups_are_the_medians_of_the_per_round_ratios():
+    """bench's speedups compare the systems round by round: kernorch twice as fast as ONNX Runtime
+    in the same phase of the machine reads 2.0, though the machine slowed between the rounds and
+    once between two turns of a round (round 2: kernorch slow, ONNX Runtime not yet), where the
+    ratio of the overall medians reads 1.33."""
+    from kernorch import bench as bench_module
+    times = {"kernorch": [1.0, 1.0, 1.5, 1.5, 1.5], "ort": [2.0, 2.0, 2.0, 3.0, 3.0]}
+    results = {"systems": {"kernorch": {}, "ort": {}}}
+    bench_module._summarize(results, times, ["kernorch", "ort"], block=1)
+    assert results["systems"]["kernorch"]["speedup_vs_ort"] == 2.0
+    assert results["systems"]["kernorch"]["vs_best_peer"] == 2.0 and results["best_peer"] == "ort"
+    assert round(float(np.median(times["ort"]) / np.median(times["kernorch"])), 2) == 1.33
