@@ -440,19 +440,6 @@ def _work(sch, block) -> int:
 
 # -- inline pass ---------------------------------------------------------------------------------
 
-# what inlining a stage may copy into its consumer: its TIR's length times the times the consumer
-# reads it. The polynomial exp, erf, tanh and sigmoid read their input several times each, so a
-# chain of them inlined grows by that factor per step: exp, sigmoid, erf, neg, floor, abs, ceil
-# and tanh in one kernel made 21 MB of TIR and took 127 s to compile (4 of them: 1.1 MB, 4.4 s)
-INLINE_COPY_CHARS = 20_000
-
-
-def _copied_chars(sch, stmt, consumer) -> int:
-    """How much TIR inlining `stmt` into `consumer` would copy (see INLINE_COPY_CHARS)."""
-    name = stmt.writes[0].source.name
-    return len(str(stmt.body)) * str(sch.get(consumer).body).count(f"{name}[")
-
-
 def _inline_pass(func) -> tirx.PrimFunc:
     """compute_inline injective intermediate stages, except into contractions (a pad stays a
     separate stage rather than a Select in the conv inner loop) and except expensive stages with
@@ -475,8 +462,6 @@ def _inline_pass(func) -> tirx.PrimFunc:
             if any(_contraction_operands(sch.get(c)) is not None for c in consumers):
                 continue
             if len(consumers) > 1 and _is_expensive(stmt):
-                continue
-            if _copied_chars(sch, stmt, consumers[0]) > INLINE_COPY_CHARS:
                 continue
             try:
                 sch.compute_inline(blk)
