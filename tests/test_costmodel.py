@@ -372,7 +372,10 @@ def test_a_second_run_starts_where_the_first_ended(tmp_path, monkeypatch):
             return tuple((-1.0, 1.0)[i % 2] for i in range(len(seen)))
     monkeypatch.setattr(cm, "shipped", lambda: Pessimist())
     monkeypatch.setattr(pipeline, "CORRECT_AFTER", 2)
-    chain_onnx(tmp_path / "chain.onnx", ["Tanh", "Neg", "Abs", "Relu", "Exp", "Sigmoid", "Erf", "Neg", "Floor", "Abs", "Ceil",
+    # (no Sigmoid and Erf after the Exp: a fusion of exp, sigmoid, erf, ..., tanh inlines their
+    # polynomials into 21 MB of TIR and builds for 127 s, past the build timeout; stored as a
+    # transient failure, it is pending again in the second run, and this test failed under load)
+    chain_onnx(tmp_path / "chain.onnx", ["Tanh", "Neg", "Abs", "Relu", "Exp", "Relu", "Neg", "Neg", "Floor", "Abs", "Ceil",
                                         "Tanh", "Relu"])
     options = Options(threads=1, max_kernel_size=4, repeats=3, min_repeat_ms=1.0, workers=2, compare_untuned=0,
                       db_path=str(tmp_path / "db.sqlite"))
