@@ -155,13 +155,9 @@ def _check_outputs(timer, results: dict, wanted: Sequence[str]) -> None:
 
 def _summarize(results: dict, times: dict[str, list[float]], wanted: Sequence[str], block: int) -> None:
     """Per system its timing stats; its speedups over ONNX Runtime and over the best peer (the
-    peer of least median) as the median of their per-round ratios (`peers.round_ratios`: two
+    peer of least median) as the median of their per-round ratios (`peers.paired_ratio`: two
     systems compared within one round, in the same phase of the machine); its roofline fraction."""
     med = {s: float(np.median(t)) * 1e3 for s, t in times.items() if t}
-
-    def over(num: str, den: str) -> float:  # num's time over den's
-        r = peers.round_ratios(times, num, den, block)
-        return float(np.median(r)) if r else med[num] / med[den]
     floor = results.get("roofline", {}).get("floor_ms")
     ref_ms = med.get(REFERENCE)
     best_peer = min((s for s in wanted if s != "kernorch" and s in med), key=med.get, default=None)
@@ -171,9 +167,9 @@ def _summarize(results: dict, times: dict[str, list[float]], wanted: Sequence[st
             continue
         entry.update(peers.stats(times[s]))
         if ref_ms:
-            entry["speedup_vs_ort"] = over(REFERENCE, s)
+            entry["speedup_vs_ort"] = peers.paired_ratio(times, REFERENCE, s, block)
         if best_peer:
-            entry["vs_best_peer"] = over(best_peer, s)
+            entry["vs_best_peer"] = peers.paired_ratio(times, best_peer, s, block)
         if floor:
             entry["roofline_fraction"] = floor / entry["median_ms"]
     if best_peer:

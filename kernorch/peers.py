@@ -336,13 +336,20 @@ def round_ratios(times: dict[str, list[float]], num: str, den: str, block: int) 
     """Per round of `Timer.rounds` (`block` runs of each system in turn): the median of `num`'s
     runs over the median of `den`'s. Two systems timed in one round ran seconds apart; rounds run
     minutes apart. On the 2-core VMs this project is measured on, the machine spends seconds to a
-    minute at a time running compute 1.5x slower (kernorch.measure's timings show it: the same
-    GEMM 1877 or 2809 us depending on the minute), so medians taken over all rounds compare
-    systems that met different phases; the median of these ratios compares them in the same one."""
+    minute at a time running compute 1.5x slower (timed in turns for a minute: the same GEMM
+    1877 or 2809 us depending on the phase), so medians taken over all rounds compare systems
+    that met different phases; the median of these ratios compares them in the same one."""
     a, b = times.get(num, []), times.get(den, [])
     n = min(len(a), len(b)) // block
     return [float(np.median(a[i * block:(i + 1) * block]) / np.median(b[i * block:(i + 1) * block]))
             for i in range(n)]
+
+
+def paired_ratio(times: dict[str, list[float]], num: str, den: str, block: int) -> float:
+    """`num`'s time over `den`'s: the median of their `round_ratios`, or without a whole round, the
+    ratio of their medians."""
+    r = round_ratios(times, num, den, block)
+    return float(np.median(r)) if r else float(np.median(times[num]) / np.median(times[den]))
 
 
 def stats(times_s) -> dict:
@@ -366,9 +373,8 @@ def time_against_ort(compiled, model, threads: int, runs: int = 20, seed: int = 
         before = load_state()
         times = t.rounds(max(1, runs // block), block)
     k_ms, o_ms = (float(np.median(times[n])) * 1e3 for n in ("kernorch", "ort"))
-    per_round = round_ratios(times, "ort", "kernorch", block)
     return {"runs": len(times["kernorch"]), "threads": threads, "kernorch_ms": k_ms, "ort_ms": o_ms,
-            "speedup": float(np.median(per_round)) if per_round else o_ms / k_ms,
+            "speedup": paired_ratio(times, "ort", "kernorch", block),
             "method": f"ONNX Runtime alone in its own process, blocks of {block} runs in turn; the speedup is "
                       "the median of the per-round ratios",
             "kernorch_runs_ms": [x * 1e3 for x in times["kernorch"]], "ort_runs_ms": [x * 1e3 for x in times["ort"]],
