@@ -17,6 +17,7 @@ import pytest
 
 os.environ.setdefault("TVM_NUM_THREADS", "2")
 
+import tvm  # noqa: E402
 from kernorch import primitives as P  # noqa: E402
 from kernorch.backends import tvm as kt  # noqa: E402
 from kernorch.ir import Graph, KernorchError, TensorType, make_prim  # noqa: E402
@@ -468,6 +469,51 @@ def test_packed_tiles_prefetch_the_next_weight_panel(m, n, tile, fetches, target
     assert ("T.prefetch(" in text) == fetches
     if fetches:  # inside the reduction loop, not a burst before it
         assert re.search(r"for k in range\(96\):\n\s+if k \* 24 % 96 < 24:\n\s+T.prefetch", text)
+
+
+def _columns_per_thread(mod, threads: int, block: str = "matmul_update") -> list[set[int]]:
+    """The first columns of the tiles each of `threads` threads computes: TVM's runtime hands each
+    thread a contiguous share of the parallel loop's iterations (the share of the last is shorter)."""
+    found = {}
+
+    def walk(n):
+        if isinstance(n, tvm.tirx.For) and n.kind == tvm.tirx.ForKind.PARALLEL:
+            found["par"] = n
+        if type(n).__name__ == "SBlockRealize" and n.block.name_hint == block:
+            found["mm"] = n
+        for c in (n.seq if isinstance(n, tvm.tirx.SeqStmt) else
+                  [getattr(n, a, None) for a in ("body", "then_case", "else_case", "block")]):
+            if c is not None:
+                walk(c)
+
+    walk(mod["main"].body)
+    par, mm = found["par"], found["mm"]
+    iters = int(par.extent)
+    share = -(-iters // threads)
+    column = mm.iter_values[len(mm.iter_values) - 2]  # (rows, columns, reduction)
+    out = []
+    for t in range(threads):
+        cols = set()
+        for i in range(t * share, min(iters, (t + 1) * share)):
+            ana = tvm.sym.Analyzer()
+            for v in tvm.tirx.analysis.undefined_vars(column, []):
+                ana.bind(v, i if v.same_as(par.loop_var) else 0)
+            cols.add(int(ana.simplify(column)))
+        out.append(cols)
+    return out
+
+
+@pytest.mark.parametrize("m, n, tile, split", [(7, 256, "t4x64pr", True), (40, 256, "t8x32pr", True),
+                                               (7, 192, "t4x64pr", False), (7, 256, "t4x64p", True)])
+def test_each_thread_streams_its_share_of_the_weights(m, n, tile, split, target):
+    """Two threads never both walk every weight panel: a tile with rows outside walks, in its
+    parallel loop, thread-sized groups of column tiles first (each thread reads half of the
+    weights; two row tiles of 7 rows had each thread read all of them, 35 against 13 us at 6 rows
+    for a 384 x 384 projection); column tiles outside split the columns anyway. Column tiles that
+    do not divide among the threads keep rows outside. Exact against the reference."""
+    graph, inputs = gemm_graph(m=m, k=96, n=n)
+    cols = _columns_per_thread(_run_variant(graph, inputs, tile, target), 2)
+    assert (not cols[0] & cols[1]) == split, cols
 
 
 @pytest.mark.parametrize("schedule, cout, fetches", [("t4x32p", 64, True), ("t4x32pr", 64, False),
