@@ -162,7 +162,7 @@ def _nan_kept(T, x, y, name):
 
 def _fast_sigmoid(T, x):
     """1 / (1 + exp(-x)) with the polynomial exp (exp(88+) is inf, giving 0; exp(-88-) is 0, giving 1)."""
-    e = T.topi.fast_exp(T.te.compute(x.shape, lambda *i: T.tir.const(0, "float32") - x(*i), name="fast_neg"))
+    e = T.topi.fast_exp(T.te.compute(x.shape, lambda *i: T.tir.const(0, "float32") - x(*i), name="sigmoid_neg"))
     return T.te.compute(x.shape, lambda *i: T.tir.const(1, "float32") / (T.tir.const(1, "float32") + e(*i)),
                         name="fast_sigmoid")
 

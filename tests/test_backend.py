@@ -985,3 +985,23 @@ def test_a_gelu_epilogue_is_computed_in_the_write_back(schedule, target):
     text = mod["main"].script()
     assert text.count("T.parallel(") == 1
     assert "T.sblock_alloc_buffer((16, 64))" not in text  # (the accumulators are "local")
+
+
+def test_a_chain_of_polynomial_math_functions_is_not_inlined_into_a_huge_kernel(target):
+    """exp, sigmoid, erf and tanh compute polynomials that read their input several times; inlined
+    one into the next, a chain of them copied each step's expression that many times (eight steps:
+    21 MB of TIR, 127 s to compile, past the build timeout). An expensive stage read more than once
+    by its consumer stays materialised, also one that a math function was inlined into (the neg
+    after the erf): the kernel stays small and computes the reference."""
+    t = TensorType((4, 64), "float32")
+    ops = ["exp", "sigmoid", "erf", "neg", "floor", "abs", "ceil", "tanh"]
+    prims, prev = [], "x"
+    for i, op in enumerate(ops):
+        prims.append(make_prim(f"p{i}", op, [prev], t))
+        prev = f"p{i}"
+    g = Graph((("x", t),), (prev,), tuple(prims))
+    mod = kt.schedule(kt.lower(g, list(g.prims), ["x"], [prev]), target, "default")
+    assert len(mod.script()) < 100_000
+    x = np.random.default_rng(0).uniform(-2.0, 2.0, t.shape).astype(np.float32)
+    got = kt.build(mod, target)(x)
+    np.testing.assert_allclose(got[0], reference(g, {"x": x}, [prev])[0], rtol=1e-5, atol=1e-5)

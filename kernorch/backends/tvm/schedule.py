@@ -445,12 +445,17 @@ def _work(sch, block) -> int:
 
 def _inline_pass(func) -> tirx.PrimFunc:
     """compute_inline injective intermediate stages, except into contractions (a pad stays a
-    separate stage rather than a Select in the conv inner loop) and except expensive stages with
-    several consumers (softmax's exp stays materialised instead of being computed twice)."""
+    separate stage rather than a Select in the conv inner loop) and except expensive stages (a
+    math function, or a stage one was inlined into) that would be computed more than once: read
+    by several consumers (softmax's exp stays materialised instead of being computed twice) or
+    several times by one (the polynomial exp, erf, tanh and sigmoid read their input 2-4 times
+    each: a chain of them inlined copied the first that many times per step, exp, sigmoid, erf,
+    neg, floor, abs, ceil and tanh in one kernel made 21 MB of TIR and a 127 s build)."""
     sch = s_tir.Schedule(func)
     for name in _root_blocks(sch):  # packed-weight and padding views: index arithmetic, inlined everywhere
         if name.startswith((UNPACK, VIEW)):
             sch.compute_inline(sch.get_sblock(name))
+    expensive = {n for n in _root_blocks(sch) if _is_expensive(sch.get(sch.get_sblock(n)))}
     changed = True
     while changed:
         changed = False
@@ -464,14 +469,33 @@ def _inline_pass(func) -> tirx.PrimFunc:
                 continue
             if any(_contraction_operands(sch.get(c)) is not None for c in consumers):
                 continue
-            if len(consumers) > 1 and _is_expensive(stmt):
+            if name in expensive and (len(consumers) > 1 or _reads(sch.get(consumers[0]), stmt) > 1):
                 continue
+            into = sch.get(consumers[0]).name_hint
             try:
                 sch.compute_inline(blk)
                 changed = True
             except Exception:  # noqa: BLE001 - illegal inline: keep the stage
                 continue
+            if name in expensive:
+                expensive.add(into)
     return sch.mod["main"]
+
+
+def _reads(consumer, producer) -> int:
+    """How many loads of `producer`'s output the block `consumer` makes per iteration."""
+    buf = producer.writes[0].source
+    count = 0
+
+    def walk(e):
+        nonlocal count
+        if isinstance(e, tvm.ir.expr.TensorLoad) and e.source.same_as(buf):
+            count += 1
+        for sub in _subexprs(e):
+            walk(sub)
+
+    walk(consumer.body)
+    return count
 
 
 # -- building blocks -----------------------------------------------------------------------------
