@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,14 +217,22 @@ def busy(state: dict) -> bool:
 
 def cpu_ticks(pid: int) -> int:
     """CPU time (clock ticks, user + system) every thread of process `pid` has used so far."""
-    total = 0
+    return _threads(pid)[0]
+
+
+def _threads(pid: int) -> tuple[int, int]:
+    """(CPU ticks every thread of process `pid` has used so far, how many of its threads other than
+    the caller are running or waiting for a core)."""
+    total = runnable = 0
+    me = threading.get_native_id()
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
         except OSError:  # the thread ended meanwhile
             continue
         total += int(fields[11]) + int(fields[12])
-    return total
+        runnable += fields[0] == "R" and int(task.name) != me
+    return total, runnable
 
 
 QUIET_WINDOW_S = 0.02  # a process that used no CPU over this long has its threads asleep
@@ -297,8 +306,8 @@ class Timer:
             last = cpu_ticks(pid)
             while time.monotonic() - t0 < QUIET_MAX_S:
                 time.sleep(QUIET_WINDOW_S)
-                now = cpu_ticks(pid)
-                if now == last:
+                now, runnable = _threads(pid)
+                if now == last and not runnable:  # (a thread starved of cores uses no CPU but is not asleep)
                     break
                 last = now
         except OSError:  # no /proc (or the process is gone): nothing to wait for

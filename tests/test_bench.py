@@ -4,6 +4,7 @@ shared box inflate 2-30x under load)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -193,6 +194,32 @@ def test_a_system_is_timed_only_once_the_last_ones_threads_are_idle():
         t.rounds(1, block=1, warmup=0)
     assert ends and starts and starts[0] >= max(ends), (starts, ends)  # b's first call: after every spin
     assert t.info["a"]["quiet_wait_s"] >= 0.05
+
+
+def test_a_thread_waiting_for_a_core_counts_as_busy():
+    """The quiet wait reads each thread's state, not only its CPU time: on a loaded machine a
+    spinning thread can get no core for the whole window (no CPU time used) and is still not
+    asleep. A spinning thread counts as runnable, a sleeping one and the caller do not (in a fresh
+    process: no other thread pool's threads)."""
+    import subprocess
+    import sys
+    script = ("import os, threading, time\n"
+              "from kernorch.peers import _threads\n"
+              "stop = threading.Event()\n"
+              "threading.Thread(target=stop.wait).start()\n"
+              "time.sleep(0.05)\n"
+              "idle = _threads(os.getpid())[1]\n"
+              "def spin():\n"
+              "    while not stop.is_set():\n"
+              "        pass\n"
+              "threading.Thread(target=spin).start()\n"
+              "time.sleep(0.05)\n"
+              "busy = _threads(os.getpid())[1]\n"
+              "stop.set()\n"
+              "print(idle, busy)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.stdout.split() == ["0", "1"], out
 
 
 def test_each_turn_warms_a_system_up_for_a_while_before_timing_it():
