@@ -198,11 +198,13 @@ class ProfileDB:
 
 
 def best(measurements: list[Measurement]) -> Measurement:
-    """The fastest successful measurement; without one, the latest refusal; without one either,
-    the latest transient failure (status "failed": a crashed or timed-out worker, not a verdict)."""
+    """The fastest successful measurement (of equal ones the latest: a kernel over a range timed
+    twice is stored with its faster times at each length last, see kernorch.measure); without one,
+    the latest refusal; without one either, the latest transient failure (status "failed": a
+    crashed or timed-out worker, not a verdict)."""
     ok = [m for m in measurements if m.ok]
     if ok:
-        return min(ok, key=lambda m: m.median_ns)
+        return min(reversed(ok), key=lambda m: m.median_ns)
     refused = [m for m in measurements if m.status == "refused"]
     return (refused or measurements)[-1]
 
