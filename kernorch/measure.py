@@ -611,13 +611,15 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
                         stats.measured += 1
                         if j.schedule != "none":
                             best[j.key] = min(best.get(j.key, m.median_ns), m.median_ns)
-                        if j.samples:
+                        if j.probes:
                             over_range.append(j)
                     bar.advance()
-        # kernels over a range, timed once more after all the others: their times at the lengths
-        # become cost curves (the row copies' dispatch), and a disturbance of the machine can last
-        # a whole job (a 1536 x 384 GEMM's 8-row tile stored at 252-1463 us where it takes 49-108,
-        # all five lengths, Xeon model 207); noise only ever slows, so each length keeps the faster
+        # a contraction's tiles over a range (timed between the samples too, `KernelJob.probes`),
+        # timed once more after all the others: their times at the lengths become the row copies'
+        # cost curves (kernorch.pipeline.row_copies), and a disturbance of the machine can last a
+        # whole job (a 1536 x 384 GEMM's 8-row tile stored at 252-1463 us where it takes 49-108,
+        # all five lengths, Xeon model 207); noise only ever slows, so each length keeps the faster.
+        # (Every kernel over a range timed twice: a range optimize 208 -> 276 s.)
         with progress.bar(f"{label}: time again", len(over_range)) if over_range else contextlib.nullcontext() as bar:
             for j, r in _run_with_retry(pool, _time_task, over_range, args, options.run_timeout):
                 if r.ok:  # (a failure here leaves the first timing standing)

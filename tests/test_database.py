@@ -496,17 +496,19 @@ def disturbed_then_quiet(job, path, repeats, min_repeat_ms, verify, cutoff_s=Non
 
 
 def test_a_kernel_over_a_range_keeps_the_faster_of_two_timings_at_each_length(tmp_path, monkeypatch):
-    """A disturbance can slow a whole job, every length of it: a kernel over a range is timed once
+    """A disturbance can slow a whole job, every length of it: a contraction's tile over a range
+    (timed between the samples too: its times become the row copies' cost curves) is timed once
     more after the others, and its time at each length is the faster of the two (noise only ever
     slows); the runs are those of the faster timing overall. Both stored; the database serves the
-    merged one. A kernel at one shape is timed once."""
+    merged one. A kernel at one shape, or over a range without probes, is timed once."""
     from kernorch import measure
     from kernorch.ir import Graph, TensorType, make_prim
     from kernorch.options import Options
     t = TensorType((8, 8), "float32")
     g = Graph((("x", t), ("w", t)), ("y",), (make_prim("y", "matmul", ["x", "w"], t),))
     samples = (((("seq", 1),), 0.5), ((("seq", 512),), 0.5))
-    job = measure.KernelJob("k-range", "reference", "default", g, ("x", "w"), ("y",), samples=samples)
+    job = measure.KernelJob("k-range", "reference", "default", g, ("x", "w"), ("y",), samples=samples,
+                            probes=(((("seq", 5),),)))
     monkeypatch.setenv("KERNORCH_TEST_FLAG", str(tmp_path / "flag"))
     monkeypatch.setattr(measure, "_time_task", disturbed_then_quiet)
     opts = Options(threads=1, repeats=2, min_repeat_ms=0.1, python_kernels=True)
@@ -517,8 +519,10 @@ def test_a_kernel_over_a_range_keeps_the_faster_of_two_timings_at_each_length(tm
         assert stats.measured == 1
         res, stats = measure.measure([job], db, opts)
         assert stats.cached == 1 and res[job.ident] == m
-    (tmp_path / "flag").unlink()
     static = measure.KernelJob("k-static", "reference", "default", g, ("x", "w"), ("y",))
-    with ProfileDB(tmp_path / "db2.sqlite") as db:
-        res, _ = measure.measure([static], db, opts)
-    assert res[static.ident].runs_ns == (1000000, 1000000)  # the first timing: not timed again
+    fusion = measure.KernelJob("k-fusion", "reference", "default", g, ("x", "w"), ("y",), samples=samples)
+    for j in (static, fusion):
+        (tmp_path / "flag").unlink()
+        with ProfileDB(tmp_path / f"{j.key}.sqlite") as db:
+            res, _ = measure.measure([j], db, opts)
+        assert res[j.ident].runs_ns == (1000000, 1000000)  # the first timing: not timed again
