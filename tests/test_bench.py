@@ -201,13 +201,16 @@ def test_a_thread_waiting_for_a_core_counts_as_busy():
     spinning thread can get no core for the whole window (no CPU time used) and is still not
     asleep. A spinning thread counts as runnable, a sleeping one and the caller do not (in a fresh
     process: no other thread pool's threads)."""
+    import os
     import subprocess
     import sys
     script = ("import os, threading, time\n"
               "from kernorch.peers import _threads\n"
               "stop = threading.Event()\n"
               "threading.Thread(target=stop.wait).start()\n"
-              "time.sleep(0.05)\n"
+              "deadline = time.monotonic() + 5\n"  # (on a loaded machine a thread can stay queued a while)
+              "while _threads(os.getpid())[1] and time.monotonic() < deadline:\n"
+              "    time.sleep(0.01)\n"
               "idle = _threads(os.getpid())[1]\n"
               "def spin():\n"
               "    while not stop.is_set():\n"
@@ -217,9 +220,11 @@ def test_a_thread_waiting_for_a_core_counts_as_busy():
               "busy = _threads(os.getpid())[1]\n"
               "stop.set()\n"
               "print(idle, busy)\n")
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}  # (no BLAS pool threads)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).resolve().parent.parent)
-    assert out.stdout.split() == ["0", "1"], out
+                         cwd=Path(__file__).resolve().parent.parent, env=env)
+    idle, busy = map(int, out.stdout.split())
+    assert idle == 0 and busy == 1, out
 
 
 def test_each_turn_warms_a_system_up_for_a_while_before_timing_it():
