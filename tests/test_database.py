@@ -486,11 +486,13 @@ def test_a_fused_kernel_that_refuses_winograd_falls_back_to_the_direct_tile_then
 
 
 def disturbed_then_quiet(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None, evict=0):
-    """A kernel over seq timed twice: the first time slowed at seq=512, the second at seq=1."""
+    """A kernel over seq timed twice: the first time slowed at seq=512, the second at seq=1 (the
+    flag file gets a character per call)."""
     import pathlib
     flag = pathlib.Path(os.environ["KERNORCH_TEST_FLAG"])
-    first = not flag.exists()
-    flag.write_text("timed")
+    calls = flag.read_text() if flag.exists() else ""
+    first = not calls
+    flag.write_text(calls + "x")
     at = [(1, 5e-6), (512, 9e-4)] if first else [(1, 8e-6), (512, 5e-4)]
     return {"runs": [1e-3, 1e-3] if first else [2e-3, 2e-3], "error": None, "at": at}
 
@@ -516,7 +518,7 @@ def test_a_kernel_over_a_range_keeps_the_faster_of_two_timings_at_each_length(tm
         res, stats = measure.measure([job], db, opts)
         m = res[job.ident]
         assert m.samples_ns == ((1, 5000), (512, 500000)) and m.runs_ns == (1000000, 1000000)
-        assert stats.measured == 1
+        assert stats.measured == 1 and (tmp_path / "flag").read_text() == "xx"
         res, stats = measure.measure([job], db, opts)
         assert stats.cached == 1 and res[job.ident] == m
     static = measure.KernelJob("k-static", "reference", "default", g, ("x", "w"), ("y",))
@@ -525,4 +527,4 @@ def test_a_kernel_over_a_range_keeps_the_faster_of_two_timings_at_each_length(tm
         (tmp_path / "flag").unlink()
         with ProfileDB(tmp_path / f"{j.key}.sqlite") as db:
             res, _ = measure.measure([j], db, opts)
-        assert res[j.ident].runs_ns == (1000000, 1000000)  # the first timing: not timed again
+        assert (tmp_path / "flag").read_text() == "x" and res[j.ident].runs_ns == (1000000, 1000000)
