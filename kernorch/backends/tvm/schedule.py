@@ -398,18 +398,17 @@ def _subexprs(e):
     yield from getattr(e, "args", None) or ()
 
 
+def _loads(expr):
+    """Every buffer load in an expression (or a store's value), each time it occurs."""
+    if isinstance(expr, tvm.ir.expr.TensorLoad):
+        yield expr
+    for sub in _subexprs(expr):
+        yield from _loads(sub)
+
+
 def _loaded_buffers(expr) -> set[str]:
     """Names of the buffers an expression loads from."""
-    found: set[str] = set()
-
-    def walk(e):
-        if isinstance(e, tvm.ir.expr.TensorLoad):
-            found.add(e.source.name)
-        for sub in _subexprs(e):
-            walk(sub)
-
-    walk(expr)
-    return found
+    return {load.source.name for load in _loads(expr)}
 
 
 def _is_expensive(stmt) -> bool:
@@ -485,17 +484,7 @@ def _inline_pass(func) -> tirx.PrimFunc:
 def _reads(consumer, producer) -> int:
     """How many loads of `producer`'s output the block `consumer` makes per iteration."""
     buf = producer.writes[0].source
-    count = 0
-
-    def walk(e):
-        nonlocal count
-        if isinstance(e, tvm.ir.expr.TensorLoad) and e.source.same_as(buf):
-            count += 1
-        for sub in _subexprs(e):
-            walk(sub)
-
-    walk(consumer.body)
-    return count
+    return sum(load.source.same_as(buf) for load in _loads(consumer.body))
 
 
 # -- building blocks -----------------------------------------------------------------------------
