@@ -1030,8 +1030,10 @@ def test_an_attention_over_seq_runs_row_tile_by_row_tile_on_a_padded_domain_and_
     script = mod["main"].script()
     guarded = [line for line in script.splitlines() if "T.if_then_else" in line]
     # the keys' zero columns and the queries' zero rows only
-    assert guarded and all("keys_padded[" in line or "queries_padded[" in line for line in guarded), script
-    assert script.count("T.parallel(") <= 3, script          # the two copies (parallel when long), the row tiles
+    assert guarded and all(re.search(r"(keys|queries)_padded(_\d+)?\[", line) for line in guarded), script
+    # in each of the tile's copy and its copy in narrow key tiles: the two padding copies (parallel
+    # when long), the row tiles
+    assert script.count("T.parallel(") <= 6, script
     assert script.count("T.Select") >= 3, script             # max, sum and the probabilities
     # the probabilities past the length are zeroed where they are computed, not in the values' loop
     assert 'T.sblock("probs_masked")' in script and not any(
@@ -1041,13 +1043,54 @@ def test_an_attention_over_seq_runs_row_tile_by_row_tile_on_a_padded_domain_and_
     assert re.search(r'for \w+ in T\.unroll\(T\.int64\(\d+\)\):\n\s+for \w+ in T\.vectorized\(T\.int64\(\d+\)\):'
                      r'\n\s+with T\.sblock\("matmul_local"\)', script), script
     ex = tvm.compile(mod, target=target)
-    for s in (1, 3, 4, 5, 31, 32, 33, 63, 64, 65, 100):
+    for s in (1, 3, 4, 5, 16, 17, 31, 32, 33, 48, 49, 63, 64, 65, 100):  # (both sides of the narrow keys' range)
         b = dynamic.bind(kg, {"seq": s})
         feeds = {n: np.random.default_rng(s).standard_normal(t.shape).astype(np.float32) for n, t in b.inputs}
         want = reference(b, feeds)[outs[0]]
         got = tvm.runtime.empty(want.shape, "float32", tvm.cpu())
         ex["main"](*[tvm.runtime.tensor(feeds[n] if n in feeds else np.asarray(b.constants[n])) for n in ins], got)
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5, err_msg=f"seq={s}")
+
+
+def _attention_kernel(g):
+    from kernorch.candidates import kernel_io
+    from kernorch.ir import kernel_graph
+    names = [q.name for q in g.prims]
+    mm = [q.name for q in g.prims if q.op == "matmul" and q.inputs[1] not in g.constants]
+    members = [n for n in names[names.index(mm[0]):names.index(mm[1]) + 1] if g.by_name[n].op not in ("transpose", "reshape")]
+    ins, outs = kernel_io(g, members)
+    return kernel_graph(g, members, ins, outs), ins, outs
+
+
+def test_an_attention_over_seq_holds_a_copy_in_narrow_key_tiles_for_short_lengths(block):
+    """Over a symbolic length, an attention in key tiles wider than NARROW_KEYS is lowered a second
+    time with its keys padded to NARROW_KEYS (at seq=7 a 64-wide tile computes 64 keys), and the
+    one kernel runs that copy where `narrow_keys` says (its condition, evaluated at every length of
+    the range, is the rule's); in narrow tiles, or over static keys, there is no copy."""
+    import tvm
+    from kernorch.backends.tvm.lower import NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, lower
+    from kernorch.backends.tvm.schedule import schedule
+    from kernorch.backends.tvm.target import make_target
+    from kernorch.kernels.tiles import NARROW_KEYS, narrow_keys
+    kg, ins, outs = _attention_kernel(block[1])
+    mod = lower(kg, kg.prims, ins, outs, "t4x64r")
+    funcs = {gv.name_hint: mod[gv] for gv in mod.get_global_vars()}
+    assert set(funcs) == {"main", NARROW_KEYS_FUNC}
+    when = funcs[NARROW_KEYS_FUNC].attrs[NARROW_KEYS_WHEN]
+    seq = next(d for p in funcs["main"].params for d in p.shape if isinstance(d, tvm.tirx.Var))
+    ana = tvm.sym.Analyzer()
+    ran = []
+    for length in range(1, 513):
+        with ana.constraint_scope(seq == length):
+            ran.append(int(ana.simplify(tvm.tirx.Select(when, 1, 0))))
+    assert ran == [int(narrow_keys(64, n)) for n in range(1, 513)]
+    assert narrow_keys(64, 7) and narrow_keys(64, 48) and not narrow_keys(64, 49) and not narrow_keys(64, 512)
+    script = schedule(mod, make_target(1), "t4x64r", bounds={"seq": 512})["main"].script()
+    pads = re.findall(r'keys_padded\w* = T\.sblock_alloc_buffer\(.*// T\.int64\((\d+)\) \* T\.int64', script)
+    assert sorted(map(int, pads)) == [NARROW_KEYS, 64], script
+    assert [gv.name_hint for gv in lower(kg, kg.prims, ins, outs, f"t4x{NARROW_KEYS}r").get_global_vars()] == ["main"]
+    static, sins, souts = _attention_kernel(dynamic.bind(block[1], {"seq": 40}))   # (keys padded to 48, statically)
+    assert [gv.name_hint for gv in lower(static, static.prims, sins, souts, "t4x64r").get_global_vars()] == ["main"]
 
 
 def test_an_extent_is_proven_whole_over_one_period():

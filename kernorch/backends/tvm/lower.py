@@ -7,6 +7,7 @@ constant operands (kernorch.kernels.pack) enter as placeholders of their packed 
 from __future__ import annotations
 
 import types
+from dataclasses import replace
 from typing import Sequence
 
 import tvm
@@ -16,8 +17,8 @@ from tvm import te, tirx, topi
 from ... import primitives
 from ...candidates import attention_parts
 from ...ir import Graph, KernorchError, Prim, SymDim, TensorType
-from ...kernels import Tile, Winograd, split, variant_out_packs, variant_packs
-from ...kernels.tiles import row_tile
+from ...kernels import Tile, Winograd, blocked, split, variant_out_packs, variant_packs
+from ...kernels.tiles import NARROW_KEYS, NARROW_KEYS_COST, row_tile
 from ...kernels.winograd import te_conv as winograd_conv
 
 
@@ -85,6 +86,10 @@ BLOCK = "block"    # TE stages that write a kernel output in a blocked layout
 ROWS_OUT = "rows_out"  # the TE stage that copies a padded attention's real rows out
 
 
+NARROW_KEYS_FUNC = "narrow_keys"  # the module's copy of an attention in narrow key tiles
+NARROW_KEYS_WHEN = "kernorch.narrow_keys_when"  # its attribute: the length condition it runs under
+
+
 def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs: Sequence[str],
           schedule: str = "default") -> tvm.IRModule:
     """Compose the members' TE computes into one PrimFunc `main(*inputs, *outputs)`.
@@ -95,7 +100,25 @@ def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs:
     layout (a packed weight, a blocked activation) are parameters of the packed shape read through
     an "unpack" view, and outputs it writes blocked are computed through a "block" view, so the
     members' computes stay in logical coordinates.
+
+    An attention over a symbolic length in key tiles wider than NARROW_KEYS columns also gets a
+    copy in key tiles of NARROW_KEYS (`NARROW_KEYS_FUNC`, its keys padded to NARROW_KEYS), with the
+    condition on `main`'s length under which it runs (attribute `NARROW_KEYS_WHEN`,
+    kernorch.kernels.tiles.narrow_keys); `schedule` joins the two.
     """
+    func, padded = _lowered(graph, members, inputs, outputs, schedule)
+    if padded is None or not padded.narrow:
+        return tvm.IRModule({"main": func})
+    tile = Tile.parse(split(schedule)[1])
+    layout = split(schedule)[0]
+    narrow_name = replace(tile, nb=NARROW_KEYS).name
+    narrow, _ = _lowered(graph, members, inputs, outputs, narrow_name if layout is None else blocked(layout, narrow_name))
+    return tvm.IRModule({"main": func, NARROW_KEYS_FUNC: narrow.with_attr(NARROW_KEYS_WHEN, padded.narrow_when())})
+
+
+def _lowered(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs: Sequence[str],
+             schedule: str) -> tuple[tirx.PrimFunc, "_PaddedAttention | None"]:
+    """`lower`'s PrimFunc for `schedule`, and the padded attention it computes (or None)."""
     env: dict[str, te.Tensor] = {}
     params: list[te.Tensor] = []
     packs = variant_packs(graph, inputs, schedule)
@@ -150,8 +173,7 @@ def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs:
     if sym.vars and out_packs:
         raise KernorchError("blocked output layouts need static shapes")
     func = te.create_prim_func(params + results, index_dtype_override="int64" if sym.vars else None)
-    func = func.with_attr(NUM_INPUTS_ATTR, len(inputs))
-    return tvm.IRModule({"main": func})
+    return func.with_attr(NUM_INPUTS_ATTR, len(inputs)), padded
 
 
 def _ceil(extent, k: int):
@@ -225,6 +247,14 @@ class _PaddedAttention:
         self.prows = _ceil(self.rows, tile.mr) if self.pad_rows else self.rows
         self.pcols = _ceil(self.cols, tile.nb) if self.pad_cols else self.cols
         self.sym = sym
+        # a copy in narrow key tiles serves the short lengths (`lower`)
+        self.narrow = self.pad_cols and not isinstance(self.cdim, int) and tile.nb > NARROW_KEYS
+
+    def narrow_when(self):
+        """The condition on the length under which the copy in NARROW_KEYS-column key tiles runs
+        (kernorch.kernels.tiles.narrow_keys)."""
+        num, den = (tirx.IntImm("int64", c) for c in NARROW_KEYS_COST)
+        return num * _ceil(self.cols, NARROW_KEYS) < den * self.pcols
 
     @classmethod
     def of(cls, graph: Graph, members: Sequence[Prim], schedule: str, sym: "Symbols") -> "_PaddedAttention | None":

@@ -19,16 +19,16 @@ from tvm import s_tir
 
 from ...ir import KernorchError
 from ...kernels import Tile, Winograd, split
-from ...kernels.tiles import SMALL_ROWS, SMALL_ROWS_COST, row_tile
+from ...kernels.tiles import NARROW_KEYS, SMALL_ROWS, SMALL_ROWS_COST, row_tile
 from ...kernels.variants import CONVERSIONS
-from .lower import ROWS_OUT, UNPACK, VIEW, divisible
+from .lower import NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, ROWS_OUT, UNPACK, VIEW, divisible
 from .target import vector_bits
 
 log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 25
+SCHEDULES_VERSION = 26
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -85,7 +85,14 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
         return _scheduled(sch, f"winograd {mode}")
     tile = Tile.parse(inner)
     if tile is not None:  # a micro-kernel variant: exactly this tile, or a refusal (never another rule)
-        return _tile_over_rows(func, lanes, tile, mode, threads)
+        out = _tile_over_rows(func, lanes, tile, mode, threads)
+        if any(gv.name_hint == NARROW_KEYS_FUNC for gv in mod.get_global_vars()):
+            narrow = mod[NARROW_KEYS_FUNC]
+            when = narrow.attrs[NARROW_KEYS_WHEN]
+            if bounds:
+                narrow = narrow.with_attr(BOUNDS_ATTR, {k: int(v) for k, v in bounds.items()})
+            out = _with_narrow_keys(out["main"], narrow, when, lanes, replace(tile, nb=NARROW_KEYS), mode, threads)
+        return out
     if inner not in ("default", *CONVERSIONS):
         raise KernorchError(f"unknown schedule mode {mode!r} (expected 'none', 'default', a tile like 't14x32p', "
                             "optionally after a layout like 'b16/')")
@@ -142,6 +149,21 @@ def _tile_over_rows(func, lanes: int, tile: Tile, mode: str, threads: int = 1) -
         else:
             out = _by_rows(out, small, rows, base.mr)
     return tvm.IRModule({"main": out})
+
+
+def _with_narrow_keys(wide: tirx.PrimFunc, narrow: tirx.PrimFunc, when, lanes: int, tile: Tile, mode: str,
+                      threads: int) -> tvm.IRModule:
+    """One kernel of an attention over a symbolic length scheduled twice: `wide` (scheduled) in
+    its own key tile, `narrow` (lowered with its keys padded to the narrow tile's columns) in
+    `tile`; the narrow copy runs where `when` (an expression of `wide`'s length) holds
+    (kernorch.lower.NARROW_KEYS_FUNC). The two were lowered apart, so the narrow copy's
+    parameters are rebound to the wide one's buffers (and its length to the wide one's)."""
+    try:
+        n = _tile_over_rows(narrow, lanes, tile, mode, threads)["main"]
+    except KernorchError as e:
+        log.debug("no narrow-key copy for %s: %s", mode, e)
+        return tvm.IRModule({"main": wide})
+    return tvm.IRModule({"main": _either(when, n, wide).with_attr("kernorch.narrow_keys", tile.nb)})
 
 
 def _tiled(func, lanes: int, tile: Tile, mode: str, threads: int = 1) -> s_tir.Schedule:
@@ -239,13 +261,20 @@ def _curve(points, p):
 
 
 def _either(cond, then: tirx.PrimFunc, other: tirx.PrimFunc) -> tirx.PrimFunc:
-    """`then`'s body where `cond` holds, else `other`'s, in `other`'s signature (two schedules of one
-    kernel: the same parameters)."""
+    """`then`'s body where `cond` holds, else `other`'s, in `other`'s signature: two schedules of one
+    kernel (the same parameters), or of two lowerings of it (parameters of the same shapes, each
+    with its own buffers and symbols: `then`'s are bound to `other`'s)."""
     a, b = other.body.block, then.body.block
     allocs = list(a.alloc_buffers)  # (an intermediate both copies keep is one buffer: only one copy runs)
     allocs += [buf for buf in b.alloc_buffers if not any(buf.same_as(x) for x in allocs)]
     body, flag = _opaque_branch(cond, b.body, a.body)
-    return _with_root_body(other, body, allocs + [flag])
+    if all(p.same_as(q) for p, q in zip(then.params, other.params)):
+        return _with_root_body(other, body, allocs + [flag])
+    # both signatures, then `then`'s parameters specialized to `other`'s: a parameter specialized
+    # to another of the same function becomes its alias everywhere (buffer, data and shape symbols)
+    joint = tirx.PrimFunc([*other.params, *then.params], other.body, other.ret_type, other.attrs)
+    joint = _with_root_body(joint, body, allocs + [flag])
+    return joint.specialize(dict(zip(then.params, other.params)))
 
 
 def _opaque_branch(cond, then, other) -> tuple:
