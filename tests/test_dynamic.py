@@ -1029,11 +1029,14 @@ def test_an_attention_over_seq_runs_row_tile_by_row_tile_on_a_padded_domain_and_
     mod = schedule(lower(kg, kg.prims, ins, outs, tile), target, tile, bounds={"seq": 512})
     script = mod["main"].script()
     guarded = [line for line in script.splitlines() if "T.if_then_else" in line]
-    # the keys' zero columns and the queries' zero rows only
-    assert guarded and all(re.search(r"(keys|queries)_padded(_\d+)?\[", line) for line in guarded), script
-    # in each of the tile's copy and its copy in narrow key tiles: the two padding copies (parallel
-    # when long), the row tiles
-    assert script.count("T.parallel(") <= 6, script
+    # the keys' zero columns and the queries' and values' zero rows only
+    assert guarded and all(re.search(r"(keys|queries|values)_padded(_\d+)?\[", line) for line in guarded), script
+    # the micro-kernels read the padded copies as they are (a clamped row index at every step of the
+    # values' contraction: 5.2 -> 4.8 ms at seq=512, one thread)
+    assert not any("T.min(" in line and "matmul_local" in line for line in script.splitlines()), script
+    # in each of the tile's copy and its copy in narrow key tiles: the three padding copies
+    # (parallel when long), the row tiles
+    assert script.count("T.parallel(") <= 8, script
     assert script.count("T.Select") >= 3, script             # max, sum and the probabilities
     # the probabilities past the length are zeroed where they are computed, not in the values' loop
     assert 'T.sblock("probs_masked")' in script and not any(
