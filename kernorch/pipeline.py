@@ -91,11 +91,15 @@ class Measured:
     # the lengths the learned model sees a kernel at, with their weights: over a range its samples
     # (kernorch.dynamic.samples; a kernel's time is their weighted sum), a static shape (0, 1.0)
     at: tuple[tuple[int, float], ...] = ((0, 1.0),)
-    # the least ratio of measured time to bound among the fusions the learned model does not estimate
-    # (`_learnable`) that this run measured (0: none yet). A fused attention took 2-3x its bound; kept
-    # at their bounds, each of the 29 attentions of a transformer block over seq=1..512 was wanted in
-    # turn and measured in all 4 tiles (116 builds, 68 s of builders)
-    unlearned: float = 0.0
+    # per schedule, the least ratio of measured time to bound among the fusions the learned model
+    # does not estimate (`_learnable`) that this run measured in it (none yet: absent). A fused
+    # attention took 2-3x its bound; kept at their bounds, each of the 29 attentions of a transformer
+    # block over seq=1..512 was wanted in turn and measured in all 4 tiles (116 builds, 68 s of
+    # builders). Its tiles stay apart: over seq=1..512 (Xeon model 207) t14x32r took 1.20-1.42x the
+    # fastest tile of each of 19 attentions measured in every tile, t8x32r 1.07-1.54x, t6x64r and
+    # t4x64r 1.00-1.13x; raised by the least ratio of all, the slow tiles of every attention were
+    # still wanted (82 attention builds, 94 s of builders)
+    unlearned: Mapping[str, float] = field(default_factory=dict)
 
     def with_measurement(self, m: Measurement) -> "Measured":
         """A copy where `m` replaces the earlier measurements of its (key, impl)."""
@@ -599,10 +603,14 @@ def _estimates(measured: Measured) -> dict:
     """Each pending job's estimate: its bound, or the learned prediction corrected by this run's
     residual and lowered by CONFIDENCE of its sigmas (`_sigma`) when that is higher. A fusion the
     learned model does not estimate (`_learnable`) while it estimates the others: its bound raised
-    by the least ratio of time to bound among such fusions measured in this run (`Measured.unlearned`)."""
+    by the least ratio of time to bound among such fusions measured in this run in its schedule, or
+    in any schedule when none was measured in its own yet (`Measured.unlearned`)."""
     factor = math.exp(measured.residual.shift - CONFIDENCE * _sigma(measured))
-    raise_by = max(measured.unlearned, 1.0) if measured.model is not None else 1.0
-    return {i: max(b, int(measured.predicted[i] * factor)) if i in measured.predicted else int(b * raise_by)
+    least = min(measured.unlearned.values(), default=1.0)
+
+    def raise_by(ident) -> float:
+        return max(measured.unlearned.get(ident[2], least), 1.0) if measured.model is not None else 1.0
+    return {i: max(b, int(measured.predicted[i] * factor)) if i in measured.predicted else int(b * raise_by(i))
             for i, b in measured.bounds.items()}
 
 
@@ -699,10 +707,11 @@ def refine(measured: Measured, idents, db: ProfileDB, options: Options, machine:
     if refit:
         predicted = _weighted_predictions(measured.model.corrected(seen), rows, [w for _, w in measured.at])
         residual = residual.corrected()  # the correction took the mean error in
-    ratios = [m.median_ns / measured.bounds[i] for i, m in results.items()  # (without the model every
-              if measured.model is not None and m.ok and measured.bounds.get(i, 0) > 0  # fusion keeps its bound)
-              and i not in measured.predicted]
-    unlearned = min(filter(None, (measured.unlearned, *ratios)), default=0.0)
+    unlearned = dict(measured.unlearned)
+    for i, m in results.items():  # (without the model every fusion keeps its bound)
+        if measured.model is not None and m.ok and measured.bounds.get(i, 0) > 0 and i not in measured.predicted:
+            ratio = m.median_ns / measured.bounds[i]
+            unlearned[i[2]] = min(unlearned.get(i[2], ratio), ratio)
     out = replace(measured, measurements={**measured.measurements, **results}, stats=measured.stats.merged(stats),
                   pending=left, residual=residual, bounds={i: measured.bounds[i] for i in left},
                   predicted=predicted, rows=rows, seen=seen, members_ns={i: measured.members_ns[i] for i in left},

@@ -443,28 +443,33 @@ def test_a_fusion_the_model_does_not_estimate_fills_up_a_round_only_against_the_
 
 def test_fusions_the_model_does_not_estimate_are_raised_by_the_least_ratio_measured_of_their_kind(monkeypatch):
     """Attentions (two contractions) keep their bound (pipeline._learnable); once the run measured
-    some, the others' bounds are raised by the least ratio of measured time to bound among them,
-    while the learned estimates stay as they were between refits."""
+    some, the others' bounds are raised by the least ratio of measured time to bound among those of
+    their schedule (their tile), or among all while none of their schedule was measured, while the
+    learned estimates stay as they were between refits."""
     from kernorch import costmodel as cm
     from kernorch.database import Measurement
     from kernorch.measure import MeasureStats
     from tests.test_costmodel import Shifting
     ids = [(f"a{i}", "tvm", "t4x64r") for i in range(4)] + [("f", "tvm", "default")]
-    durations = {ids[0]: 3000, ids[1]: 2500}
+    other = [(f"b{i}", "tvm", "t14x32r") for i in range(2)]
+    durations = {ids[0]: 3000, ids[1]: 2500, other[0]: 4000}
 
     def fake_measure(jobs, *args):
         return {j: Measurement("", j[0], j[1], j[2], "", "ok", durations[j], (), "") for j in jobs}, MeasureStats()
     monkeypatch.setattr(pipeline, "_measure_with_fallback", fake_measure)
-    bounds = {i: 1000 for i in ids}
-    m = pipeline.Measured({}, MeasureStats(), pending={i: i for i in ids}, bounds=bounds,
-                          members_ns=dict.fromkeys(ids, 5000.0), predicted={ids[4]: 4000.0}, sigma=0.1,
+    bounds = {i: 1000 for i in ids + other}
+    m = pipeline.Measured({}, MeasureStats(), pending={i: i for i in ids + other}, bounds=bounds,
+                          members_ns=dict.fromkeys(ids + other, 5000.0), predicted={ids[4]: 4000.0}, sigma=0.1,
                           model=Shifting(), rows={ids[4]: (cm.Row(ids[4], {}, 2000.0),)})
     m = pipeline.replace(m, estimates=pipeline._estimates(m))
-    assert [m.estimates[i] for i in ids[:4]] == [1000] * 4   # nothing of their kind measured: the bound
+    assert [m.estimates[i] for i in ids[:4] + other] == [1000] * 6   # nothing of their kind measured: the bound
     m = pipeline.refine(m, ids[:1], None, None, None)
-    assert m.unlearned == 3.0 and [m.estimates[i] for i in ids[1:4]] == [3000] * 3
+    assert m.unlearned == {"t4x64r": 3.0} and [m.estimates[i] for i in ids[1:4] + other] == [3000] * 5
     m = pipeline.refine(m, ids[1:2], None, None, None)
-    assert m.unlearned == 2.5 and [m.estimates[i] for i in ids[2:4]] == [2500] * 2
+    assert m.unlearned == {"t4x64r": 2.5} and [m.estimates[i] for i in ids[2:4] + other] == [2500] * 4
+    m = pipeline.refine(m, other[:1], None, None, None)    # the other tile: raised by its own ratio
+    assert m.unlearned == {"t4x64r": 2.5, "t14x32r": 4.0}
+    assert [m.estimates[i] for i in ids[2:4] + other[1:]] == [2500, 2500, 4000]
     assert m.estimates[ids[4]] > bounds[ids[4]]               # the learned estimate, not raised
     ok = [pipeline._learnable(g) for g in _attention_and_gemm_graphs()]
     assert ok == [False, True]
