@@ -253,32 +253,72 @@ def row_copies(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob]],
     2-row copy at 7 and 16 rows (137 and 193 us), the 8-row one 125 and 133; the 8-row tile took
     199 us at 28 rows, the 14-row one 164."""
     out = dict(tiles)
-    lengths = range(bounds[0], bounds[1] + 1)
     for prim, sched in tiles.items():
-        block, inner = split(sched)
-        if Tile.parse(inner) is None or not any(j.probes for j in jobs_by_prim.get(prim, ())):  # rows alone symbolic
-            continue
-        families: dict[Tile, dict[Tile, object]] = {}   # family -> {tile: its measurement}
-        for j in jobs_by_prim[prim]:
-            b, i = split(j.schedule)
-            t = Tile.parse(i)
-            m = measurements.get(j.ident)
-            if t is not None and b == block and m is not None and m.ok and m.samples_ns:
-                families.setdefault(replace(t, mr=1), {})[t] = m
-        kept: dict[str, dict[int, int]] = {}   # schedule -> its time (measured or read off its curves) by length
-        for fam in families.values():
-            fastest = min(fam, key=lambda t: fam[t].median_ns)
-            fitted = replace(fastest, copies=fit_copies({t.mr: dict(m.samples_ns) for t, m in fam.items()}))
-            used = {fitted.pick(n) for n in lengths}
-            fitted = replace(fitted, copies=tuple(c for c in fitted.copies if c[0] in used))
-            timed = dict(fam[fastest].samples_ns)
-            if len(fitted.copies) > 1 and any(fitted.pick(n) != fastest.pick(n) for n in lengths):
-                kept[fitted.name] = {n: min(curve_ns(pts, passes(mr, n)) for mr, pts in fitted.copies) for n in timed}
-            else:
-                kept[fastest.name] = timed
+        kept = _families(measurements, jobs_by_prim, prim, split(sched)[0], bounds)
         if kept:
-            out[prim] = _in_class(block, _relative_score(kept))
+            out[prim] = _in_class(split(sched)[0], _relative_score(kept))
     return out
+
+
+def family_copies(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob]],
+                  tiles: Mapping[tuple, str], bounds: tuple[int, int]) -> dict[tuple, tuple[str, ...]]:
+    """Per contraction over symbolic rows, the kernel with fitted row copies of each of its
+    families (`row_copies` keeps one for the fusions around it): the contraction alone is timed in
+    each, since the solver sees a kernel only at the samples (seq=1, 23, 512), where a family's
+    tile without copies runs much as its copies do, and between them (7 and 32 rows: a 6-row tile
+    computes 12 and 36) it does not (`superseded`)."""
+    out = {}
+    for prim, sched in tiles.items():
+        block = split(sched)[0]
+        fitted = tuple(_in_class(block, s) for s in _families(measurements, jobs_by_prim, prim, block, bounds)
+                       if Tile.parse(s).copies)
+        if fitted:
+            out[prim] = fitted
+    return out
+
+
+def _families(measurements, jobs_by_prim, prim, block, bounds) -> dict[str, dict[int, int]]:
+    """Per family (packing and loop order) of the tiles `prim` was timed in over symbolic rows (in
+    layout class `block`): the tile with fitted row copies, or its fastest tile where that runs the
+    same copies everywhere in `bounds`; each with its time (measured or read off its curves) at
+    every length timed. Empty: not a contraction over symbolic rows alone."""
+    lengths = range(bounds[0], bounds[1] + 1)
+    if not any(j.probes for j in jobs_by_prim.get(prim, ())):  # rows alone symbolic
+        return {}
+    families: dict[Tile, dict[Tile, object]] = {}   # family -> {tile: its measurement}
+    for j in jobs_by_prim[prim]:
+        b, i = split(j.schedule)
+        t = Tile.parse(i)
+        m = measurements.get(j.ident)
+        if t is not None and b == block and m is not None and m.ok and m.samples_ns:
+            families.setdefault(replace(t, mr=1), {})[t] = m
+    kept: dict[str, dict[int, int]] = {}
+    for fam in families.values():
+        fastest = min(fam, key=lambda t: fam[t].median_ns)
+        fitted = replace(fastest, copies=fit_copies({t.mr: dict(m.samples_ns) for t, m in fam.items()}))
+        used = {fitted.pick(n) for n in lengths}
+        fitted = replace(fitted, copies=tuple(c for c in fitted.copies if c[0] in used))
+        timed = dict(fam[fastest].samples_ns)
+        if len(fitted.copies) > 1 and any(fitted.pick(n) != fastest.pick(n) for n in lengths):
+            kept[fitted.name] = {n: min(curve_ns(pts, passes(mr, n)) for mr, pts in fitted.copies) for n in timed}
+        else:
+            kept[fastest.name] = timed
+    return kept
+
+
+def superseded(measurements) -> set[tuple[str, str, str]]:
+    """The measurements of tiles without row copies whose family's kernel with fitted copies was
+    measured for the same key (`family_copies`): the solver is offered the latter only. It runs
+    each length in the copy its curves say is cheapest there, the tile's own row count among them,
+    so it is the tile or better at every length; at the samples the two time alike, and the solver
+    took the tile by a few percent of noise (a seq x 1536 x 384 GEMM: t6x64p, 12 rows at seq=7,
+    where its copies run 8)."""
+    def family(ident):
+        block, inner = split(ident[2])
+        t = Tile.parse(inner)
+        return None if t is None else (ident[0], ident[1], block, replace(t, mr=1, copies=()))
+    fitted = {family(i) for i, m in measurements.items() if m.ok and family(i) and Tile.parse(split(i[2])[1]).copies}
+    return {i for i in measurements if family(i) in fitted and not Tile.parse(split(i[2])[1]).copies}
 
 
 def _relative_score(times: Mapping[str, Mapping[int, int]]) -> str:
@@ -327,7 +367,8 @@ def _row_wise(graph: Graph, c) -> bool:
 
 def candidate_jobs(graph: Graph, candidates, options: Options, machine: Machine,
                    tiles: Mapping[tuple, str], row_tiles: Mapping[tuple, str] | None = None,
-                   attention_tiles: Mapping[tuple, Sequence[str]] | None = None) -> list[meas.KernelJob]:
+                   attention_tiles: Mapping[tuple, Sequence[str]] | None = None,
+                   families: Mapping[tuple, Sequence[str]] | None = None) -> list[meas.KernelJob]:
     """Every distinct (key, implementation, schedule) the solver may choose, in each layout class;
     untuned TVM for a few, for comparison. A candidate around a contraction uses its contraction's
     fastest tile in that class; one with a row-wise epilogue also its fastest rows-outside tile
@@ -338,7 +379,9 @@ def candidate_jobs(graph: Graph, candidates, options: Options, machine: Machine,
     symbolic length in every one of them, since the row count also sets how many query rows share
     the softmax and the values' contraction, which the scores alone cannot show (the scores'
     fastest tile, t8x32r, ran a transformer block's attention at seq=512 in 3.5 ms, t4x64r in 2.8).
-    (Over a static shape in one: more would lengthen a cold optimize of segformer_b0, at its limit.)"""
+    (Over a static shape in one: more would lengthen a cold optimize of segformer_b0, at its limit.)
+    A contraction alone over symbolic rows is also timed with the row copies of each of its tile
+    families (`families`, see `family_copies`)."""
     jobs: dict[tuple, meas.KernelJob] = {}
     untuned = 0
     impls = registry.measured(options)
@@ -357,6 +400,8 @@ def candidate_jobs(graph: Graph, candidates, options: Options, machine: Machine,
                     schedules = list(every) if not graph.by_name[c.linear].type.static else [every[0]]
                 if impl.native and row_tiles and (c.linear, cls) in row_tiles and _row_wise(graph, c):
                     schedules.append(row_tiles[(c.linear, cls)])
+                if impl.native and families and list(c.members) == [c.linear]:  # the contraction alone
+                    schedules += [s for s in families.get((c.linear, cls), ()) if s not in schedules]
                 for s in schedules:
                     jobs.setdefault((c.key, impl.name, s), meas.KernelJob(c.key, impl.name, s, kg, c.inputs, c.outputs))
         if (untuned < options.compare_untuned and len(c.members) > 1 and (c.key, "tvm", "none") not in jobs
@@ -417,12 +462,14 @@ def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Option
     results, stats = meas.measure([j for js in by_prim.values() for j in js], db, options, machine, label="tiles",
                                   workers=workers)
     tiles = fastest_schedules(results, by_prim)
+    families: dict = {}
     if options.ranges:
+        families = family_copies(results, by_prim, tiles, options.ranges[0][1:])
         tiles = row_copies(results, by_prim, tiles, options.ranges[0][1:])
     direct = fastest_schedules(results, by_prim, direct=True)
     jobs = candidate_jobs(graph, enumeration.candidates, options, machine, tiles,
                           fastest_schedules(results, by_prim, rows_outer=True),
-                          register_tiles(results, by_prim))
+                          register_tiles(results, by_prim), families)
     pending: dict = {}
     known: list = []
     # the run's state is named by every fused job it could defer, whatever the database holds of
@@ -437,6 +484,8 @@ def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Option
         jobs = [j for j in jobs if j.ident not in pending]
     more, s2 = _measure_with_fallback(jobs, db, options, machine, "measure", workers, direct)
     results.update(more)
+    for ident in superseded(results):
+        del results[ident]
     measured = Measured(results, stats.merged(s2), {f"{p}@{cls}" if cls else p: s for (p, cls), s in tiles.items()},
                         direct)
     measured = _with_pending(measured, pending, options, machine, known)

@@ -876,6 +876,43 @@ def test_a_tile_over_symbolic_rows_runs_the_copy_cheapest_at_each_length():
     assert row_copies(ms, by_prim, {("mm", None): "t6x64p"}, (1, 512)) == {("mm", None): "t6x64p"}
 
 
+def test_the_contraction_alone_is_offered_with_the_copies_of_each_family_and_not_as_their_tiles():
+    """Each family (packing and loop order) of a contraction over symbolic rows gets its kernel with
+    fitted row copies (`family_copies`; `row_copies` keeps one for the fusions around it), and a
+    contraction alone is timed in each; once one is measured, the family's tiles without copies are
+    not offered to the solver for that key (`superseded`: at the samples they time alike, between
+    them the tile computes padding rows its copies do not); a family whose copies failed keeps them."""
+    from kernorch import candidates as cands
+    from kernorch.database import Measurement
+    from kernorch.ir import Graph, TensorType, make_prim
+    from kernorch.kernels import Tile
+    from kernorch.options import Machine, Options
+    from kernorch.pipeline import candidate_jobs, family_copies, row_copies, superseded
+    x32 = _copy_times({14: (80000, 53000), 8: (71000, 33000), 2: (80000, 14000)}, ["t14x32p", "t8x32p"])
+    x64 = _copy_times({6: (50000, 30000), 4: (50000, 22000), 2: (50000, 14000)}, ["t6x64p", "t4x64p"])
+    by_prim, ms = _tile_race({**x32, **x64})
+    fams = family_copies(ms, by_prim, {("mm", None): "t6x64p"}, (1, 512))[("mm", None)]
+    assert sorted(Tile.parse(f).nb for f in fams) == [32, 64] and all(len(Tile.parse(f).copies) > 1 for f in fams)
+    wide = next(f for f in fams if Tile.parse(f).nb == 64)
+    assert Tile.parse(wide).pick(7) == 4 and Tile.parse("t6x64p").pick(7) == 6   # 8 rows computed, not 12
+    assert row_copies(ms, by_prim, {("mm", None): "t6x64p"}, (1, 512))[("mm", None)] in fams
+    done = {**ms, ("k", "tvm", wide): Measurement("t", "k", "tvm", wide, "v", "ok", 1, samples_ns=((1, 1),))}
+    assert superseded(done) == {("k", "tvm", "t6x64p"), ("k", "tvm", "t4x64p")}
+    failed = {**ms, ("k", "tvm", wide): Measurement("t", "k", "tvm", wide, "v", "failed", None)}
+    assert superseded(failed) == set()
+    # the contraction alone is timed in each family's copies, a fusion around it only in the tile kept
+    f32 = lambda *s: TensorType(s, "float32")  # noqa: E731
+    g = Graph((("x", f32(64, 32)), ("w", f32(32, 128))), ("y",), (
+        make_prim("mm", "matmul", ["x", "w"], f32(64, 128)), make_prim("y", "relu", ["mm"], f32(64, 128))))
+    opts = Options(threads=1, layouts=False, compare_untuned=0)
+
+    def schedules(members):
+        c = cands.make_candidate(g, members)
+        return sorted(j.schedule for j in candidate_jobs(g, [c], opts, Machine.host(), {("mm", None): fams[0]},
+                                                         families={("mm", None): fams}) if j.impl == "tvm")
+    assert schedules(["mm"]) == sorted(fams) and schedules(["mm", "y"]) == [fams[0]]
+
+
 def test_a_copy_curve_is_held_below_its_first_point_and_extended_beyond_its_last():
     from kernorch.kernels.tiles import curve_ns
     pts = ((2, 100), (4, 140), (8, 300))
