@@ -254,9 +254,10 @@ def row_copies(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob]],
     199 us at 28 rows, the 14-row one 164."""
     out = dict(tiles)
     for prim, sched in tiles.items():
-        kept = _families(measurements, jobs_by_prim, prim, split(sched)[0], bounds)
+        block, inner = split(sched)
+        kept = _families(measurements, jobs_by_prim, prim, block, bounds) if Tile.parse(inner) else {}
         if kept:
-            out[prim] = _in_class(split(sched)[0], _relative_score(kept))
+            out[prim] = _in_class(block, _relative_score(kept))
     return out
 
 

@@ -904,6 +904,7 @@ def test_the_contraction_alone_is_offered_with_the_copies_of_each_family_and_not
     wide = next(f for f in fams if Tile.parse(f).nb == 64)
     assert Tile.parse(wide).pick(7) == 4 and Tile.parse("t6x64p").pick(7) == 6   # 8 rows computed, not 12
     assert row_copies(ms, by_prim, {("mm", None): "t6x64p"}, (1, 512))[("mm", None)] in fams
+    assert row_copies(ms, by_prim, {("mm", None): "default"}, (1, 512)) == {("mm", None): "default"}  # (it won)
     done = {**ms, ("k", "tvm", wide): Measurement("t", "k", "tvm", wide, "v", "ok", 1, samples_ns=((1, 1),))}
     assert superseded(done) == {("k", "tvm", "t6x64p"), ("k", "tvm", "t4x64p")}
     failed = {**ms, ("k", "tvm", wide): Measurement("t", "k", "tvm", wide, "v", "failed", None)}

@@ -109,9 +109,8 @@ def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs:
     func, padded = _lowered(graph, members, inputs, outputs, schedule)
     if padded is None or not padded.narrow:
         return tvm.IRModule({"main": func})
-    tile = Tile.parse(split(schedule)[1])
-    layout = split(schedule)[0]
-    narrow_name = replace(tile, nb=NARROW_KEYS).name
+    layout, inner = split(schedule)
+    narrow_name = replace(Tile.parse(inner), nb=NARROW_KEYS).name
     narrow, _ = _lowered(graph, members, inputs, outputs, narrow_name if layout is None else blocked(layout, narrow_name))
     return tvm.IRModule({"main": func, NARROW_KEYS_FUNC: narrow.with_attr(NARROW_KEYS_WHEN, padded.narrow_when())})
 
@@ -181,7 +180,7 @@ def _ceil(extent, k: int):
     return (extent + k - 1) // k * k
 
 
-KEYS_MULTIPLE = 16  # static keys not a multiple of this (of 8 or 16 lanes) are padded like symbolic ones
+KEYS_MULTIPLE = NARROW_KEYS  # static keys not a multiple of this (of 8 or 16 lanes) are padded like symbolic ones
 
 
 def _index(value, like):

@@ -70,9 +70,9 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
     """
     if mode == "none":
         return mod
-    func = mod["main"]
-    if bounds:
-        func = func.with_attr(BOUNDS_ATTR, {k: int(v) for k, v in bounds.items()})
+    def bounded(func):
+        return func.with_attr(BOUNDS_ATTR, {k: int(v) for k, v in bounds.items()}) if bounds else func
+    func = bounded(mod["main"])
     lanes = max(vector_bits(target) // 32, 4)
     threads = int(target.attrs.get("num-cores", 1))
     inner = split(mode)[1]
@@ -88,10 +88,8 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
         out = _tile_over_rows(func, lanes, tile, mode, threads)
         if any(gv.name_hint == NARROW_KEYS_FUNC for gv in mod.get_global_vars()):
             narrow = mod[NARROW_KEYS_FUNC]
-            when = narrow.attrs[NARROW_KEYS_WHEN]
-            if bounds:
-                narrow = narrow.with_attr(BOUNDS_ATTR, {k: int(v) for k, v in bounds.items()})
-            out = _with_narrow_keys(out["main"], narrow, when, lanes, replace(tile, nb=NARROW_KEYS), mode, threads)
+            out = _with_narrow_keys(out["main"], bounded(narrow), narrow.attrs[NARROW_KEYS_WHEN], lanes,
+                                    replace(tile, nb=NARROW_KEYS), mode, threads)
         return out
     if inner not in ("default", *CONVERSIONS):
         raise KernorchError(f"unknown schedule mode {mode!r} (expected 'none', 'default', a tile like 't14x32p', "
@@ -156,7 +154,7 @@ def _with_narrow_keys(wide: tirx.PrimFunc, narrow: tirx.PrimFunc, when, lanes: i
     """One kernel of an attention over a symbolic length scheduled twice: `wide` (scheduled) in
     its own key tile, `narrow` (lowered with its keys padded to the narrow tile's columns) in
     `tile`; the narrow copy runs where `when` (an expression of `wide`'s length) holds
-    (kernorch.lower.NARROW_KEYS_FUNC). The two were lowered apart, so the narrow copy's
+    (lower.NARROW_KEYS_FUNC). The two were lowered apart, so the narrow copy's
     parameters are rebound to the wide one's buffers (and its length to the wide one's)."""
     try:
         n = _tile_over_rows(narrow, lanes, tile, mode, threads)["main"]
