@@ -350,6 +350,25 @@ def test_a_softmax_over_the_columns_runs_per_row_tile_in_cache(tile, axis, per_r
     assert not per_row or 'reduce_max_rf")' in text  # the row's max by vector lanes
 
 
+@pytest.mark.parametrize("tile", ["t4x{nb}pr", "t4x{nb}prs"])
+def test_a_row_reduction_after_a_bias_and_relu_runs_per_row_tile(tile, target):
+    """matmul + bias + relu, then the max over the columns (a softmax's first pass), in a tile
+    narrower than the columns with rows outside: the bias and relu go into the write-back, the
+    max runs per row tile on what it wrote (found on AVX2, where a 32-column output has two 16-wide
+    column tiles: the rule looked for the inlined relu block and the tile was refused)."""
+    lanes = Machine.host().lanes
+    m, k, n = 8, 32, 4 * lanes
+    rng = np.random.default_rng(4)
+    o = f32(m, n)
+    red = P.infer("reduce_max", [o], dict(axes=(-1,), keepdims=1))
+    ps = [make_prim("mm", "matmul", ["x", "w"], o), make_prim("a", "add", ["mm", "b"], o),
+          make_prim("r", "relu", ["a"], o), make_prim("mx", "reduce_max", ["r"], red, axes=(-1,), keepdims=1)]
+    consts = {"w": rng.standard_normal((k, n)).astype(np.float32), "b": rng.standard_normal(n).astype(np.float32)}
+    graph = Graph((("x", f32(m, k)),), ("r", "mx"), tuple(ps), constants=consts)  # relu an output too: not inlined into the max
+    mod = _run_variant(graph, ["x", "w", "b"], tile.format(nb=2 * lanes), target)
+    assert 'reduce_max_rf")' in mod["main"].script()  # the max by vector lanes, per row tile
+
+
 def attention_graph(m=50, d=32, n=128, batch=2):
     """Per batch: q[m, d] @ kt[d, n] scaled, a softmax over the n keys, @ v[n, d], heads moved
     next to the rows (the transpose of a multi-head attention's output)."""
