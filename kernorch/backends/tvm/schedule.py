@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 26
+SCHEDULES_VERSION = 27
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -916,7 +916,7 @@ def _prefetch_next_panel(sch, par, red_loop, weight, panels: int, tiles) -> bool
     f = loop.loop_var
     k = red.loop_var - red.min
     if not static:
-        tiles = tirx.max(tirx.Cast(f.ty.dtype, tiles), 1)
+        tiles = tirx.Cast(f.ty.dtype, tiles)
     panel = tirx.floormod(tirx.floordiv(f, tiles) + 1, panels)
 
     def fetch_line(line):  # line `line` of the next panel
@@ -928,12 +928,17 @@ def _prefetch_next_panel(sch, par, red_loop, weight, panels: int, tiles) -> bool
         addr = tirx.address_of(tirx.BufferLoad(weight, [panel, *reversed(index)]))
         return tirx.Evaluate(tirx.call_intrin("void", "tirx.prefetch", addr, 0, 2, 1))
 
-    if not static:  # the number of tiles per panel is known at run time only: tile t fetches line
-        # t*steps + k at step k, so the panel's first tiles fetch all of it (one line a step keeps the
-        # loop as tight as the static one: a share computed at run time, several lines a step, made
-        # LLVM spill the accumulators: seq x 384 x 1536 t4x64p, 2.3x slower hot at seq=512)
-        line = tirx.floormod(f, tiles) * steps + k
+    plain = None  # over symbolic rows, (the condition for a tile to fetch, the loop of the others)
+    if not static:  # the number of tiles per panel is known at run time only: the panel's last
+        # tiles fetch all of it, tile t (counted from the last) line t*steps + k at step k; the other
+        # tiles run the reduction loop as it was, without prefetch code. One loop for all, the fetch
+        # under its condition on k, took 1.3x as long hot on a Zen 3 (AVX2; a seq x 384 x 384 t6x16p
+        # GEMM at seq=512: 1260 against 960 us) where only one tile in 86 fetched. (A share computed
+        # at run time, several lines a step, made LLVM spill the accumulators: 2.3x slower.)
+        back = tiles - 1 - tirx.floormod(f, tiles)
+        line = back * steps + k
         fetch = tirx.IfThenElse(line < lines, fetch_line(line), None)
+        plain = (back * steps < lines, red)
     else:
         share = -(-lines // tiles)
 
@@ -946,8 +951,9 @@ def _prefetch_next_panel(sch, par, red_loop, weight, panels: int, tiles) -> bool
             per = -(-share // steps)
             i = tirx.Var("pf", "int32")
             fetch = tirx.For(i, 0, per, tirx.ForKind.SERIAL, prefetch(tirx.min(k * per + i, share - 1)))
-    seq[at] = tirx.For(red.loop_var, red.min, red.extent, red.kind, tirx.SeqStmt([fetch, red.body]),
-                       red.thread_binding, red.annotations)
+    fetching = tirx.For(red.loop_var, red.min, red.extent, red.kind, tirx.SeqStmt([fetch, red.body]),
+                        red.thread_binding, red.annotations)
+    seq[at] = fetching if plain is None else tirx.IfThenElse(plain[0], fetching, plain[1])
     new = tirx.For(f, loop.min, loop.extent, loop.kind, tirx.SeqStmt(seq), loop.thread_binding, loop.annotations)
     sch.state.replace(sch.get_sref(par), new)
     return True
