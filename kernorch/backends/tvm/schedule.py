@@ -953,6 +953,7 @@ def _prefetch_next_panel(sch, par, red_loop, weight, panels: int, tiles) -> bool
             fetch = tirx.For(i, 0, per, tirx.ForKind.SERIAL, prefetch(tirx.min(k * per + i, share - 1)))
     fetching = tirx.For(red.loop_var, red.min, red.extent, red.kind, tirx.SeqStmt([fetch, red.body]),
                         red.thread_binding, red.annotations)
+    # (the two loops share the body's blocks: no schedule primitive may look one up after this)
     seq[at] = fetching if plain is None else tirx.IfThenElse(plain[0], fetching, plain[1])
     new = tirx.For(f, loop.min, loop.extent, loop.kind, tirx.SeqStmt(seq), loop.thread_binding, loop.annotations)
     sch.state.replace(sch.get_sref(par), new)
