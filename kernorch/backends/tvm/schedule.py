@@ -680,7 +680,8 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None, threads: int =
     if not padded:  # a padded domain: the copy-out keeps its own guarded loop (inlined, it would write the padding)
         _reverse_inline_chain(sch, wb, func)
         # an elementwise head of the row-wise epilogue (a bias, a relu) is now in the write-back
-        row_wise = [n for n in row_wise if n in set(_root_blocks(sch))]
+        left = set(_root_blocks(sch))
+        row_wise = [n for n in row_wise if n in left]
     sch.reverse_compute_at(wb, vo if row_wise else par, preserve_unit_loops=True)
     moved: set[str] = set()
     if padded:
