@@ -151,15 +151,20 @@ def rows_file(directory: Path, machine: Machine, threads: int) -> Path:
     return directory / f"{slug}-{machine.simd_bits}b-{machine.fingerprint(threads)}.json.gz"
 
 
-def other_machines(directory: Path, mine: Path) -> dict[str, tuple[dict, list]]:
+def other_machines(directory: Path, mine: Path, machine: Machine) -> dict[str, tuple[dict, list]]:
     """Rows measured on other machines and kept in `directory`, by file name."""
     out = {}
     for path in sorted(directory.glob("*.json.gz")):
         if path != mine:
             try:
-                out[path.name] = cm.load_rows(path)
+                stored, rows = cm.load_rows(path)
             except Exception as e:  # noqa: BLE001 - a stale file is skipped, said once
                 print(f"skipping {path.name}: {e}", flush=True)
+                continue
+            if Machine.from_json(stored).same_cpu(machine):
+                print(f"skipping {path.name}: this machine's rows under an older name", flush=True)
+                continue
+            out[path.name] = (stored, rows)
     return out
 
 
@@ -242,7 +247,7 @@ def main(argv=None) -> int:
     if rows_by_model:
         cm.save_rows([r for rs, _ in rows_by_model.values() for r in rs], machine, args.threads, mine)
         print(f"wrote {mine}", flush=True)
-    others = other_machines(Path(args.rows_dir), mine)
+    others = other_machines(Path(args.rows_dir), mine, machine)
     result = {"machine": machine.to_json(), "threads": args.threads, "models": list(rows_by_model),
               "rows": sum(len(r) for r, _ in rows_by_model.values()), "held_out": {},
               "other_machines": {k: {"machine": m["name"], "simd_bits": m["simd_bits"], "rows": len(rs)}

@@ -80,6 +80,9 @@ class Machine:
     l2_kib: int = 512
     l3_kib: int = 8192
     kind: str = "llvm"
+    #: vendor, family, model and stepping ("AuthenticAMD 25/1/1"): VMs name different CPUs alike
+    #: ("AMD EPYC" for a Zen 1 and a Zen 3, the same AVX2 flags), and their measurements must not mix.
+    cpu: str = ""
 
     @staticmethod
     def host() -> "Machine":
@@ -88,9 +91,11 @@ class Machine:
         isa = tuple(sorted(f for f in flags if f.startswith(ISA_PREFIXES)))
         simd = 512 if "avx512f" in flags else 256 if "avx2" in flags else 128
         caches = _cache_kib()
+        cpu = " ".join(filter(None, [info.get("vendor_id", ""), "/".join(
+            info[k] for k in ("cpu family", "model", "stepping") if info.get(k))]))
         return Machine(name=info.get("model name", platform.processor() or platform.machine()), isa=isa,
                        cores=physical_cores(), simd_bits=simd, l1d_kib=caches.get("l1d", 32),
-                       l2_kib=caches.get("l2", 512), l3_kib=caches.get("l3", 8192))
+                       l2_kib=caches.get("l2", 512), l3_kib=caches.get("l3", 8192), cpu=cpu)
 
     @property
     def lanes(self) -> int:
@@ -103,9 +108,16 @@ class Machine:
         return 32 if "avx512f" in self.isa else 16
 
     def fingerprint(self, threads: int) -> str:
-        """CPU model, ISA, cores and threads: what makes a measurement transferable."""
-        blob = json.dumps([self.kind, self.name, self.isa, self.cores, threads], sort_keys=True)
+        """CPU model (name, family/model/stepping, caches), ISA, cores and threads: what makes a
+        measurement transferable."""
+        blob = json.dumps([self.kind, self.name, self.cpu, self.isa, self.cores, self.l1d_kib, self.l2_kib,
+                           self.l3_kib, threads], sort_keys=True)
         return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+    def same_cpu(self, other: "Machine") -> bool:
+        """The same CPU and ISA; `cpu` compared only where both know it (descriptions saved before
+        it was read have none: their caches tell the CPUs apart)."""
+        return replace(self, cpu=self.cpu or other.cpu) == replace(other, cpu=other.cpu or self.cpu)
 
     def to_json(self) -> dict:
         return asdict(self) | {"lanes": self.lanes, "vector_registers": self.vector_registers}
@@ -113,7 +125,7 @@ class Machine:
     @staticmethod
     def from_json(d: dict) -> "Machine":
         return Machine(d["name"], tuple(d["isa"]), int(d["cores"]), int(d["simd_bits"]), int(d.get("l1d_kib", 32)),
-                       int(d.get("l2_kib", 512)), int(d.get("l3_kib", 8192)), d.get("kind", "llvm"))
+                       int(d.get("l2_kib", 512)), int(d.get("l3_kib", 8192)), d.get("kind", "llvm"), d.get("cpu", ""))
 
 
 def default_db_path() -> Path:

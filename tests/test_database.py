@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -528,3 +529,20 @@ def test_a_kernel_over_a_range_keeps_the_faster_of_two_timings_at_each_length(tm
         with ProfileDB(tmp_path / f"{j.key}.sqlite") as db:
             res, _ = measure.measure([j], db, opts)
         assert (tmp_path / "flag").read_text() == "x" and res[j.ident].runs_ns == (1000000, 1000000)
+
+
+def test_cpus_a_vm_names_alike_keep_their_measurements_apart():
+    """A Zen 1 and a Zen 3 VM both say "AMD EPYC" with the same AVX2 flags: the family/model and the
+    caches tell them apart, so one's timings never serve the other."""
+    from kernorch.options import Machine
+    zen1 = Machine("AMD EPYC", ("avx", "avx2", "fma"), 2, 256, 32, 512, 8192, cpu="AuthenticAMD 23/1/2")
+    zen3 = Machine("AMD EPYC", ("avx", "avx2", "fma"), 2, 256, 32, 512, 32768, cpu="AuthenticAMD 25/1/1")
+    assert zen1.fingerprint(2) != zen3.fingerprint(2)
+    assert zen1.fingerprint(2) != replace(zen1, cpu="AuthenticAMD 23/49/0").fingerprint(2)
+    assert zen1.fingerprint(2) != zen1.fingerprint(1) and zen1.fingerprint(2) == replace(zen1).fingerprint(2)
+    assert Machine.from_json(zen3.to_json()) == zen3
+    older = {k: v for k, v in zen1.to_json().items() if k != "cpu"}   # saved before the cpu was read
+    assert Machine.from_json(older).same_cpu(zen1) and not Machine.from_json(older).same_cpu(zen3)
+    assert not zen1.same_cpu(replace(zen1, cpu="AuthenticAMD 23/49/0"))
+    host = Machine.host()
+    assert host.cpu == "" or len(host.cpu.split()) == 2
