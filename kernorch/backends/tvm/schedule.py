@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 27
+SCHEDULES_VERSION = 28
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -1478,7 +1478,8 @@ def _rule_row(func, lanes: int) -> s_tir.Schedule:
         s = stmts[name]
         if not _is_reduction(s):
             continue
-        shape = [int(x) for x in s.writes[0].source.shape]
+        # (a symbolic extent, kernorch.dynamic, is a row axis: never the reduced one)
+        shape = [int(x) if isinstance(x, tirx.IntImm) else None for x in s.writes[0].source.shape]
         if len(shape) == len(ext):
             first = next((i for i, (a, b) in enumerate(zip(shape, ext)) if a == 1 and (b or 2) > 1), len(ext))
             n = min(n, first)
