@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 28
+SCHEDULES_VERSION = 29
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -1532,7 +1532,9 @@ def _rule_row(func, lanes: int) -> s_tir.Schedule:
             serial_reductions.append(blk)
             continue  # short or non-divisible reductions stay serial inside the row
         _vectorize_inner(sch, blk, lanes, skip_outer=1)
-    _parallel(sch, [row], min_work=_work(sch, sch.get_sblock(last)) // _span(sch, row))
+    # the work of a row: its largest stage (a chain that ends in a reduction writes one value a row)
+    per_row = max(_work(sch, sch.get_sblock(n)) for n in names) // _span(sch, row)
+    _parallel(sch, [row], min_work=per_row)
     for blk, red in lane_inits:
         _init_every_lane(sch, blk, red)
     for blk in serial_reductions:
