@@ -625,8 +625,9 @@ def test_a_register_tile_is_not_a_workspace_allocation(tile):
 
 
 def test_only_small_local_buffers_are_kept_on_the_stack():
-    """passes._marked annotates a local buffer of constant size up to STACK_BYTES and leaves larger,
-    global and symbolic ones to TVM's workspace."""
+    """passes._on_stack, applied through the statement tree by passes.rewrite, annotates a local
+    buffer of constant size up to STACK_BYTES and leaves larger, global and symbolic ones to TVM's
+    workspace."""
     from tvm import tirx
     from kernorch.backends.tvm import passes
 
@@ -636,10 +637,10 @@ def test_only_small_local_buffers_are_kept_on_the_stack():
     small, big, glob, sym = alloc((8, 32)), alloc((passes.STACK_BYTES // 4 + 1,)), alloc((8, 32), "global"), alloc((n,))
     body = tirx.SeqStmt([small, tirx.For(tirx.Var("i", "int32"), 0, 4, tirx.ForKind.PARALLEL,
                                           tirx.SeqStmt([big, glob, sym]))])
-    out = passes._marked(body)
+    out = passes.rewrite(body, passes._on_stack)
     marked = [out.seq[0], *out.seq[1].body.seq]
     assert ["disable_lower_builtin" in (a.annotations or {}) for a in marked] == [True, False, False, False]
-    assert passes._marked(out.seq[1]).same_as(body.seq[1])  # nothing to mark: the same object
+    assert passes.rewrite(out.seq[1], passes._on_stack).same_as(body.seq[1])  # nothing to mark: the same object
     assert out.seq[0].buffer.same_as(small.buffer)
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import tvm
-from tvm import tirx
+from tvm import s_tir, tirx
 
 # a register tile and its neighbours: the largest micro-kernel tile is the register file
 # (32 x 64 bytes with AVX-512); well inside a worker thread's stack
@@ -33,31 +33,50 @@ def _bytes(buf) -> int | None:
     return int(np.prod([int(d) for d in buf.shape], dtype=np.int64)) * dt.bits // 8 * dt.lanes
 
 
-def _marked(stmt):
-    """`stmt` with every small local AllocBuffer under it annotated; the same object if none is."""
+def rewrite(stmt, visit):
+    """`stmt` with `visit` applied from the top: where it returns a statement, that replaces the
+    node (and is not descended into); where it returns None, the node's children are rewritten
+    (through sequences, loops, attributes, branches and blocks). The same object where nothing
+    changed. (TVM 0.27 exposes no statement mutator to Python.)"""
+    new = visit(stmt)
+    if new is not None:
+        return new
     if isinstance(stmt, tirx.SeqStmt):
-        seq = [_marked(s) for s in stmt.seq]
+        seq = [rewrite(s, visit) for s in stmt.seq]
         return stmt if all(a.same_as(b) for a, b in zip(seq, stmt.seq)) else tirx.SeqStmt(seq)
     if isinstance(stmt, tirx.For):
-        body = _marked(stmt.body)
+        body = rewrite(stmt.body, visit)
         return stmt if body.same_as(stmt.body) else tirx.For(
             stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding, stmt.annotations)
     if isinstance(stmt, tirx.AttrStmt):
-        body = _marked(stmt.body)
+        body = rewrite(stmt.body, visit)
         return stmt if body.same_as(stmt.body) else tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, body)
     if isinstance(stmt, tirx.IfThenElse):
-        then = _marked(stmt.then_case)
-        other = _marked(stmt.else_case) if stmt.else_case is not None else None
+        then = rewrite(stmt.then_case, visit)
+        other = rewrite(stmt.else_case, visit) if stmt.else_case is not None else None
         if then.same_as(stmt.then_case) and (other is None or other.same_as(stmt.else_case)):
             return stmt
         return tirx.IfThenElse(stmt.condition, then, other)
+    if isinstance(stmt, s_tir.stmt.SBlockRealize):
+        b = stmt.block
+        body = rewrite(b.body, visit)
+        if body.same_as(b.body):
+            return stmt
+        block = s_tir.stmt.SBlock(b.iter_vars, b.reads, b.writes, b.name_hint, body, b.init,
+                                  b.alloc_buffers, b.match_buffers, b.annotations)
+        return s_tir.stmt.SBlockRealize(stmt.iter_values, stmt.predicate, block)
+    return stmt
+
+
+def _on_stack(stmt):
+    """A small local AllocBuffer annotated to stay on the stack (None: any other statement)."""
     if isinstance(stmt, tirx.AllocBuffer):
         size = _bytes(stmt.buffer)
         if stmt.buffer.scope() == "local" and size is not None and 0 < size <= STACK_BYTES:
             annotations = dict(stmt.annotations or {})
             annotations["disable_lower_builtin"] = tirx.IntImm("int32", 1)
             return tirx.AllocBuffer(stmt.buffer, annotations)
-    return stmt
+    return None
 
 
 @tvm.transform.module_pass(opt_level=0, name="kernorch.StackSmallBuffers")
@@ -65,7 +84,7 @@ def stack_small_buffers(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     funcs = {}
     for gv, func in mod.functions.items():
         if isinstance(func, tirx.PrimFunc):
-            body = _marked(func.body)
+            body = rewrite(func.body, _on_stack)
             if not body.same_as(func.body):
                 func = func.with_body(body)
         funcs[gv] = func

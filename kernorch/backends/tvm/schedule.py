@@ -23,6 +23,7 @@ from ...kernels import Tile, Winograd, split
 from ...kernels.tiles import NARROW_KEYS, SMALL_ROWS, SMALL_ROWS_COST, row_tile
 from ...kernels.variants import CONVERSIONS
 from .lower import NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, ROWS_OUT, UNPACK, VIEW, divisible
+from .passes import rewrite
 from .target import vector_bits
 
 log = logging.getLogger(__name__)
@@ -364,7 +365,6 @@ def _whole_vectors_unguarded(func: tirx.PrimFunc) -> tirx.PrimFunc:
     at seq=1 with the copy lane by lane, 4.0 now; 5.3-11.8 and 4.4-4.5 at 7; 16.8-30.8 and
     11.8-13.2 at 32. Static kernels are left as they are."""
     from tvm.sym.analyzer import Analyzer
-    changed = []
 
     def at_lane(expr, binding, lane, value):
         ana = Analyzer()
@@ -414,40 +414,14 @@ def _whole_vectors_unguarded(func: tirx.PrimFunc) -> tirx.PrimFunc:
         # across the length: every lane reads in bounds (clamped) and a blend picks, or lane by lane
         across = with_value(tirx.Select(cond, clamped, other)) if clamped is not None else tirx.For(
             lane, loop.min, loop.extent, tirx.ForKind.SERIAL, realize, loop.thread_binding, loop.annotations)
-        changed.append(loop)
         return tirx.IfThenElse(last < length, with_value(inside),
                                tirx.IfThenElse(length <= first, with_value(other), across))
 
-    def walk(stmt):
-        if isinstance(stmt, tirx.SeqStmt):
-            seq = [walk(x) for x in stmt.seq]
-            return stmt if all(a.same_as(b) for a, b in zip(seq, stmt.seq)) else tirx.SeqStmt(seq)
-        if isinstance(stmt, tirx.For):
-            if stmt.kind == tirx.ForKind.VECTORIZED:
-                split = split_lanes(stmt)
-                if split is not None:
-                    return split
-            body = walk(stmt.body)
-            return stmt if body.same_as(stmt.body) else tirx.For(
-                stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding, stmt.annotations)
-        if isinstance(stmt, tirx.IfThenElse):
-            then = walk(stmt.then_case)
-            other = walk(stmt.else_case) if stmt.else_case is not None else None
-            if then.same_as(stmt.then_case) and (other is None or other.same_as(stmt.else_case)):
-                return stmt
-            return tirx.IfThenElse(stmt.condition, then, other)
-        if isinstance(stmt, s_tir.stmt.SBlockRealize):
-            b = stmt.block
-            body = walk(b.body)
-            if body.same_as(b.body):
-                return stmt
-            block = s_tir.stmt.SBlock(b.iter_vars, b.reads, b.writes, b.name_hint, body, b.init,
-                                      b.alloc_buffers, b.match_buffers, b.annotations)
-            return s_tir.stmt.SBlockRealize(stmt.iter_values, stmt.predicate, block)
-        return stmt
+    def visit(stmt):
+        return split_lanes(stmt) if isinstance(stmt, tirx.For) and stmt.kind == tirx.ForKind.VECTORIZED else None
 
-    body = walk(func.body)
-    if not changed:
+    body = rewrite(func.body, visit)
+    if body.same_as(func.body):
         return func
     return s_tir.transform.ConvertSSA()(tvm.IRModule({"main": func.with_body(body)}))["main"]
 
