@@ -62,10 +62,15 @@ def rewrite(stmt, visit):
         body = rewrite(b.body, visit)
         if body.same_as(b.body):
             return stmt
-        block = s_tir.stmt.SBlock(b.iter_vars, b.reads, b.writes, b.name_hint, body, b.init,
-                                  b.alloc_buffers, b.match_buffers, b.annotations)
-        return s_tir.stmt.SBlockRealize(stmt.iter_values, stmt.predicate, block)
+        return s_tir.stmt.SBlockRealize(stmt.iter_values, stmt.predicate, with_body(b, body))
     return stmt
+
+
+def with_body(block, body, allocs=None):
+    """`block` with another body (and buffers, `allocs`), everything else kept."""
+    return s_tir.stmt.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, body, block.init,
+                             block.alloc_buffers if allocs is None else allocs, block.match_buffers,
+                             block.annotations)
 
 
 def _on_stack(stmt):

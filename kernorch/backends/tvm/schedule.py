@@ -23,7 +23,7 @@ from ...kernels import Tile, Winograd, split
 from ...kernels.tiles import NARROW_KEYS, SMALL_ROWS, SMALL_ROWS_COST, row_tile
 from ...kernels.variants import CONVERSIONS
 from .lower import NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, ROWS_OUT, UNPACK, VIEW, divisible
-from .passes import rewrite
+from .passes import rewrite, with_body
 from .target import vector_bits
 
 log = logging.getLogger(__name__)
@@ -295,9 +295,7 @@ def _opaque_branch(cond, then, other) -> tuple:
 def _with_root_body(func: tirx.PrimFunc, body, allocs=None) -> tirx.PrimFunc:
     """`func` with its root block's body (and buffers, `allocs`) replaced by code that holds two
     copies of some loops (one run or the other): SSA gives each copy its own variables."""
-    root = func.body.block
-    new = s_tir.stmt.SBlock(root.iter_vars, root.reads, root.writes, root.name_hint, body, root.init,
-                            root.alloc_buffers if allocs is None else allocs, root.match_buffers, root.annotations)
+    new = with_body(func.body.block, body, allocs)
     func = func.with_body(s_tir.stmt.SBlockRealize(func.body.iter_values, func.body.predicate, new))
     return s_tir.transform.ConvertSSA()(tvm.IRModule({"main": func}))["main"]
 
@@ -404,10 +402,7 @@ def _whole_vectors_unguarded(func: tirx.PrimFunc) -> tirx.PrimFunc:
                                                         for g, i in zip(guarded, inside.indices)])
 
         def with_value(value):
-            b = realize.block
-            block = s_tir.stmt.SBlock(b.iter_vars, b.reads, b.writes, b.name_hint,
-                                      tirx.BufferStore(store.buffer, value, store.indices), b.init,
-                                      b.alloc_buffers, b.match_buffers, b.annotations)
+            block = with_body(realize.block, tirx.BufferStore(store.buffer, value, store.indices))
             body = s_tir.stmt.SBlockRealize(realize.iter_values, realize.predicate, block)
             return tirx.For(lane, loop.min, loop.extent, loop.kind, body, loop.thread_binding, loop.annotations)
 
@@ -1107,8 +1102,7 @@ def _read_rows_clamped(sch, blk) -> s_tir.Schedule:
             continue
         index = [tirx.Min(i, length - 1) if i.same_as(row) else i for i in then.indices]
         body = tirx.BufferStore(store.buffer, tirx.BufferLoad(then.source, index), store.indices)
-        new = s_tir.stmt.SBlock(stmt.iter_vars, stmt.reads, stmt.writes, stmt.name_hint, body, stmt.init,
-                                stmt.alloc_buffers, stmt.match_buffers, stmt.annotations)
+        new = with_body(stmt, body)
         trial = sch.copy()
         try:
             trial.state.replace(trial.get_sref(producer), new, {stmt: new})
