@@ -501,6 +501,47 @@ def test_attention_scores_over_seq_columns_keep_the_column_operand_copy_and_comp
                                    err_msg=f"seq={s}")
 
 
+def test_twin_loops_over_a_range_keep_their_register_tiles_apart(block):
+    """An attention's scores over seq run a 2-row copy of their tile at short lengths, and each copy
+    runs its rows serially where the length gives too little work for threads: four loop nests
+    that each hold a register tile. Each keeps tile buffers of its own, so TVM shrinks every one to
+    its tile: sharing one, the copies left it at the root, seq x seq floats in memory, and the
+    accumulators went to memory with it. Right at lengths each copy serves."""
+    import tvm
+    from tvm import s_tir, tirx
+    from kernorch.backends.tvm.lower import lower
+    from kernorch.backends.tvm.schedule import schedule
+    from kernorch.backends.tvm.target import make_target
+    from kernorch.ir import kernel_graph
+    from kernorch.executor import run as reference
+    g = block[1]
+    p = next(q for q in g.prims if q.op == "matmul" and q.inputs[1] not in g.constants
+             and isinstance(q.type.shape[-1], dynamic.SymDim))
+    ins = list(p.inputs)
+    kg = kernel_graph(g, [p.name], ins, [p.name])
+    target = make_target(2)
+    mod = schedule(lower(kg, kg.prims, ins, [p.name], "t4x16r"), target, "t4x16r", bounds={"seq": 512})
+    assert mod["main"].script().count("T.parallel(") >= 2, mod["main"].script()   # both copies, each twice
+    lowering = tvm.ir.transform.Sequential([
+        s_tir.transform.LowerInitBlock(), s_tir.transform.PlanAndUpdateBufferAllocationLocation(),
+        s_tir.transform.ConvertBlocksToOpaque(), s_tir.transform.CompactBufferAllocation(),
+        s_tir.transform.LowerOpaqueBlock(), tirx.transform.FlattenBuffer()])
+    with tvm.transform.PassContext(opt_level=3):
+        lowered = lowering(mod)["main"].script()
+    tiles = [(n, shape) for n, shape in re.findall(r"(\w+) = T\.alloc_local\(\((.*?),\)", lowered)
+             if not n.startswith("branch")]   # (the copies' one-flag buffers)
+    assert len(tiles) >= 4, lowered
+    assert all(re.fullmatch(r"T\.int64\((32|64)\)", shape) for _, shape in tiles), tiles  # 2 x 16 or 4 x 16
+    ex = tvm.compile(mod, target=target)
+    for s in (1, 2, 3, 7, 40, 130):
+        b = dynamic.bind(kg, {"seq": s})
+        xs = [np.random.default_rng(s).standard_normal(b.type_of(i).shape).astype(np.float32) for i in ins]
+        got = tvm.runtime.empty(b.type_of(p.name).shape, "float32", tvm.cpu())
+        ex["main"](*[tvm.runtime.tensor(x) for x in xs], got)
+        np.testing.assert_allclose(got.numpy(), reference(b, dict(zip(ins, xs)))[p.name], rtol=1e-4, atol=1e-4,
+                                   err_msg=f"seq={s}")
+
+
 def test_over_a_range_a_fusion_is_estimated_at_each_length_it_is_timed_at(block, monkeypatch):
     """A fusion over seq is compared with its members' measured costs, sums over the samples
     weighted by relative_weights. Its estimate is the same weighted sum of estimates at each sample

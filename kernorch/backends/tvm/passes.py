@@ -73,6 +73,109 @@ def with_body(block, body, allocs=None):
                              block.annotations)
 
 
+class _Buffers:
+    """A map from buffers to buffers, by identity (a TVM object's Python wrapper is not unique)."""
+
+    def __init__(self, pairs):
+        self.pairs = list(pairs)
+
+    def get(self, buf):
+        return next((new for old, new in self.pairs if old.same_as(buf)), None)
+
+
+def _expr(e, bufs: _Buffers):
+    """`e` with its loads of `bufs`' keys loading from their values (the same object when none)."""
+    if isinstance(e, (tirx.IntImm, tirx.FloatImm, tvm.ir.expr.Var, tvm.ir.expr.StringImm)):
+        return e
+    if isinstance(e, tvm.ir.expr.TensorLoad):
+        idx = [_expr(i, bufs) for i in e.indices]
+        src = bufs.get(e.source)
+        if src is None and all(a.same_as(b) for a, b in zip(idx, e.indices)):
+            return e
+        return tirx.BufferLoad(src if src is not None else e.source, idx)
+    if isinstance(e, tvm.ir.expr.Call):
+        args = [_expr(a, bufs) for a in e.args]
+        if all(a.same_as(b) for a, b in zip(args, e.args)):
+            return e
+        return tvm.ir.expr.Call(e.op, args, e.attrs, list(e.ty_args), None, e.ty)
+    if isinstance(e, tirx.Select):
+        parts = [_expr(x, bufs) for x in (e.condition, e.true_value, e.false_value)]
+        same = all(a.same_as(b) for a, b in zip(parts, (e.condition, e.true_value, e.false_value)))
+        return e if same else tirx.Select(*parts)
+    if isinstance(e, tirx.Cast):
+        v = _expr(e.value, bufs)
+        return e if v.same_as(e.value) else tirx.Cast(e.ty, v)
+    if isinstance(e, tirx.Not):
+        a = _expr(e.a, bufs)
+        return e if a.same_as(e.a) else tirx.Not(a)
+    if isinstance(e, tirx.Ramp):
+        base, stride = _expr(e.base, bufs), _expr(e.stride, bufs)
+        return e if base.same_as(e.base) and stride.same_as(e.stride) else tirx.Ramp(base, stride, e.lanes)
+    if isinstance(e, tirx.Broadcast):
+        v = _expr(e.value, bufs)
+        return e if v.same_as(e.value) else tirx.Broadcast(v, e.lanes)
+    if hasattr(e, "a") and hasattr(e, "b"):  # the binary arithmetic, comparison and logical nodes
+        a, b = _expr(e.a, bufs), _expr(e.b, bufs)
+        return e if a.same_as(e.a) and b.same_as(e.b) else type(e)(a, b)
+    raise TypeError(f"no buffer substitution through {type(e).__name__}")
+
+
+def substitute_buffers(stmt, pairs):
+    """`stmt` with every use of the first buffer of each of `pairs` (stores, loads, blocks' read,
+    write and allocated buffers) made a use of the second. (TVM 0.27 gives Python no buffer
+    substitution; s_tir.renew_defs renews every buffer it meets, parameters too.)"""
+    return _map_buffers(stmt, _Buffers(pairs))
+
+
+def buffers_in(stmt) -> list:
+    """Every buffer `stmt` stores to, loads from, or whose blocks read, write or allocate."""
+    seen: list = []
+
+    class Recorder(_Buffers):
+        def get(self, buf):
+            if not any(buf.same_as(b) for b in seen):
+                seen.append(buf)
+            return None
+    _map_buffers(stmt, Recorder(()))
+    return seen
+
+
+def _map_buffers(stmt, bufs: _Buffers):
+    """`stmt` rebuilt with each buffer it uses passed through `bufs.get` (None: kept)."""
+
+    def region(r):
+        new = bufs.get(r.source)
+        return r if new is None else tirx.BufferRegion(new, r.region)
+
+    def visit(st):
+        if isinstance(st, tirx.BufferStore):
+            new = bufs.get(st.buffer)
+            value, idx = _expr(st.value, bufs), [_expr(i, bufs) for i in st.indices]
+            return tirx.BufferStore(new if new is not None else st.buffer, value, idx)
+        if isinstance(st, tirx.For):
+            return tirx.For(st.loop_var, _expr(st.min, bufs), _expr(st.extent, bufs), st.kind,
+                            rewrite(st.body, visit), st.thread_binding, st.annotations)
+        if isinstance(st, tirx.IfThenElse):
+            other = rewrite(st.else_case, visit) if st.else_case is not None else None
+            return tirx.IfThenElse(_expr(st.condition, bufs), rewrite(st.then_case, visit), other)
+        if isinstance(st, s_tir.stmt.SBlockRealize):
+            b = st.block
+            if b.match_buffers:
+                raise TypeError(f"no buffer substitution through block {b.name_hint}'s match buffers")
+            block = s_tir.stmt.SBlock(
+                b.iter_vars, [region(r) for r in b.reads], [region(r) for r in b.writes], b.name_hint,
+                rewrite(b.body, visit), rewrite(b.init, visit) if b.init is not None else None,
+                [bufs.get(a) or a for a in b.alloc_buffers], b.match_buffers, b.annotations)
+            return s_tir.stmt.SBlockRealize([_expr(v, bufs) for v in st.iter_values], _expr(st.predicate, bufs),
+                                            block)
+        if isinstance(st, (tirx.SeqStmt, tirx.AttrStmt)):
+            return None
+        if isinstance(st, tirx.Evaluate):
+            return tirx.Evaluate(_expr(st.value, bufs))
+        raise TypeError(f"no buffer substitution through {type(st).__name__}")
+    return rewrite(stmt, visit)
+
+
 def _on_stack(stmt):
     """A small local AllocBuffer annotated to stay on the stack (None: any other statement)."""
     if isinstance(stmt, tirx.AllocBuffer):

@@ -23,14 +23,14 @@ from ...kernels import Tile, Winograd, split
 from ...kernels.tiles import NARROW_KEYS, SMALL_ROWS, SMALL_ROWS_COST, row_tile
 from ...kernels.variants import CONVERSIONS
 from .lower import NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, ROWS_OUT, UNPACK, VIEW, divisible
-from .passes import rewrite, with_body
+from .passes import buffers_in, rewrite, substitute_buffers, with_body
 from .target import vector_bits
 
 log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 30
+SCHEDULES_VERSION = 31
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -332,22 +332,39 @@ def _serial_when_small(func: tirx.PrimFunc) -> tirx.PrimFunc:
     from tvm.sym.analyzer import Analyzer
     ana = Analyzer()
     bounds = func.attrs[BOUNDS_ATTR] if func.attrs is not None and BOUNDS_ATTR in func.attrs else {}
-    out, flags = [], []
-    for st in stmts:
+    used = [buffers_in(st) for st in stmts]
+
+    def only(buf, i: int) -> bool:  # a buffer of the root that only statement i touches
+        return all(any(buf.same_as(b) for b in bs) == (j == i) for j, bs in enumerate(used))
+    out, allocs = [], []
+    for i, st in enumerate(stmts):
         if isinstance(st, tirx.For) and st.kind == tirx.ForKind.PARALLEL:
             work = st.extent * _iterations(st.body)
             _bind_symbols(ana, work, bounds)
             work = ana.simplify(work)
             # (work that is enough at the shortest length stays parallel: the serial branch would be dead)
             if not isinstance(work, tirx.IntImm) and ana.const_int_bound(work).min_value < PARALLEL_MIN_WORK:
-                serial = tirx.For(st.loop_var, st.min, st.extent, tirx.ForKind.SERIAL, st.body,
-                                  st.thread_binding, st.annotations)
+                serial, own = _with_own_buffers(st, [b for b in blk.alloc_buffers if only(b, i)])
+                serial = tirx.For(serial.loop_var, serial.min, serial.extent, tirx.ForKind.SERIAL, serial.body,
+                                  serial.thread_binding, serial.annotations)
                 st, flag = _opaque_branch(work >= tirx.const(PARALLEL_MIN_WORK, "int64"), st, serial)
-                flags.append(flag)
+                allocs += [*own, flag]
         out.append(st)
-    if not flags:
+    if not allocs:
         return func
-    return _with_root_body(func, tirx.SeqStmt(out) if len(out) > 1 else out[0], list(blk.alloc_buffers) + flags)
+    return _with_root_body(func, tirx.SeqStmt(out) if len(out) > 1 else out[0], list(blk.alloc_buffers) + allocs)
+
+
+def _with_own_buffers(stmt, buffers) -> tuple:
+    """(a copy of `stmt` with fresh copies of `buffers`, the copies): loops that run instead of
+    their twin get buffers of their own, so TVM allocates each where its own accesses meet and
+    shrinks it to the region they touch. A buffer the twins shared stayed at the root in full:
+    the attention's 2-row register tile kept its accumulators in seq x seq floats of memory, and
+    narrowing the shared buffer over both copies' accesses took much of the kernel's compilation."""
+    fresh = [tirx.decl_buffer(b.shape, b.dtype, b.name, strides=b.strides, elem_offset=b.elem_offset,
+                              scope=b.scope(), data_alignment=b.data_alignment, offset_factor=b.offset_factor)
+             for b in buffers]
+    return substitute_buffers(stmt, list(zip(buffers, fresh))), fresh
 
 
 def _whole_vectors_unguarded(func: tirx.PrimFunc) -> tirx.PrimFunc:
