@@ -644,6 +644,37 @@ def test_only_small_local_buffers_are_kept_on_the_stack():
     assert out.seq[0].buffer.same_as(small.buffer)
 
 
+def test_a_value_that_repeats_a_loading_subexpression_computes_it_once():
+    """passes.let_repeated binds a stored value's repeated subexpressions that load buffers in
+    Lets, largest first: the polynomial exp repeats its clamped input about twenty times, and with
+    a subtraction inlined into it every repeat loaded both operands. After it each operand is loaded
+    once, and the kernel computes the same values (TVM's own pipeline for the reference)."""
+    import tvm
+    from tvm import s_tir, te, tirx, topi
+    from kernorch.backends.tvm import passes
+    a, b = te.placeholder((1000,), name="a"), te.placeholder((1000,), name="b")
+    d = te.compute(a.shape, lambda i: a[i] - b[i], name="d")
+    sch = s_tir.Schedule(te.create_prim_func([a, b, topi.fast_exp(d)]))
+    sch.compute_inline(sch.get_sblock("d"))
+    mod = sch.mod
+
+    def loads(m):
+        stores = []
+        passes.rewrite(m["main"].body, lambda st: stores.append(st) if isinstance(st, tirx.BufferStore) else None)
+        return sum(str(st.value).count(f"{n}[") for st in stores for n in ("a", "b"))
+    assert loads(mod) >= 20
+    assert loads(passes.let_repeated(mod)) == 2
+    x, y = (np.random.default_rng(i).uniform(-60, 60, 1000).astype(np.float32) for i in (1, 2))
+    outs = []
+    for pipeline in (passes.PIPELINE, "default"):
+        f = tvm.compile(mod, target="llvm", tir_pipeline=pipeline)["main"]
+        out = tvm.runtime.empty((1000,), "float32", tvm.cpu())
+        f(tvm.runtime.tensor(x), tvm.runtime.tensor(y), out)
+        outs.append(out.numpy())
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6)
+    np.testing.assert_allclose(outs[0], np.exp(x - y), rtol=1e-5, atol=1e-37)  # (below exp(-88): 0)
+
+
 # -------------------------------------------------------------------------------------------------
 # Relax: a Python kernel (call_dps_packed) and a TIR kernel (call_tir) in one main
 # -------------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The TIR pipeline kernorch compiles every kernel with: TVM's default, plus small local buffers
-kept on the stack.
+kept on the stack and repeated subexpressions bound once before lowering (`let_repeated`).
 
 TVM lowers a local buffer of 1024 bytes or more (`kMaxStackAlloca`, strictly less stays on the
 stack) to a `TVMBackendAllocWorkspace` call and a free, and LLVM then clears it with a memset and
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm import s_tir, tirx
 
 # a register tile and its neighbours: the largest micro-kernel tile is the register file
@@ -83,41 +84,47 @@ class _Buffers:
         return next((new for old, new in self.pairs if old.same_as(buf)), None)
 
 
-def _expr(e, bufs: _Buffers):
-    """`e` with its loads of `bufs`' keys loading from their values (the same object when none)."""
+def map_expr(e, visit):
+    """`e` rebuilt with `visit` applied from the top: where it returns an expression, that replaces
+    the node (and is not descended into); where it returns None, the node's operands are mapped.
+    The same object where nothing changed."""
+    new = visit(e)
+    if new is not None:
+        return new
     if isinstance(e, (tirx.IntImm, tirx.FloatImm, tvm.ir.expr.Var, tvm.ir.expr.StringImm)):
         return e
+
+    def same(a, b):
+        return all(x.same_as(y) for x, y in zip(a, b))
     if isinstance(e, tvm.ir.expr.TensorLoad):
-        idx = [_expr(i, bufs) for i in e.indices]
-        src = bufs.get(e.source)
-        if src is None and all(a.same_as(b) for a, b in zip(idx, e.indices)):
-            return e
-        return tirx.BufferLoad(src if src is not None else e.source, idx)
+        idx = [map_expr(i, visit) for i in e.indices]
+        return e if same(idx, e.indices) else tirx.BufferLoad(e.source, idx)
     if isinstance(e, tvm.ir.expr.Call):
-        args = [_expr(a, bufs) for a in e.args]
-        if all(a.same_as(b) for a, b in zip(args, e.args)):
-            return e
-        return tvm.ir.expr.Call(e.op, args, e.attrs, list(e.ty_args), None, e.ty)
+        args = [map_expr(a, visit) for a in e.args]
+        return e if same(args, e.args) else tvm.ir.expr.Call(e.op, args, e.attrs, list(e.ty_args), None, e.ty)
     if isinstance(e, tirx.Select):
-        parts = [_expr(x, bufs) for x in (e.condition, e.true_value, e.false_value)]
-        same = all(a.same_as(b) for a, b in zip(parts, (e.condition, e.true_value, e.false_value)))
-        return e if same else tirx.Select(*parts)
+        old = (e.condition, e.true_value, e.false_value)
+        parts = [map_expr(x, visit) for x in old]
+        return e if same(parts, old) else tirx.Select(*parts)
+    if isinstance(e, tirx.Let):
+        value, body = map_expr(e.value, visit), map_expr(e.body, visit)
+        return e if same((value, body), (e.value, e.body)) else tirx.Let(e.var, value, body)
     if isinstance(e, tirx.Cast):
-        v = _expr(e.value, bufs)
+        v = map_expr(e.value, visit)
         return e if v.same_as(e.value) else tirx.Cast(e.ty, v)
     if isinstance(e, tirx.Not):
-        a = _expr(e.a, bufs)
+        a = map_expr(e.a, visit)
         return e if a.same_as(e.a) else tirx.Not(a)
     if isinstance(e, tirx.Ramp):
-        base, stride = _expr(e.base, bufs), _expr(e.stride, bufs)
-        return e if base.same_as(e.base) and stride.same_as(e.stride) else tirx.Ramp(base, stride, e.lanes)
+        base, stride = map_expr(e.base, visit), map_expr(e.stride, visit)
+        return e if same((base, stride), (e.base, e.stride)) else tirx.Ramp(base, stride, e.lanes)
     if isinstance(e, tirx.Broadcast):
-        v = _expr(e.value, bufs)
+        v = map_expr(e.value, visit)
         return e if v.same_as(e.value) else tirx.Broadcast(v, e.lanes)
     if hasattr(e, "a") and hasattr(e, "b"):  # the binary arithmetic, comparison and logical nodes
-        a, b = _expr(e.a, bufs), _expr(e.b, bufs)
-        return e if a.same_as(e.a) and b.same_as(e.b) else type(e)(a, b)
-    raise TypeError(f"no buffer substitution through {type(e).__name__}")
+        a, b = map_expr(e.a, visit), map_expr(e.b, visit)
+        return e if same((a, b), (e.a, e.b)) else type(e)(a, b)
+    raise TypeError(f"no expression mapping through {type(e).__name__}")
 
 
 def substitute_buffers(stmt, pairs):
@@ -142,6 +149,14 @@ def buffers_in(stmt) -> list:
 
 def _map_buffers(stmt, bufs: _Buffers):
     """`stmt` rebuilt with each buffer it uses passed through `bufs.get` (None: kept)."""
+    def load(e):
+        if isinstance(e, tvm.ir.expr.TensorLoad):
+            new = bufs.get(e.source)
+            return tirx.BufferLoad(new if new is not None else e.source, [expr(i) for i in e.indices])
+        return None
+
+    def expr(e):
+        return map_expr(e, load)
 
     def region(r):
         new = bufs.get(r.source)
@@ -150,14 +165,13 @@ def _map_buffers(stmt, bufs: _Buffers):
     def visit(st):
         if isinstance(st, tirx.BufferStore):
             new = bufs.get(st.buffer)
-            value, idx = _expr(st.value, bufs), [_expr(i, bufs) for i in st.indices]
-            return tirx.BufferStore(new if new is not None else st.buffer, value, idx)
+            return tirx.BufferStore(new if new is not None else st.buffer, expr(st.value), [expr(i) for i in st.indices])
         if isinstance(st, tirx.For):
-            return tirx.For(st.loop_var, _expr(st.min, bufs), _expr(st.extent, bufs), st.kind,
-                            rewrite(st.body, visit), st.thread_binding, st.annotations)
+            return tirx.For(st.loop_var, expr(st.min), expr(st.extent), st.kind, rewrite(st.body, visit),
+                            st.thread_binding, st.annotations)
         if isinstance(st, tirx.IfThenElse):
             other = rewrite(st.else_case, visit) if st.else_case is not None else None
-            return tirx.IfThenElse(_expr(st.condition, bufs), rewrite(st.then_case, visit), other)
+            return tirx.IfThenElse(expr(st.condition), rewrite(st.then_case, visit), other)
         if isinstance(st, s_tir.stmt.SBlockRealize):
             b = st.block
             if b.match_buffers:
@@ -166,14 +180,95 @@ def _map_buffers(stmt, bufs: _Buffers):
                 b.iter_vars, [region(r) for r in b.reads], [region(r) for r in b.writes], b.name_hint,
                 rewrite(b.body, visit), rewrite(b.init, visit) if b.init is not None else None,
                 [bufs.get(a) or a for a in b.alloc_buffers], b.match_buffers, b.annotations)
-            return s_tir.stmt.SBlockRealize([_expr(v, bufs) for v in st.iter_values], _expr(st.predicate, bufs),
-                                            block)
+            return s_tir.stmt.SBlockRealize([expr(v) for v in st.iter_values], expr(st.predicate), block)
         if isinstance(st, (tirx.SeqStmt, tirx.AttrStmt)):
             return None
         if isinstance(st, tirx.Evaluate):
-            return tirx.Evaluate(_expr(st.value, bufs))
+            return tirx.Evaluate(expr(st.value))
         raise TypeError(f"no buffer substitution through {type(st).__name__}")
     return rewrite(stmt, visit)
+
+
+# a stored value of more nodes than this has its repeated subexpressions bound once (`let_repeated`)
+LET_MIN_NODES = 64
+
+
+def _subexpressions(e):
+    """The operands of an expression node (none for a leaf)."""
+    if isinstance(e, tvm.ir.expr.TensorLoad):
+        return list(e.indices)
+    if isinstance(e, tvm.ir.expr.Call):
+        return list(e.args)
+    if isinstance(e, tirx.Select):
+        return [e.condition, e.true_value, e.false_value]
+    if isinstance(e, tirx.Let):
+        return [e.value, e.body]
+    return [x for x in (getattr(e, n, None) for n in ("a", "b", "value", "base", "stride")) if isinstance(x, tvm.ir.expr.Expr)]
+
+
+def _let_bound(value):
+    """`value` with each subexpression that occurs more than once and loads a buffer computed once,
+    in a Let, largest first (each smaller one bound outside the larger ones that contain it)."""
+    bound: list = []   # (var, expression), outermost first
+    body = value
+    while True:
+        seen: dict = {}   # structural hash -> [count, node, size]
+
+        def count(e) -> tuple[int, bool]:   # (nodes, loads a buffer)
+            parts = [count(x) for x in _subexpressions(e)]
+            size = 1 + sum(n for n, _ in parts)
+            loads = isinstance(e, tvm.ir.expr.TensorLoad) or any(ld for _, ld in parts)
+            if loads and parts and str(e.ty) == "float32":
+                h = tvm_ffi.structural_hash(e)
+                if h in seen and tvm_ffi.structural_equal(seen[h][1], e):
+                    seen[h][0] += 1
+                else:
+                    seen.setdefault(h, [1, e, size])
+            return size, loads
+        total = count(body)[0] + sum(count(x)[0] for _, x in bound)
+        if total < LET_MIN_NODES and not bound:
+            return value
+        repeated = [(size, node) for n, node, size in seen.values() if n > 1]
+        if not repeated:
+            break
+        _, node = max(repeated, key=lambda t: t[0])
+        var = tirx.Var(f"cse{len(bound)}", "float32")
+
+        def swap(e, node=node, var=var):
+            return var if tvm_ffi.structural_equal(e, node) else None
+        body = map_expr(body, swap)
+        bound = [(var, node)] + [(v, map_expr(x, swap)) for v, x in bound]
+    for var, x in reversed(bound):
+        body = tirx.Let(var, x, body)
+    return body
+
+
+def _let_store(stmt):
+    if isinstance(stmt, tirx.BufferStore):
+        value = _let_bound(stmt.value)
+        return stmt if value.same_as(stmt.value) else tirx.BufferStore(stmt.buffer, value, stmt.indices)
+    if isinstance(stmt, s_tir.stmt.SBlockRealize) and stmt.block.init is not None:
+        b = stmt.block
+        block = s_tir.stmt.SBlock(b.iter_vars, b.reads, b.writes, b.name_hint, rewrite(b.body, _let_store),
+                                  rewrite(b.init, _let_store), b.alloc_buffers, b.match_buffers, b.annotations)
+        return s_tir.stmt.SBlockRealize(stmt.iter_values, stmt.predicate, block)
+    return None
+
+
+@tvm.transform.module_pass(opt_level=0, name="kernorch.LetRepeated")
+def let_repeated(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """Each stored value's repeated subexpressions that load buffers bound once in a Let, before
+    TVM's lowering. The polynomial exp repeats its clamped input about twenty times; inlined into
+    it, a softmax's `scores / c - max` brought four loads each time, and narrowing and flattening
+    those eighty loads over a symbolic length took most of an attention kernel's compilation."""
+    funcs = {}
+    for gv, func in mod.functions.items():
+        if isinstance(func, tirx.PrimFunc):
+            body = rewrite(func.body, _let_store)
+            if not body.same_as(func.body):
+                func = func.with_body(body)
+        funcs[gv] = func
+    return tvm.IRModule(funcs, attrs=mod.attrs)
 
 
 def _on_stack(stmt):
@@ -201,12 +296,13 @@ def stack_small_buffers(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
 
 def _pipeline():
     """TVM's default pipeline (lowering, host finalization, device finalization) with
-    `stack_small_buffers` before the host finalization (LowerTVMBuiltin, LowerIntrin)."""
+    `let_repeated` before the lowering and `stack_small_buffers` before the host finalization
+    (LowerTVMBuiltin, LowerIntrin)."""
     lowering, host, device = tirx.compilation_pipeline.get_tir_pipeline("default")
 
     def finalize_host():
         return tvm.ir.transform.Sequential([stack_small_buffers, host()])
-    return lowering, finalize_host, device
+    return tvm.ir.transform.Sequential([let_repeated, lowering]), finalize_host, device
 
 
 tirx.compilation_pipeline.register_tir_pipeline(PIPELINE, _pipeline)
