@@ -625,11 +625,12 @@ def test_a_register_tile_is_not_a_workspace_allocation(tile):
 
 
 def test_only_small_local_buffers_are_kept_on_the_stack():
-    """passes._on_stack, applied through the statement tree by passes.rewrite, annotates a local
+    """passes._on_stack, applied through the statement tree by tirwalk.rewrite, annotates a local
     buffer of constant size up to STACK_BYTES and leaves larger, global and symbolic ones to TVM's
     workspace."""
     from tvm import tirx
     from kernorch.backends.tvm import passes
+    from kernorch.backends.tvm.tirwalk import rewrite
 
     def alloc(shape, scope="local"):
         return tirx.AllocBuffer(tirx.decl_buffer(shape, "float32", scope=scope))
@@ -637,10 +638,10 @@ def test_only_small_local_buffers_are_kept_on_the_stack():
     small, big, glob, sym = alloc((8, 32)), alloc((passes.STACK_BYTES // 4 + 1,)), alloc((8, 32), "global"), alloc((n,))
     body = tirx.SeqStmt([small, tirx.For(tirx.Var("i", "int32"), 0, 4, tirx.ForKind.PARALLEL,
                                           tirx.SeqStmt([big, glob, sym]))])
-    out = passes.rewrite(body, passes._on_stack)
+    out = rewrite(body, passes._on_stack)
     marked = [out.seq[0], *out.seq[1].body.seq]
     assert ["disable_lower_builtin" in (a.annotations or {}) for a in marked] == [True, False, False, False]
-    assert passes.rewrite(out.seq[1], passes._on_stack).same_as(body.seq[1])  # nothing to mark: the same object
+    assert rewrite(out.seq[1], passes._on_stack).same_as(body.seq[1])  # nothing to mark: the same object
     assert out.seq[0].buffer.same_as(small.buffer)
 
 
@@ -652,6 +653,7 @@ def test_a_value_that_repeats_a_loading_subexpression_computes_it_once():
     import tvm
     from tvm import s_tir, te, tirx, topi
     from kernorch.backends.tvm import passes
+    from kernorch.backends.tvm.tirwalk import rewrite
     a, b = te.placeholder((1000,), name="a"), te.placeholder((1000,), name="b")
     d = te.compute(a.shape, lambda i: a[i] - b[i], name="d")
     sch = s_tir.Schedule(te.create_prim_func([a, b, topi.fast_exp(d)]))
@@ -660,7 +662,7 @@ def test_a_value_that_repeats_a_loading_subexpression_computes_it_once():
 
     def loads(m):
         stores = []
-        passes.rewrite(m["main"].body, lambda st: stores.append(st) if isinstance(st, tirx.BufferStore) else None)
+        rewrite(m["main"].body, lambda st: stores.append(st) if isinstance(st, tirx.BufferStore) else None)
         return sum(str(st.value).count(f"{n}[") for st in stores for n in ("a", "b"))
     assert loads(mod) >= 20
     assert loads(passes.let_repeated(mod)) == 2

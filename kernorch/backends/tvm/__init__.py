@@ -9,7 +9,8 @@ One candidate kernel (a convex set of prims of a `Graph`):
 A plan of kernels becomes one Relax VM executable in `relax.py`; MetaSchedule lives in
 `metaschedule.py`, TVM's own compiler as a benchmark peer in `peer.py`, targets and the thread pool
 in `target.py`, the TIR pipeline every kernel is compiled with (TVM's, register tiles kept on the
-stack) in `passes.py`.
+stack, repeated subexpressions bound once) in `passes.py`, and the walking and rebuilding of TIR
+from Python that the schedules and the pipeline share in `tirwalk.py`.
 """
 from .build import BuiltKernel, build, check_bounds, load, register_packed, relax_func
 from .lower import T, lower

@@ -16,7 +16,8 @@ from tvm.script import tirx as T
 from ...ir import KernorchError
 from .lower import NUM_INPUTS_ATTR
 from .passes import PIPELINE
-from .schedule import CACHE_LINE, _subexprs
+from .schedule import CACHE_LINE
+from .tirwalk import operands
 from .target import versions
 
 log = logging.getLogger(__name__)
@@ -242,7 +243,7 @@ def _check_bounds(mod: tvm.IRModule) -> None:
         range is by construction, which interval analysis cannot follow; such loads are not judged."""
         if isinstance(e, (tirx.Select, tvm.ir.expr.TensorLoad)) or getattr(e, "args", None):
             return True
-        return any(opaque(sub) for sub in _subexprs(e))
+        return any(opaque(sub) for sub in operands(e))
 
     def load_ok(e) -> bool:
         for idx, n in zip(e.indices, e.source.shape):
@@ -261,7 +262,7 @@ def _check_bounds(mod: tvm.IRModule) -> None:
             expr(e.true_value, True)
             expr(e.false_value, True)
             return
-        for sub in _subexprs(e):
+        for sub in operands(e):
             expr(sub, in_select)
 
     def stmt(st) -> None:

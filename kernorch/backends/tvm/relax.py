@@ -25,7 +25,7 @@ from .. import registry
 from .build import check_bounds, register_packed, relax_func
 from ...dynamic import plan_buckets, plan_ranges
 from .lower import Symbols, lower
-from . import passes
+from . import passes, tirwalk
 from .schedule import schedule
 from .target import make_target, set_threads
 
@@ -214,12 +214,12 @@ EXECUTABLES_KEPT = 16  # libraries a cache directory keeps, the least recently u
 def executable_key(mod: tvm.IRModule, target, graph: Graph, params) -> str:
     """What a compiled library depends on: the Relax module (its structural hash: every kernel as
     scheduled), the target, TVM, the code of this module (the Relax passes it compiles with) and of
-    passes.py (the TIR pipeline), every constant of the graph by content and the layout of every
+    passes.py and tirwalk.py (the TIR pipeline), every constant of the graph by content and the layout of every
     weight the kernels take (its packed content follows from the constant and the layout)."""
     import hashlib
     h = hashlib.sha256()
     for part in (str(tvm_ffi.structural_hash(mod)), str(target), tvm.__version__, Path(__file__).read_text(),
-                 Path(passes.__file__).read_text(),
+                 Path(passes.__file__).read_text(), Path(tirwalk.__file__).read_text(),
                  *(f"{name}:{layout}:{np.shape(a)}" for name, layout, a in params)):
         h.update(part.encode() + b"\0")
     for name in sorted(graph.constants):

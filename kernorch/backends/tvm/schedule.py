@@ -23,7 +23,7 @@ from ...kernels import Tile, Winograd, split
 from ...kernels.tiles import NARROW_KEYS, SMALL_ROWS, SMALL_ROWS_COST, row_tile
 from ...kernels.variants import CONVERSIONS
 from .lower import NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, ROWS_OUT, UNPACK, VIEW, divisible
-from .passes import buffers_in, rewrite, substitute_buffers, with_body
+from .tirwalk import buffers_in, loads, operands, rewrite, substitute_buffers, with_body
 from .target import vector_bits
 
 log = logging.getLogger(__name__)
@@ -510,29 +510,9 @@ def _contraction_operands(stmt):
     return None
 
 
-def _subexprs(e):
-    """The direct sub-expressions of a TIR expression (a load's indices, an op's operands)."""
-    if isinstance(e, tvm.ir.expr.TensorLoad):
-        yield from e.indices
-        return
-    for attr in ("a", "b", "value", "condition", "true_value", "false_value", "base", "stride"):
-        sub = getattr(e, attr, None)
-        if sub is not None and not isinstance(sub, (int, float, str)):
-            yield sub
-    yield from getattr(e, "args", None) or ()
-
-
-def _loads(expr):
-    """Every buffer load in an expression (or a store's value), each time it occurs."""
-    if isinstance(expr, tvm.ir.expr.TensorLoad):
-        yield expr
-    for sub in _subexprs(expr):
-        yield from _loads(sub)
-
-
 def _loaded_buffers(expr) -> set[str]:
     """Names of the buffers an expression loads from."""
-    return {load.source.name for load in _loads(expr)}
+    return {load.source.name for load in loads(expr)}
 
 
 def _is_expensive(stmt) -> bool:
@@ -608,7 +588,7 @@ def _inline_pass(func) -> tirx.PrimFunc:
 def _reads(consumer, producer) -> int:
     """How many loads of `producer`'s output the block `consumer` makes per iteration."""
     buf = producer.writes[0].source
-    return sum(load.source.same_as(buf) for load in _loads(consumer.body))
+    return sum(load.source.same_as(buf) for load in loads(consumer.body))
 
 
 # -- building blocks -----------------------------------------------------------------------------
@@ -1141,12 +1121,12 @@ def _read_by_columns(stmt, pad_store, var) -> bool:
         return False
     cols = [iv.var for iv in stmt.iter_vars if int(iv.iter_type) == _DATA_PAR][-1]
 
-    def loads(e):
+    def pad_loads(e):
         if _is(e, "TensorLoad") and e.source.same_as(pad_store.buffer):
             yield e
-        for sub in _subexprs(e):
-            yield from loads(sub)
-    return any(cols.name in _var_names(ld.indices[pos]) for ld in loads(stmt.body.value))
+        for sub in operands(e):
+            yield from pad_loads(sub)
+    return any(cols.name in _var_names(ld.indices[pos]) for ld in pad_loads(stmt.body.value))
 
 
 def _is(node, kind: str) -> bool:

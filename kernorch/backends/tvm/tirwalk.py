@@ -1,0 +1,188 @@
+"""Walking and rebuilding TIR from Python. TVM 0.27 exposes no statement or expression mutator to
+Python (and `s_tir.renew_defs` renews every buffer it meets, the parameters too), so kernorch's
+rewrites of scheduled kernels (kernorch.backends.tvm.schedule) and its TIR passes
+(kernorch.backends.tvm.passes) rebuild nodes here: statements through `rewrite`, expressions
+through `map_expr`, buffers through `substitute_buffers`.
+"""
+from __future__ import annotations
+
+import tvm
+from tvm import s_tir, tirx
+
+
+def operands(e) -> list:
+    """The direct sub-expressions of a TIR expression (a load's indices, a call's arguments, an
+    op's operands; none for a leaf)."""
+    if isinstance(e, tvm.ir.expr.TensorLoad):
+        return list(e.indices)
+    if isinstance(e, tvm.ir.expr.Call):
+        return list(e.args)
+    if isinstance(e, tirx.Select):
+        return [e.condition, e.true_value, e.false_value]
+    if isinstance(e, tirx.Let):
+        return [e.value, e.body]
+    return [x for x in (getattr(e, n, None) for n in ("a", "b", "value", "base", "stride"))
+            if isinstance(x, tvm.ir.expr.Expr)]
+
+
+def loads(e):
+    """Every buffer load in an expression, each time it occurs."""
+    if isinstance(e, tvm.ir.expr.TensorLoad):
+        yield e
+    for sub in operands(e):
+        yield from loads(sub)
+
+
+def rewrite(stmt, visit):
+    """`stmt` with `visit` applied from the top: where it returns a statement, that replaces the
+    node (and is not descended into); where it returns None, the node's children are rewritten
+    (through sequences, loops, attributes, branches and blocks). The same object where nothing
+    changed. (TVM 0.27 exposes no statement mutator to Python.)"""
+    new = visit(stmt)
+    if new is not None:
+        return new
+    if isinstance(stmt, tirx.SeqStmt):
+        seq = [rewrite(s, visit) for s in stmt.seq]
+        return stmt if all(a.same_as(b) for a, b in zip(seq, stmt.seq)) else tirx.SeqStmt(seq)
+    if isinstance(stmt, tirx.For):
+        body = rewrite(stmt.body, visit)
+        return stmt if body.same_as(stmt.body) else tirx.For(
+            stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding, stmt.annotations)
+    if isinstance(stmt, tirx.AttrStmt):
+        body = rewrite(stmt.body, visit)
+        return stmt if body.same_as(stmt.body) else tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, body)
+    if isinstance(stmt, tirx.IfThenElse):
+        then = rewrite(stmt.then_case, visit)
+        other = rewrite(stmt.else_case, visit) if stmt.else_case is not None else None
+        if then.same_as(stmt.then_case) and (other is None or other.same_as(stmt.else_case)):
+            return stmt
+        return tirx.IfThenElse(stmt.condition, then, other)
+    if isinstance(stmt, s_tir.stmt.SBlockRealize):
+        b = stmt.block
+        body = rewrite(b.body, visit)
+        if body.same_as(b.body):
+            return stmt
+        return s_tir.stmt.SBlockRealize(stmt.iter_values, stmt.predicate, with_body(b, body))
+    return stmt
+
+
+def with_body(block, body, allocs=None):
+    """`block` with another body (and buffers, `allocs`), everything else kept."""
+    return s_tir.stmt.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, body, block.init,
+                             block.alloc_buffers if allocs is None else allocs, block.match_buffers,
+                             block.annotations)
+
+
+class _Buffers:
+    """A map from buffers to buffers, by identity (a TVM object's Python wrapper is not unique)."""
+
+    def __init__(self, pairs):
+        self.pairs = list(pairs)
+
+    def get(self, buf):
+        return next((new for old, new in self.pairs if old.same_as(buf)), None)
+
+
+def map_expr(e, visit):
+    """`e` rebuilt with `visit` applied from the top: where it returns an expression, that replaces
+    the node (and is not descended into); where it returns None, the node's operands are mapped.
+    The same object where nothing changed."""
+    new = visit(e)
+    if new is not None:
+        return new
+    if isinstance(e, (tirx.IntImm, tirx.FloatImm, tvm.ir.expr.Var, tvm.ir.expr.StringImm)):
+        return e
+
+    def same(a, b):
+        return all(x.same_as(y) for x, y in zip(a, b))
+    if isinstance(e, tvm.ir.expr.TensorLoad):
+        idx = [map_expr(i, visit) for i in e.indices]
+        return e if same(idx, e.indices) else tirx.BufferLoad(e.source, idx)
+    if isinstance(e, tvm.ir.expr.Call):
+        args = [map_expr(a, visit) for a in e.args]
+        return e if same(args, e.args) else tvm.ir.expr.Call(e.op, args, e.attrs, list(e.ty_args), None, e.ty)
+    if isinstance(e, tirx.Select):
+        old = (e.condition, e.true_value, e.false_value)
+        parts = [map_expr(x, visit) for x in old]
+        return e if same(parts, old) else tirx.Select(*parts)
+    if isinstance(e, tirx.Let):
+        value, body = map_expr(e.value, visit), map_expr(e.body, visit)
+        return e if same((value, body), (e.value, e.body)) else tirx.Let(e.var, value, body)
+    if isinstance(e, tirx.Cast):
+        v = map_expr(e.value, visit)
+        return e if v.same_as(e.value) else tirx.Cast(e.ty, v)
+    if isinstance(e, tirx.Not):
+        a = map_expr(e.a, visit)
+        return e if a.same_as(e.a) else tirx.Not(a)
+    if isinstance(e, tirx.Ramp):
+        base, stride = map_expr(e.base, visit), map_expr(e.stride, visit)
+        return e if same((base, stride), (e.base, e.stride)) else tirx.Ramp(base, stride, e.lanes)
+    if isinstance(e, tirx.Broadcast):
+        v = map_expr(e.value, visit)
+        return e if v.same_as(e.value) else tirx.Broadcast(v, e.lanes)
+    if hasattr(e, "a") and hasattr(e, "b"):  # the binary arithmetic, comparison and logical nodes
+        a, b = map_expr(e.a, visit), map_expr(e.b, visit)
+        return e if same((a, b), (e.a, e.b)) else type(e)(a, b)
+    raise TypeError(f"no expression mapping through {type(e).__name__}")
+
+
+def substitute_buffers(stmt, pairs):
+    """`stmt` with every use of the first buffer of each of `pairs` (stores, loads, blocks' read,
+    write and allocated buffers) made a use of the second. (TVM 0.27 gives Python no buffer
+    substitution; s_tir.renew_defs renews every buffer it meets, parameters too.)"""
+    return _map_buffers(stmt, _Buffers(pairs))
+
+
+def buffers_in(stmt) -> list:
+    """Every buffer `stmt` stores to, loads from, or whose blocks read, write or allocate."""
+    seen: list = []
+
+    class Recorder(_Buffers):
+        def get(self, buf):
+            if not any(buf.same_as(b) for b in seen):
+                seen.append(buf)
+            return None
+    _map_buffers(stmt, Recorder(()))
+    return seen
+
+
+def _map_buffers(stmt, bufs: _Buffers):
+    """`stmt` rebuilt with each buffer it uses passed through `bufs.get` (None: kept)."""
+    def load(e):
+        if isinstance(e, tvm.ir.expr.TensorLoad):
+            new = bufs.get(e.source)
+            return tirx.BufferLoad(new if new is not None else e.source, [expr(i) for i in e.indices])
+        return None
+
+    def expr(e):
+        return map_expr(e, load)
+
+    def region(r):
+        new = bufs.get(r.source)
+        return r if new is None else tirx.BufferRegion(new, r.region)
+
+    def visit(st):
+        if isinstance(st, tirx.BufferStore):
+            new = bufs.get(st.buffer)
+            return tirx.BufferStore(new if new is not None else st.buffer, expr(st.value), [expr(i) for i in st.indices])
+        if isinstance(st, tirx.For):
+            return tirx.For(st.loop_var, expr(st.min), expr(st.extent), st.kind, rewrite(st.body, visit),
+                            st.thread_binding, st.annotations)
+        if isinstance(st, tirx.IfThenElse):
+            other = rewrite(st.else_case, visit) if st.else_case is not None else None
+            return tirx.IfThenElse(expr(st.condition), rewrite(st.then_case, visit), other)
+        if isinstance(st, s_tir.stmt.SBlockRealize):
+            b = st.block
+            if b.match_buffers:
+                raise TypeError(f"no buffer substitution through block {b.name_hint}'s match buffers")
+            block = s_tir.stmt.SBlock(
+                b.iter_vars, [region(r) for r in b.reads], [region(r) for r in b.writes], b.name_hint,
+                rewrite(b.body, visit), rewrite(b.init, visit) if b.init is not None else None,
+                [bufs.get(a) or a for a in b.alloc_buffers], b.match_buffers, b.annotations)
+            return s_tir.stmt.SBlockRealize([expr(v) for v in st.iter_values], expr(st.predicate), block)
+        if isinstance(st, (tirx.SeqStmt, tirx.AttrStmt)):
+            return None
+        if isinstance(st, tirx.Evaluate):
+            return tirx.Evaluate(expr(st.value))
+        raise TypeError(f"no buffer substitution through {type(st).__name__}")
+    return rewrite(stmt, visit)
