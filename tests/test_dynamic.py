@@ -462,6 +462,36 @@ def test_a_tile_over_symbolic_rows_reads_its_rows_in_place_without_a_padding_cop
     assert re.search(r"T\.min\(v_i1, seq - T\.int64\(1\)\)", script), script
 
 
+def _attention_scores(generic, tile: str, threads: int):
+    """((kernel graph, inputs, prim) of the block's scores over seq, their kernel scheduled in `tile`)."""
+    from kernorch.backends.tvm.lower import lower
+    from kernorch.backends.tvm.schedule import schedule
+    from kernorch.backends.tvm.target import make_target
+    from kernorch.ir import kernel_graph
+    p = next(q for q in generic.prims if q.op == "matmul" and q.inputs[1] not in generic.constants
+             and isinstance(q.type.shape[-1], dynamic.SymDim))
+    ins = list(p.inputs)
+    kg = kernel_graph(generic, [p.name], ins, [p.name])
+    mod = schedule(lower(kg, kg.prims, ins, [p.name], tile), make_target(threads), tile, bounds={"seq": 512})
+    return (kg, ins, p), mod
+
+
+def _right_at(scores, mod, threads: int, lengths) -> None:
+    """The scheduled scores kernel against the reference evaluator at each of `lengths`."""
+    import tvm
+    from kernorch.backends.tvm.target import make_target
+    from kernorch.executor import run as reference
+    kg, ins, p = scores
+    ex = tvm.compile(mod, target=make_target(threads))
+    for s in lengths:
+        b = dynamic.bind(kg, {"seq": s})
+        xs = [np.random.default_rng(s).standard_normal(b.type_of(i).shape).astype(np.float32) for i in ins]
+        got = tvm.runtime.empty(b.type_of(p.name).shape, "float32", tvm.cpu())
+        ex["main"](*[tvm.runtime.tensor(x) for x in xs], got)
+        np.testing.assert_allclose(got.numpy(), reference(b, dict(zip(ins, xs)))[p.name], rtol=1e-4, atol=1e-4,
+                                   err_msg=f"seq={s}")
+
+
 def test_attention_scores_over_seq_columns_keep_the_column_operand_copy_and_compute_right(block):
     """The scores (seq x seq) have symbolic columns too: the rows of the left operand are read in
     place, clamped, but the operand read along the vectorized columns keeps its padding copy (a
@@ -470,19 +500,7 @@ def test_attention_scores_over_seq_columns_keep_the_column_operand_copy_and_comp
     blend of clamped reads only for the vector across it (guarded lane by lane, the copy took most
     of the scores' 8.7 us at seq=1 on a Zen 3). Right at lengths on both sides of a column tile
     and of a vector."""
-    import tvm
-    from kernorch.backends.tvm.lower import lower
-    from kernorch.backends.tvm.schedule import schedule
-    from kernorch.backends.tvm.target import make_target
-    from kernorch.ir import kernel_graph
-    from kernorch.executor import run as reference
-    g = block[1]
-    p = next(q for q in g.prims if q.op == "matmul" and q.inputs[1] not in g.constants
-             and isinstance(q.type.shape[-1], dynamic.SymDim))
-    ins = list(p.inputs)
-    kg = kernel_graph(g, [p.name], ins, [p.name])
-    target = make_target(1)
-    mod = schedule(lower(kg, kg.prims, ins, [p.name], "t4x32r"), target, "t4x32r", bounds={"seq": 512})
+    scores, mod = _attention_scores(block[1], "t4x32r", threads=1)
     script = mod["main"].script()
     pad = re.findall(r"(\w+_pad\w*)\[v0, v1, v2, v3\] = (.*)", script)   # the column operand's padding copy
     assert "if_then_else" not in script, script
@@ -491,14 +509,7 @@ def test_attention_scores_over_seq_columns_keep_the_column_operand_copy_and_comp
     assert script.count(" < seq:") >= 1 and script.count("seq <= ") >= 1, script  # whole vectors tested per vector
     assert re.search(r"T\.min\(v_i2, seq - T\.int64\(1\)\)", script), script   # rows clamped
     assert not re.search(r"T\.min\(v_i3, seq", script), script                     # columns not
-    ex = tvm.compile(mod, target=target)
-    for s in (1, 5, 8, 9, 31, 32, 33, 100):
-        b = dynamic.bind(kg, {"seq": s})
-        xs = [np.random.default_rng(s).standard_normal(b.type_of(i).shape).astype(np.float32) for i in ins]
-        got = tvm.runtime.empty(b.type_of(p.name).shape, "float32", tvm.cpu())
-        ex["main"](*[tvm.runtime.tensor(x) for x in xs], got)
-        np.testing.assert_allclose(got.numpy(), reference(b, dict(zip(ins, xs)))[p.name], rtol=1e-4, atol=1e-4,
-                                   err_msg=f"seq={s}")
+    _right_at(scores, mod, 1, (1, 5, 8, 9, 31, 32, 33, 100))
 
 
 def test_twin_loops_over_a_range_keep_their_register_tiles_apart(block):
@@ -509,18 +520,7 @@ def test_twin_loops_over_a_range_keep_their_register_tiles_apart(block):
     accumulators went to memory with it. Right at lengths each copy serves."""
     import tvm
     from tvm import s_tir, tirx
-    from kernorch.backends.tvm.lower import lower
-    from kernorch.backends.tvm.schedule import schedule
-    from kernorch.backends.tvm.target import make_target
-    from kernorch.ir import kernel_graph
-    from kernorch.executor import run as reference
-    g = block[1]
-    p = next(q for q in g.prims if q.op == "matmul" and q.inputs[1] not in g.constants
-             and isinstance(q.type.shape[-1], dynamic.SymDim))
-    ins = list(p.inputs)
-    kg = kernel_graph(g, [p.name], ins, [p.name])
-    target = make_target(2)
-    mod = schedule(lower(kg, kg.prims, ins, [p.name], "t4x16r"), target, "t4x16r", bounds={"seq": 512})
+    scores, mod = _attention_scores(block[1], "t4x16r", threads=2)
     assert mod["main"].script().count("T.parallel(") >= 2, mod["main"].script()   # both copies, each twice
     lowering = tvm.ir.transform.Sequential([
         s_tir.transform.LowerInitBlock(), s_tir.transform.PlanAndUpdateBufferAllocationLocation(),
@@ -532,14 +532,7 @@ def test_twin_loops_over_a_range_keep_their_register_tiles_apart(block):
              if not n.startswith("branch")]   # (the copies' one-flag buffers)
     assert len(tiles) >= 4, lowered
     assert all(re.fullmatch(r"T\.int64\((32|64)\)", shape) for _, shape in tiles), tiles  # 2 x 16 or 4 x 16
-    ex = tvm.compile(mod, target=target)
-    for s in (1, 2, 3, 7, 40, 130):
-        b = dynamic.bind(kg, {"seq": s})
-        xs = [np.random.default_rng(s).standard_normal(b.type_of(i).shape).astype(np.float32) for i in ins]
-        got = tvm.runtime.empty(b.type_of(p.name).shape, "float32", tvm.cpu())
-        ex["main"](*[tvm.runtime.tensor(x) for x in xs], got)
-        np.testing.assert_allclose(got.numpy(), reference(b, dict(zip(ins, xs)))[p.name], rtol=1e-4, atol=1e-4,
-                                   err_msg=f"seq={s}")
+    _right_at(scores, mod, 2, (1, 2, 3, 7, 40, 130))
 
 
 def test_over_a_range_a_fusion_is_estimated_at_each_length_it_is_timed_at(block, monkeypatch):

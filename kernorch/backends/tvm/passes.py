@@ -36,6 +36,18 @@ def _bytes(buf) -> int | None:
     return int(np.prod([int(d) for d in buf.shape], dtype=np.int64)) * dt.bits // 8 * dt.lanes
 
 
+def _rewrite_funcs(mod: tvm.IRModule, visit) -> tvm.IRModule:
+    """`mod` with the body of each PrimFunc rewritten by `visit` (tirwalk.rewrite)."""
+    funcs = {}
+    for gv, func in mod.functions.items():
+        if isinstance(func, tirx.PrimFunc):
+            body = rewrite(func.body, visit)
+            if not body.same_as(func.body):
+                func = func.with_body(body)
+        funcs[gv] = func
+    return tvm.IRModule(funcs, attrs=mod.attrs)
+
+
 # a stored value of more nodes than this has its repeated subexpressions bound once (`let_repeated`)
 LET_MIN_NODES = 64
 
@@ -95,14 +107,7 @@ def let_repeated(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     TVM's lowering. The polynomial exp repeats its clamped input about twenty times; inlined into
     it, a softmax's `scores / c - max` brought four loads each time, and narrowing and flattening
     those eighty loads over a symbolic length took most of an attention kernel's compilation."""
-    funcs = {}
-    for gv, func in mod.functions.items():
-        if isinstance(func, tirx.PrimFunc):
-            body = rewrite(func.body, _let_store)
-            if not body.same_as(func.body):
-                func = func.with_body(body)
-        funcs[gv] = func
-    return tvm.IRModule(funcs, attrs=mod.attrs)
+    return _rewrite_funcs(mod, _let_store)
 
 
 def _on_stack(stmt):
@@ -118,14 +123,7 @@ def _on_stack(stmt):
 
 @tvm.transform.module_pass(opt_level=0, name="kernorch.StackSmallBuffers")
 def stack_small_buffers(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    funcs = {}
-    for gv, func in mod.functions.items():
-        if isinstance(func, tirx.PrimFunc):
-            body = rewrite(func.body, _on_stack)
-            if not body.same_as(func.body):
-                func = func.with_body(body)
-        funcs[gv] = func
-    return tvm.IRModule(funcs, attrs=mod.attrs)
+    return _rewrite_funcs(mod, _on_stack)
 
 
 def _pipeline():
