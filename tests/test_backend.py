@@ -677,6 +677,23 @@ def test_a_value_that_repeats_a_loading_subexpression_computes_it_once():
     np.testing.assert_allclose(outs[0], np.exp(x - y), rtol=1e-5, atol=1e-37)  # (below exp(-88): 0)
 
 
+def test_a_guarded_load_is_not_bound_outside_its_guard():
+    """A load repeated only inside `if_then_else` branches (a padded read, out of bounds where its
+    guard is false) stays inside them: a Let would read it at every position."""
+    from tvm import tirx
+    from kernorch.backends.tvm import passes
+    a = tirx.decl_buffer((8,), "float32", "a")
+    i = tirx.Var("i", "int32")
+    read = a[i + 4] * tirx.const(2.0, "float32")
+    value = (tirx.if_then_else(i < 4, read, tirx.const(0.0, "float32"))
+             + tirx.if_then_else(i < 2, read, tirx.const(1.0, "float32")))
+    for _ in range(passes.LET_MIN_NODES):  # (past LET_MIN_NODES)
+        value = value * tirx.const(0.5, "float32") + tirx.const(1.0, "float32")
+    assert passes._let_bound(value).same_as(value)
+    bound = passes._let_bound(value + read * read)   # evaluated at every position anyway: bound once
+    assert isinstance(bound, tirx.Let) and str(bound.value) == str(read) and str(bound.body).count("a[") == 0
+
+
 # -------------------------------------------------------------------------------------------------
 # Relax: a Python kernel (call_dps_packed) and a TIR kernel (call_tir) in one main
 # -------------------------------------------------------------------------------------------------

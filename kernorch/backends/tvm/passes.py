@@ -21,7 +21,7 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 
-from .tirwalk import map_expr, operands, rewrite
+from .tirwalk import is_call, map_expr, operands, rewrite
 
 # a register tile and its neighbours: the largest micro-kernel tile is the register file
 # (32 x 64 bytes with AVX-512); well inside a worker thread's stack
@@ -54,17 +54,20 @@ LET_MIN_NODES = 64
 
 def _let_bound(value):
     """`value` with each subexpression that occurs more than once and loads a buffer computed once,
-    in a Let, largest first (each smaller one bound outside the larger ones that contain it)."""
+    in a Let, largest first (each smaller one bound outside the larger ones that contain it). Only
+    occurrences that are always evaluated count: a load inside an `if_then_else`'s branch may be
+    out of bounds where its guard is false, and a Let would evaluate it there."""
     bound: list = []   # (var, expression), outermost first
     body = value
     while True:
         seen: dict = {}   # structural hash -> [count, node, size]
 
-        def count(e) -> tuple[int, bool]:   # (nodes, loads a buffer)
-            parts = [count(x) for x in operands(e)]
+        def count(e, always: bool = True) -> tuple[int, bool]:   # (nodes, loads a buffer)
+            guarded = is_call(e, "if_then_else")  # (only its condition is always evaluated)
+            parts = [count(x, always and (not guarded or i == 0)) for i, x in enumerate(operands(e))]
             size = 1 + sum(n for n, _ in parts)
             loads = isinstance(e, tvm.ir.expr.TensorLoad) or any(ld for _, ld in parts)
-            if loads and parts and str(e.ty) == "float32":
+            if always and loads and parts and str(e.ty) == "float32":
                 h = tvm_ffi.structural_hash(e)
                 if h in seen and tvm_ffi.structural_equal(seen[h][1], e):
                     seen[h][0] += 1

@@ -23,7 +23,7 @@ from ...kernels import Tile, Winograd, split
 from ...kernels.tiles import NARROW_KEYS, SMALL_ROWS, SMALL_ROWS_COST, row_tile
 from ...kernels.variants import CONVERSIONS
 from .lower import NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, ROWS_OUT, UNPACK, VIEW, divisible
-from .tirwalk import buffers_in, loads, operands, rewrite, substitute_buffers, with_body
+from .tirwalk import buffers_in, is_call, loads, operands, rewrite, substitute_buffers, with_body
 from .target import vector_bits
 
 log = logging.getLogger(__name__)
@@ -361,10 +361,16 @@ def _with_own_buffers(stmt, buffers) -> tuple:
     shrinks it to the region they touch. A buffer the twins shared stayed at the root in full:
     the attention's 2-row register tile kept its accumulators in seq x seq floats of memory, and
     narrowing the shared buffer over both copies' accesses took much of the kernel's compilation."""
+    if not buffers:
+        return stmt, []
     fresh = [tirx.decl_buffer(b.shape, b.dtype, b.name, strides=b.strides, elem_offset=b.elem_offset,
                               scope=b.scope(), data_alignment=b.data_alignment, offset_factor=b.offset_factor)
              for b in buffers]
-    return substitute_buffers(stmt, list(zip(buffers, fresh))), fresh
+    try:
+        return substitute_buffers(stmt, list(zip(buffers, fresh))), fresh
+    except TypeError as e:  # a node the substitution does not rebuild: the twins share the buffers
+        log.debug("twin loops share their buffers: %s", e)
+        return stmt, []
 
 
 def _whole_vectors_unguarded(func: tirx.PrimFunc) -> tirx.PrimFunc:
@@ -394,7 +400,7 @@ def _whole_vectors_unguarded(func: tirx.PrimFunc) -> tirx.PrimFunc:
         if not isinstance(realize, s_tir.stmt.SBlockRealize):
             return None
         store = realize.block.body
-        if not (isinstance(store, tirx.BufferStore) and _is_call(store.value, "if_then_else")):
+        if not (isinstance(store, tirx.BufferStore) and is_call(store.value, "if_then_else")):
             return None
         cond, then, other = store.value.args
         if not isinstance(cond, tirx.LT) or isinstance(Analyzer().simplify(cond.b), tirx.IntImm):
@@ -1089,7 +1095,7 @@ def _read_rows_clamped(sch, blk) -> s_tir.Schedule:
     for producer in sch.get_producers(blk):
         stmt = sch.get(producer)
         store = stmt.body
-        if not _is(store, "BufferStore") or not _is_call(store.value, "if_then_else"):
+        if not _is(store, "BufferStore") or not is_call(store.value, "if_then_else"):
             continue
         cond, then, _ = store.value.args
         if not (_is(cond, "LT") and _is(cond.a, "Var") and _is(then, "TensorLoad")):
@@ -1132,11 +1138,6 @@ def _read_by_columns(stmt, pad_store, var) -> bool:
 def _is(node, kind: str) -> bool:
     """`node` is a TIR node of this kind (by class name: some of tvm.tirx's names are constructors)."""
     return type(node).__name__ == kind
-
-
-def _is_call(expr, name: str) -> bool:
-    op = getattr(expr, "op", None)
-    return _is(expr, "Call") and str(getattr(op, "name", "")).endswith(name)
 
 
 def _contraction_name(func) -> str:

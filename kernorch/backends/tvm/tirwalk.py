@@ -25,6 +25,11 @@ def operands(e) -> list:
             if isinstance(x, tvm.ir.expr.Expr)]
 
 
+def is_call(e, name: str) -> bool:
+    """Is `e` a call of the intrinsic `name` ("if_then_else": TVM 0.27 names it prim.if_then_else)?"""
+    return isinstance(e, tvm.ir.expr.Call) and str(getattr(e.op, "name", "")).endswith(name)
+
+
 def loads(e):
     """Every buffer load in an expression, each time it occurs."""
     if isinstance(e, tvm.ir.expr.TensorLoad):
