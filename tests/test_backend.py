@@ -677,6 +677,28 @@ def test_a_value_that_repeats_a_loading_subexpression_computes_it_once():
     np.testing.assert_allclose(outs[0], np.exp(x - y), rtol=1e-5, atol=1e-37)  # (below exp(-88): 0)
 
 
+def test_a_buffer_is_substituted_wherever_it_is_used():
+    """tirwalk.substitute_buffers: a buffer a block allocates, stores to, loads from and names in its
+    read and write regions becomes the other buffer in every one of those places; the others stay."""
+    import tvm
+    from tvm import s_tir, tirx
+    from kernorch.backends.tvm.tirwalk import buffers_in, substitute_buffers
+    a, b, fresh = (tirx.decl_buffer((4,), "float32", n) for n in ("a", "b", "fresh"))
+    i = tirx.Var("i", "int32")
+    body = tirx.SeqStmt([tirx.BufferStore(b, a[i] * tirx.const(2.0, "float32"), [i]),
+                         tirx.BufferStore(a, b[i] + tirx.Select(b[i] > 0, b[i], a[i]), [i])])
+    full = [tvm.ir.Range(0, 4)]
+    block = s_tir.stmt.SBlock([], [tirx.BufferRegion(a, full), tirx.BufferRegion(b, full)], [tirx.BufferRegion(a, full)],
+                              "blk", body, None, [b])
+    stmt = tirx.For(i, 0, 4, tirx.ForKind.SERIAL, s_tir.stmt.SBlockRealize([], True, block))
+    out = substitute_buffers(stmt, [(b, fresh)])
+    used = buffers_in(out)
+    assert any(x.same_as(fresh) for x in used) and any(x.same_as(a) for x in used)
+    assert not any(x.same_as(b) for x in used)
+    new = out.body.block
+    assert new.alloc_buffers[0].same_as(fresh) and new.reads[1].source.same_as(fresh)
+
+
 def test_a_guarded_load_is_not_bound_outside_its_guard():
     """A load repeated only inside `if_then_else` branches (a padded read, out of bounds where its
     guard is false) stays inside them: a Let would read it at every position."""

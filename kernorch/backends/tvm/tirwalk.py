@@ -183,7 +183,7 @@ def _map_buffers(stmt, bufs: _Buffers):
             block = s_tir.stmt.SBlock(
                 b.iter_vars, [region(r) for r in b.reads], [region(r) for r in b.writes], b.name_hint,
                 rewrite(b.body, visit), rewrite(b.init, visit) if b.init is not None else None,
-                [bufs.get(a) or a for a in b.alloc_buffers], b.match_buffers, b.annotations)
+                [a if bufs.get(a) is None else bufs.get(a) for a in b.alloc_buffers], b.match_buffers, b.annotations)
             return s_tir.stmt.SBlockRealize([expr(v) for v in st.iter_values], expr(st.predicate), block)
         if isinstance(st, (tirx.SeqStmt, tirx.AttrStmt)):
             return None
