@@ -332,9 +332,11 @@ def _serial_when_small(func: tirx.PrimFunc) -> tirx.PrimFunc:
     from tvm.sym.analyzer import Analyzer
     ana = Analyzer()
     bounds = func.attrs[BOUNDS_ATTR] if func.attrs is not None and BOUNDS_ATTR in func.attrs else {}
-    used = [buffers_in(st) for st in stmts]
+    used: list = []   # each root statement's buffers, walked only once a loop is duplicated (never for static work)
 
     def only(buf, i: int) -> bool:  # a buffer of the root that only statement i touches
+        if not used:
+            used.extend(buffers_in(st) for st in stmts)
         return all(any(buf.same_as(b) for b in bs) == (j == i) for j, bs in enumerate(used))
     out, allocs = [], []
     for i, st in enumerate(stmts):
