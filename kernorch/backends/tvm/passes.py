@@ -52,11 +52,17 @@ def _rewrite_funcs(mod: tvm.IRModule, visit) -> tvm.IRModule:
 LET_MIN_NODES = 64
 
 
+def _nodes(e) -> int:
+    return 1 + sum(_nodes(x) for x in operands(e))
+
+
 def _let_bound(value):
     """`value` with each subexpression that occurs more than once and loads a buffer computed once,
     in a Let, largest first (each smaller one bound outside the larger ones that contain it). Only
     occurrences that are always evaluated count: a load inside an `if_then_else`'s branch may be
     out of bounds where its guard is false, and a Let would evaluate it there."""
+    if _nodes(value) < LET_MIN_NODES:
+        return value
     bound: list = []   # (var, expression), outermost first
     body = value
     while True:
@@ -74,9 +80,9 @@ def _let_bound(value):
                 else:
                     seen.setdefault(h, [1, e, size])
             return size, loads
-        total = count(body)[0] + sum(count(x)[0] for _, x in bound)
-        if total < LET_MIN_NODES and not bound:
-            return value
+        count(body)
+        for _, x in bound:
+            count(x)
         repeated = [(size, node) for n, node, size in seen.values() if n > 1]
         if not repeated:
             break
