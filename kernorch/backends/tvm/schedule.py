@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 31
+SCHEDULES_VERSION = 32
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -1072,18 +1072,23 @@ def _pad_symbolic(func, lanes: int, tile: Tile | None):
     ext = [_extent(sch, lp) for lp in loops]
     if not any(e is None for e in ext[:nsp]):
         return func
+    name = sch.get(blk).name_hint
     sch.pad_einsum(blk, _pad_factors(ext, nsp, lanes, tile))
+    pads = {sch.get(p).name_hint for p in sch.get_producers(sch.get_sblock(name))}
+    sch = _read_rows_clamped(sch, sch.get_sblock(name))
     if any(e is None for e in ext[nsp:]):
-        # a symbolic depth too: copying the operand into its padded buffer costs more than a guarded
-        # load in the tile (probabilities x V over seq=300: 4.6 ms copied, 0.65 ms guarded; a
-        # weight GEMM with a static depth is 1.4x slower guarded, so it keeps the copy)
-        for producer in sch.get_producers(blk):
+        # a symbolic depth too: a padding copy that is no clamped read (its rows are the tile's
+        # columns) costs more than a guarded load in the tile (probabilities x V over seq=300: 4.6 ms
+        # copied, 0.65 ms guarded; a weight GEMM with a static depth is 1.4x slower guarded, so it
+        # keeps the copy). Only the padding copies: a stage that computes the operand (a softmax's
+        # division) stays a pass of its own, not recomputed for every column tile.
+        for producer in sch.get_producers(sch.get_sblock(name)):
+            if sch.get(producer).name_hint not in pads:
+                continue
             try:
                 sch.compute_inline(producer)
             except Exception:  # noqa: BLE001 - a producer that cannot be inlined stays a copy
                 pass
-    else:
-        sch = _read_rows_clamped(sch, blk)
     return sch.mod["main"]
 
 
