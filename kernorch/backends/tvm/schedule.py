@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 32
+SCHEDULES_VERSION = 33
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -438,12 +438,76 @@ def _whole_vectors_unguarded(func: tirx.PrimFunc) -> tirx.PrimFunc:
                                tirx.IfThenElse(length <= first, with_value(other), across))
 
     def visit(stmt):
-        return split_lanes(stmt) if isinstance(stmt, tirx.For) and stmt.kind == tirx.ForKind.VECTORIZED else None
+        if not (isinstance(stmt, tirx.For) and stmt.kind == tirx.ForKind.VECTORIZED):
+            return None
+        return split_lanes(stmt) or _whole_vectors_unpredicated(stmt)
 
     body = rewrite(func.body, visit)
     if body.same_as(func.body):
         return func
     return s_tir.transform.ConvertSSA()(tvm.IRModule({"main": func.with_body(body)}))["main"]
+
+
+def _whole_vectors_unpredicated(loop):
+    """A vectorized loop whose block is predicated lane by lane against a symbolic length (the
+    copy-out of a tile padded over seq columns: `T.where(... and j * 16 + lane < seq)`) as two
+    loops: where the predicate holds at its first and its last lane, the block without it (whole
+    vector stores), else as it was. TVM stores a predicated block under a vectorized loop one lane
+    at a time, each behind a branch. Only predicates whose truth at both ends implies it at every
+    lane between (`_holds_between`); None otherwise."""
+    from tvm.sym.analyzer import Analyzer
+    realize = loop.body
+    if not isinstance(realize, s_tir.stmt.SBlockRealize) or not isinstance(realize.block.body, tirx.BufferStore):
+        return None
+    pred, lane = realize.predicate, loop.loop_var
+    if isinstance(pred, tirx.IntImm) or not _uses(pred, lane) or not _holds_between(pred, lane):
+        return None
+    if isinstance(loop.extent, tirx.IntImm) and int(loop.extent) < 2:
+        return None
+
+    terms = _conjuncts(pred)
+    rest = [t for t in terms if not _uses(t, lane)]   # the same at every lane: kept as the block's predicate
+    moving = [t for t in terms if _uses(t, lane)]
+
+    def at(value):  # the lane's terms at one lane
+        ana = Analyzer()
+        ana.bind(lane, value)
+        return ana.simplify(_all(moving))
+    whole = s_tir.stmt.SBlockRealize(realize.iter_values, _all(rest), realize.block)
+    fast = tirx.For(lane, loop.min, loop.extent, loop.kind, whole, loop.thread_binding, loop.annotations)
+    return tirx.IfThenElse(tirx.And(at(loop.min), at(loop.min + loop.extent - 1)), fast, loop)
+
+
+def _conjuncts(pred) -> list:
+    return [*_conjuncts(pred.a), *_conjuncts(pred.b)] if isinstance(pred, tirx.And) else [pred]
+
+
+def _all(terms):
+    out = tirx.const(True, "bool")
+    for t in terms:
+        out = t if isinstance(out, tirx.IntImm) else tirx.And(out, t)
+    return out
+
+
+def _holds_between(pred, lane) -> bool:
+    """Does `pred` holding at two lanes imply it at every lane between them? True for conjunctions
+    of: terms without the lane; bounds `lane + x < y`, `lane + x <= y` and their mirrors (an
+    interval of lanes); equalities with the lane (true at one lane at most, so never at both ends);
+    disjunctions of one of these with a term without the lane (TVM writes `t < n or t * 16 + lane
+    == 0` for a tile index `t`)."""
+    from tvm.sym.analyzer import Analyzer
+    if not _uses(pred, lane):
+        return True
+    if isinstance(pred, tirx.And):
+        return _holds_between(pred.a, lane) and _holds_between(pred.b, lane)
+    if isinstance(pred, tirx.Or):
+        return ((not _uses(pred.a, lane) and _holds_between(pred.b, lane))
+                or (not _uses(pred.b, lane) and _holds_between(pred.a, lane)))
+    if isinstance(pred, (tirx.LT, tirx.LE, tirx.GT, tirx.GE, tirx.EQ)):
+        step = Analyzer().simplify(pred.a - pred.b - lane)  # one side grows with the lane by exactly one
+        back = Analyzer().simplify(pred.b - pred.a - lane)
+        return not _uses(step, lane) or not _uses(back, lane)
+    return False
 
 
 def _first_line(e: Exception) -> str:
