@@ -156,7 +156,7 @@ def prim_tiles(machine, graph, prim, blocked_layout: bool = False) -> tuple[Tile
         m, n = (int(d) for d in prim.type.shape[-2:])
         k = int(graph.type_of(prim.inputs[0]).shape[-1])
         pack = packable(graph, prim)
-        tiles = contraction_tiles(machine, m, n, k, pack)
+        tiles = contraction_tiles(machine, m, n, k, pack, pad_cols=True)
         if pack and any(t.rows_outer for t in tiles):  # column panels outside too
             tiles += tuple(replace(t, rows_outer=False) for t in tiles)
         if prim.type.size * k <= SERIAL_MAX_MACS:  # small: serial too, and the faster one is kept

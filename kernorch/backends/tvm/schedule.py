@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 33
+SCHEDULES_VERSION = 34
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -39,6 +39,7 @@ class _NotApplicable(Exception):
     """A schedule rule does not fit this PrimFunc (not an error)."""
 
 
+PADDED_ATTR = "kernorch.padded_columns"  # a static contraction whose columns were padded to its tile
 BOUNDS_ATTR = "kernorch.bounds"  # a kernel over a range: {symbol: the largest value it serves}
 # iterations x work each below which a loop (or the row rule's row loop) stays serial. A parallel
 # launch cost about 3 us on a 2-core Zen 4 VM (1.4 us on another day): transformer_block's 64-wide
@@ -765,8 +766,8 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None, threads: int =
     if len(loops) != len(ivs) or kinds != [_DATA_PAR] * nsp + [_COMM_REDUCE] * (len(ivs) - nsp) or nsp < 1:
         raise _NotApplicable("unexpected loop structure")
     ext = [_extent(sch, lp) for lp in loops]
-    padded = any(e is None for e in ext)
-    if padded:  # a symbolic extent, padded to the tile before inlining (see _pad_symbolic)
+    padded = any(e is None for e in ext) or (func.attrs is not None and PADDED_ATTR in func.attrs)
+    if padded:  # a symbolic extent or ragged columns, padded to the tile before inlining (see _pad_symbolic)
         factors = _pad_factors(ext, nsp, lanes, tile)
         if any(e is None and f == 1 and i < nsp for i, (e, f) in enumerate(zip(ext, factors))):
             raise _NotApplicable("a symbolic spatial extent that is not padded")
@@ -1122,8 +1123,9 @@ def _pad_factors(ext: list, nsp: int, lanes: int, tile: Tile | None) -> list[int
 
 
 def _pad_symbolic(func, lanes: int, tile: Tile | None):
-    """A contraction over a symbolic extent (kernorch.dynamic: e.g. seq rows) gets its iteration
-    domain padded to a multiple of the tile on each symbolic spatial axis (`pad_einsum`), before
+    """A contraction over a symbolic extent (kernorch.dynamic: e.g. seq rows), or a matmul whose
+    static columns its tile does not divide, gets its iteration domain padded to a multiple of the
+    tile on each such spatial axis (`pad_einsum`), before
     the injective stages are inlined (a packed weight's view is no einsum operand), so the tile body
     runs without a guard at any length: the operands are copied into padded buffers (or read
     through guarded loads when the depth is symbolic too), the result copied out of a padded
@@ -1134,10 +1136,20 @@ def _pad_symbolic(func, lanes: int, tile: Tile | None):
         return func
     sch, blk, loops, nsp = found
     ext = [_extent(sch, lp) for lp in loops]
-    if not any(e is None for e in ext[:nsp]):
+    # static columns no tile divides (kernorch.kernels.tiles.contraction_tiles `pad_cols`): a matmul's
+    # are padded to the tile too (not a packed operand's), its domain marked PADDED_ATTR so the rule
+    # copies its tiles out guarded
+    ragged = (tile is not None and not tile.pack and ext[nsp - 1] is not None and ext[nsp - 1] % tile.nb != 0
+              and _contraction_name(func).startswith("matmul"))
+    if not any(e is None for e in ext[:nsp]) and not ragged:
         return func
     name = sch.get(blk).name_hint
-    sch.pad_einsum(blk, _pad_factors(ext, nsp, lanes, tile))
+    factors = _pad_factors(ext, nsp, lanes, tile)
+    if ragged:
+        factors[nsp - 1] = tile.nb
+    sch.pad_einsum(blk, factors)
+    if ragged:
+        sch = _marked_padded(sch)
     pads = {sch.get(p).name_hint for p in sch.get_producers(sch.get_sblock(name))}
     sch = _read_rows_clamped(sch, sch.get_sblock(name))
     if any(e is None for e in ext[nsp:]):
@@ -1154,6 +1166,11 @@ def _pad_symbolic(func, lanes: int, tile: Tile | None):
             except Exception:  # noqa: BLE001 - a producer that cannot be inlined stays a copy
                 pass
     return sch.mod["main"]
+
+
+def _marked_padded(sch) -> s_tir.Schedule:
+    """`sch` on its function marked PADDED_ATTR (static columns padded to the tile)."""
+    return s_tir.Schedule(sch.mod["main"].with_attr(PADDED_ATTR, True))
 
 
 def _read_rows_clamped(sch, blk) -> s_tir.Schedule:
