@@ -98,7 +98,7 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
         raise KernorchError(f"unknown schedule mode {mode!r} (expected 'none', 'default', a tile like 't14x32p', "
                             "optionally after a layout like 'b16/')")
     try:
-        base = _inline_pass(_pad_symbolic(func, lanes, None))
+        base = _inline_pass(_pad_to_tile(func, lanes, None))
     except Exception as e:  # noqa: BLE001 - inlining is an optimisation only
         log.debug("inline pass failed: %s", e)
         base = func
@@ -172,7 +172,7 @@ def _tiled(func, lanes: int, tile: Tile, mode: str, threads: int = 1) -> s_tir.S
     micro-kernel (output channels as vectors); an attention's, its scores' tile and query-row
     tile; otherwise the GEMM (in the plain layout a conv's GEMM over output channels x output
     width)."""
-    base = _inline_pass(_pad_symbolic(func, lanes, tile))
+    base = _inline_pass(_pad_to_tile(func, lanes, tile))
     if _count_contractions(base) == 2:  # an attention (kernorch.candidates._attention)
         return _rule_attention(base, lanes, tile)
     conv_kernel = _contraction_name(base).startswith("conv") and split(mode)[0] is not None
@@ -387,7 +387,8 @@ def _whole_vectors_unguarded(func: tirx.PrimFunc) -> tirx.PrimFunc:
     be read where the condition holds). The scores of an attention over seq=1..512 (6 heads of
     64, keys padded to 16, t4x16r, alone, hot; Zen 3, AVX2, two alternations) took 5.1-5.3 us
     at seq=1 with the copy lane by lane, 4.0 now; 5.3-11.8 and 4.4-4.5 at 7; 16.8-30.8 and
-    11.8-13.2 at 32. Static kernels are left as they are."""
+    11.8-13.2 at 32. Static kernels are left as they are. A store predicated lane by lane (a padded
+    tile's copy-out) is split by `_whole_vectors_unpredicated`."""
     from tvm.sym.analyzer import Analyzer
 
     def at_lane(expr, binding, lane, value):
@@ -450,8 +451,9 @@ def _whole_vectors_unguarded(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
 
 def _whole_vectors_unpredicated(loop):
-    """A vectorized loop whose block is predicated lane by lane against a symbolic length (the
-    copy-out of a tile padded over seq columns: `T.where(... and j * 16 + lane < seq)`) as two
+    """A vectorized loop whose block is predicated lane by lane against a length (the copy-out of a
+    tile padded over seq columns, `T.where(... and j * 16 + lane < seq)`, or over static columns no
+    tile divides, `j * 16 + lane < 300`) as two
     loops: where the predicate holds at its first and its last lane, the block without it (whole
     vector stores), else as it was. TVM stores a predicated block under a vectorized loop one lane
     at a time, each behind a branch. Only predicates whose truth at both ends implies it at every
@@ -767,7 +769,7 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None, threads: int =
         raise _NotApplicable("unexpected loop structure")
     ext = [_extent(sch, lp) for lp in loops]
     padded = any(e is None for e in ext) or (func.attrs is not None and PADDED_ATTR in func.attrs)
-    if padded:  # a symbolic extent or ragged columns, padded to the tile before inlining (see _pad_symbolic)
+    if padded:  # a symbolic extent or ragged columns, padded to the tile before inlining (see _pad_to_tile)
         factors = _pad_factors(ext, nsp, lanes, tile)
         if any(e is None and f == 1 and i < nsp for i, (e, f) in enumerate(zip(ext, factors))):
             raise _NotApplicable("a symbolic spatial extent that is not padded")
@@ -1122,7 +1124,7 @@ def _pad_factors(ext: list, nsp: int, lanes: int, tile: Tile | None) -> list[int
     return [(cols if i == nsp - 1 else rows) if e is None and i < nsp else 1 for i, e in enumerate(ext)]
 
 
-def _pad_symbolic(func, lanes: int, tile: Tile | None):
+def _pad_to_tile(func, lanes: int, tile: Tile | None):
     """A contraction over a symbolic extent (kernorch.dynamic: e.g. seq rows), or a matmul whose
     static columns its tile does not divide, gets its iteration domain padded to a multiple of the
     tile on each such spatial axis (`pad_einsum`), before
