@@ -1123,3 +1123,49 @@ def test_a_chain_of_polynomial_math_functions_is_not_inlined_into_a_huge_kernel(
     x = np.random.default_rng(0).uniform(-2.0, 2.0, t.shape).astype(np.float32)
     got = kt.build(mod, target)(x)
     np.testing.assert_allclose(got[0], reference(g, {"x": x}, [prev])[0], rtol=1e-5, atol=1e-5)
+
+
+def test_root_buffers_skip_compaction_and_the_lowering_is_otherwise_tvms():
+    """passes._lowering is TVM's default lowering pass for pass, except that the buffers the root
+    block keeps in memory are hidden from CompactBufferAllocation as extra params (the analysis of
+    their accesses over a symbolic length was most of an attention kernel's compilation). A kernel
+    without such a buffer lowers to what TVM's own pipeline makes of it. One with an intermediate
+    that two loop nests share, over a symbolic length, is hidden and restored unchanged, and
+    computes what TVM's pipeline computes at several lengths."""
+    import tvm
+    from tvm import s_tir, te, tirx
+    from kernorch.backends.tvm import passes
+    n = tirx.Var("n", "int64")
+    a = te.placeholder((n,), name="a")
+    b = te.compute((n,), lambda i: a[i] * 2.0, name="b")
+    c = te.compute((n,), lambda i: b[i] + b[n - 1 - i], name="c")
+    target = tvm.target.Target("llvm")
+
+    def lowered(mod, pipeline):
+        with tvm.transform.PassContext(opt_level=3):
+            return pipeline(tvm.tirx.transform.BindTarget(target.with_host(target))(mod))
+    simple = tvm.IRModule({"main": te.create_prim_func([a, b])})
+    tvms = tvm.tirx.compilation_pipeline.get_tir_pipeline("default")[0]
+    tvm.ir.assert_structural_equal(lowered(simple, passes._lowering()), lowered(simple, tvms))
+
+    shared = tvm.IRModule({"main": te.create_prim_func([a, c])})
+    with tvm.transform.PassContext(opt_level=3):
+        planned = s_tir.transform.PlanAndUpdateBufferAllocationLocation()(
+            s_tir.transform.ConvertBlocksToOpaque()(s_tir.transform.LowerInitBlock()(shared)))
+        hidden = passes.hide_root_buffers(planned)
+    root = hidden["main"].body.block
+    assert [p.name for p in hidden["main"].params] == ["a", "c", "b"] and not root.alloc_buffers
+    assert int(hidden["main"].attrs[passes.HIDDEN_ATTR]) == 1
+    tvm.ir.assert_structural_equal(passes.restore_root_buffers(hidden), planned)
+    final = lowered(shared, passes._lowering())["main"]
+    assert passes.HIDDEN_ATTR not in final.attrs and "assert num_args == 2" in final.script()
+    for length in (1, 5, 64):
+        x = np.random.default_rng(length).standard_normal(length).astype(np.float32)
+        outs = []
+        for pipeline in (passes.PIPELINE, "default"):
+            f = tvm.compile(shared, target="llvm", tir_pipeline=pipeline)["main"]
+            out = tvm.runtime.empty((length,), "float32", tvm.cpu())
+            f(tvm.runtime.tensor(x), out)
+            outs.append(out.numpy())
+        np.testing.assert_array_equal(outs[0], outs[1])
+        np.testing.assert_allclose(outs[0], 2 * x + 2 * x[::-1], rtol=1e-6)
