@@ -38,16 +38,18 @@ def _bytes(buf) -> int | None:
     return int(np.prod([int(d) for d in buf.shape], dtype=np.int64)) * dt.bits // 8 * dt.lanes
 
 
+def _map_funcs(mod: tvm.IRModule, fn) -> tvm.IRModule:
+    """`mod` with each PrimFunc replaced by `fn(func)`."""
+    return tvm.IRModule({gv: fn(f) if isinstance(f, tirx.PrimFunc) else f for gv, f in mod.functions.items()},
+                        attrs=mod.attrs)
+
+
 def _rewrite_funcs(mod: tvm.IRModule, visit) -> tvm.IRModule:
     """`mod` with the body of each PrimFunc rewritten by `visit` (tirwalk.rewrite)."""
-    funcs = {}
-    for gv, func in mod.functions.items():
-        if isinstance(func, tirx.PrimFunc):
-            body = rewrite(func.body, visit)
-            if not body.same_as(func.body):
-                func = func.with_body(body)
-        funcs[gv] = func
-    return tvm.IRModule(funcs, attrs=mod.attrs)
+    def body_of(func):
+        body = rewrite(func.body, visit)
+        return func if body.same_as(func.body) else func.with_body(body)
+    return _map_funcs(mod, body_of)
 
 
 # a stored value of more nodes than this has its repeated subexpressions bound once (`let_repeated`)
@@ -151,11 +153,6 @@ def _with_root(func, params, allocs):
     block = with_body(root.block, root.block.body, allocs)
     return tirx.PrimFunc(params, s_tir.stmt.SBlockRealize(root.iter_values, root.predicate, block), func.ret_type,
                          func.attrs, func.span)
-
-
-def _map_funcs(mod: tvm.IRModule, fn) -> tvm.IRModule:
-    return tvm.IRModule({gv: fn(f) if isinstance(f, tirx.PrimFunc) else f for gv, f in mod.functions.items()},
-                        attrs=mod.attrs)
 
 
 def _hide(func):
