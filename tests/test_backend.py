@@ -1169,3 +1169,39 @@ def test_root_buffers_skip_compaction_and_the_lowering_is_otherwise_tvms():
             outs.append(out.numpy())
         np.testing.assert_array_equal(outs[0], outs[1])
         np.testing.assert_allclose(outs[0], 2 * x + 2 * x[::-1], rtol=1e-6)
+
+
+def test_a_kernel_over_a_range_asserts_its_lengths_so_tvm_lowers_divisions_by_them_plainly():
+    """passes.bound_symbols: a kernel over a range starts by asserting 1 <= n <= its bound, which
+    TVM's analyzing passes take as a fact. A division and a remainder by n are then lowered to one
+    machine division each (without the assertion: a select on signs TVM could not decide, around
+    each), the kernel computes the same, and a length beyond the bound fails with a message that
+    names the range instead of reading out of bounds."""
+    import tvm
+    from tvm import te, tirx
+    from kernorch.backends.tvm import passes
+    from kernorch.backends.tvm.lower import BOUNDS_ATTR
+    n = tirx.Var("n", "int64")
+    a = te.placeholder((n, 3), name="a")
+    b = te.compute((3 * n,), lambda i: a[i % n, i // n] * 2.0, name="b")
+    target = tvm.target.Target("llvm")
+    free = tvm.IRModule({"main": te.create_prim_func([a, b])})
+    bounded = tvm.IRModule({"main": free["main"].with_attr(BOUNDS_ATTR, {"n": 64})})
+
+    def host_code(mod):
+        with tvm.transform.PassContext(opt_level=3):
+            low = passes._lowering()(tvm.tirx.transform.BindTarget(target.with_host(target))(mod))
+            return passes._pipeline()[1]()(low)["main"].script()
+    assert "T.Select" in host_code(free)
+    code = host_code(bounded)
+    assert "T.Select" not in code and "T.truncmod(i, n) * T.int64(3) + T.Div(i, n)" in code
+    f = tvm.compile(bounded, target="llvm", tir_pipeline=passes.PIPELINE)["main"]
+    for length in (1, 5, 64, 65):
+        x = np.random.default_rng(length).standard_normal((length, 3)).astype(np.float32)
+        out = tvm.runtime.empty((3 * length,), "float32", tvm.cpu())
+        if length > 64:
+            with pytest.raises(ValueError, match=r"outside this kernel's range n=1\.\.64"):
+                f(tvm.runtime.tensor(x), out)
+            continue
+        f(tvm.runtime.tensor(x), out)
+        np.testing.assert_array_equal(out.numpy(), 2 * x.T.reshape(-1))

@@ -80,6 +80,7 @@ def divisible(extent, k: int) -> bool:
 T = types.SimpleNamespace(te=te, tir=tirx, topi=topi, divisible=divisible)
 
 NUM_INPUTS_ATTR = "kernorch.num_inputs"
+BOUNDS_ATTR = "kernorch.bounds"  # a kernel over a range: {symbol: the largest value it serves}
 UNPACK = "unpack"  # TE stages that read a packed operand as its logical tensor (always inlined)
 VIEW = "view"      # TE stages that read an operand re-indexed (rows clamped, columns masked; always inlined)
 BLOCK = "block"    # TE stages that write a kernel output in a blocked layout

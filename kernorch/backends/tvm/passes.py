@@ -1,7 +1,9 @@
 """The TIR pipeline kernorch compiles every kernel with: TVM's default, plus small local buffers
-kept on the stack, repeated subexpressions bound once before lowering (`let_repeated`), and the
+kept on the stack, repeated subexpressions bound once before lowering (`let_repeated`), the
 buffers a kernel's root block keeps in memory hidden from TVM's buffer compaction
-(`hide_root_buffers`), which cannot shrink them and spent most of a kernel's build analysing them.
+(`hide_root_buffers`), which cannot shrink them and spent most of a kernel's build analysing them,
+and a kernel over a range asserting its lengths first (`bound_symbols`), so that TVM's passes know
+them positive and bounded.
 
 TVM lowers a local buffer of 1024 bytes or more (`kMaxStackAlloca`, strictly less stays on the
 stack) to a `TVMBackendAllocWorkspace` call and a free, and LLVM then clears it with a memset and
@@ -23,6 +25,7 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 
+from .lower import BOUNDS_ATTR
 from .tirwalk import is_call, map_expr, operands, rewrite, with_body
 
 # a register tile and its neighbours: the largest micro-kernel tile is the register file
@@ -147,10 +150,10 @@ def _root_block(func):
     return body.block if isinstance(body, s_tir.stmt.SBlockRealize) else None
 
 
-def _with_root(func, params, allocs):
-    """`func` with these params and its root block allocating `allocs`."""
+def _with_root(func, params, allocs, body=None):
+    """`func` with these params and its root block allocating `allocs` (and running `body`)."""
     root = func.body
-    block = with_body(root.block, root.block.body, allocs)
+    block = with_body(root.block, root.block.body if body is None else body, allocs)
     return tirx.PrimFunc(params, s_tir.stmt.SBlockRealize(root.iter_values, root.predicate, block), func.ret_type,
                          func.attrs, func.span)
 
@@ -190,16 +193,57 @@ def restore_root_buffers(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     return _map_funcs(mod, _restore)
 
 
+def _symbols(func) -> dict:
+    """The symbolic lengths of `func`'s parameter shapes (and its scalar parameters), by name."""
+    out = {}
+    for p in func.params:
+        try:
+            dims = list(p.shape)
+        except AttributeError:  # a scalar parameter (a length the executable passes by value)
+            dims = [p]
+        out.update((v.name, v) for d in dims for v in tirx.analysis.undefined_vars(d))
+    return out
+
+
+def _bounded(func):
+    root = _root_block(func)
+    bounds = dict(func.attrs[BOUNDS_ATTR]) if func.attrs is not None and BOUNDS_ATTR in func.attrs else {}
+    syms = {n: v for n, v in _symbols(func).items() if n in bounds}
+    if root is None or not syms:
+        return func
+    cond = None
+    for name, var in sorted(syms.items()):
+        c = tirx.And(var >= 1, var <= int(bounds[name]))  # (in the variable's own type)
+        cond = c if cond is None else tirx.And(cond, c)
+    ranges = ", ".join(f"{n}=1..{int(bounds[n])}" for n in sorted(syms))
+    check = tirx.AssertStmt(cond, tvm.ir.expr.StringImm("ValueError"),
+                            [tvm.ir.expr.StringImm(f"kernorch: a length outside this kernel's range {ranges}")])
+    return _with_root(func, list(func.params), list(root.alloc_buffers), tirx.SeqStmt([check, root.body]))
+
+
+@tvm.transform.module_pass(opt_level=0, name="kernorch.BoundSymbols")
+def bound_symbols(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """A kernel over a range (BOUNDS_ATTR) starts by asserting that each symbolic length lies in
+    1..its bound. TVM's passes that simplify with an analyzer take an assertion as a fact for the
+    statements after it, so they know a length is positive and bounded: LowerIntrin turns
+    `i // seq` into one division instead of a division corrected for signs it could not decide, and
+    the simplifications it enables left less code. An attention's scores over seq (t6x16r, Zen 3)
+    compiled in 0.73-0.85 s instead of 1.4-1.6 s (code generation 0.26 instead of 0.88 s). A length
+    outside the range (never passed by the executable, which checks its inputs) fails with the
+    assertion's message instead of running out of bounds."""
+    return _map_funcs(mod, _bounded)
+
+
 def _lowering():
     """TVM 0.27's default lowering (tvm.s_tir.pipeline.default_s_tir_pipeline: the same passes in the
-    same order, read from the same configuration) with `let_repeated` first and the root buffers hidden
-    from CompactBufferAllocation (`hide_root_buffers`)."""
+    same order, read from the same configuration) with `bound_symbols` and `let_repeated` first and the
+    root buffers hidden from CompactBufferAllocation (`hide_root_buffers`)."""
 
     @tvm.transform.module_pass(opt_level=0, name="kernorch.Lowering")
     def lowering(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         config = tvm.transform.PassContext.current().config
         st, tx = s_tir.transform, tirx.transform
-        passes = [let_repeated, st.CanonicalizeLoop(), st.LowerCrossThreadReduction(), st.LowerInitBlock(),
+        passes = [bound_symbols, let_repeated, st.CanonicalizeLoop(), st.LowerCrossThreadReduction(), st.LowerInitBlock(),
                   st.PlanAndUpdateBufferAllocationLocation(), st.ConvertBlocksToOpaque(), st.LiftThreadBinding(),
                   st.ManifestSharedMemoryLocalStage(),
                   hide_root_buffers, st.CompactBufferAllocation(), restore_root_buffers,

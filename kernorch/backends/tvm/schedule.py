@@ -22,7 +22,7 @@ from ...ir import KernorchError
 from ...kernels import Tile, Winograd, split
 from ...kernels.tiles import NARROW_KEYS, SMALL_ROWS, SMALL_ROWS_COST, row_tile
 from ...kernels.variants import CONVERSIONS
-from .lower import NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, ROWS_OUT, UNPACK, VIEW, divisible
+from .lower import BOUNDS_ATTR, NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, ROWS_OUT, UNPACK, VIEW, divisible
 from .tirwalk import buffers_in, is_call, loads, operands, rewrite, substitute_buffers, with_body
 from .target import vector_bits
 
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 35
+SCHEDULES_VERSION = 36
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -40,7 +40,6 @@ class _NotApplicable(Exception):
 
 
 PADDED_ATTR = "kernorch.padded_columns"  # a static contraction whose columns were padded to its tile
-BOUNDS_ATTR = "kernorch.bounds"  # a kernel over a range: {symbol: the largest value it serves}
 # iterations x work each below which a loop (or the row rule's row loop) stays serial. A parallel
 # launch cost about 3 us on a 2-core Zen 4 VM (1.4 us on another day): transformer_block's 64-wide
 # row mean over 32 rows took 3.0 us in parallel and 0.2 serial, its 32x64 LayerNorm 1.2 and 0.6,
