@@ -323,27 +323,15 @@ def test_a_tile_over_symbolic_rows_carries_a_small_tile_for_short_lengths(block)
     from kernorch.backends.tvm.schedule import SMALL_ROWS, schedule
     from kernorch.backends.tvm.target import make_target
     from kernorch.ir import kernel_graph
-    from kernorch.kernels import pack_args
-    from kernorch.executor import run as reference
     _, generic = block
-    p = next(q for q in generic.prims if q.op == "matmul" and q.inputs[1] in generic.constants
-             and int(np.shape(generic.constants[q.inputs[1]])[-1]) % 64 == 0)
-    ins = list(p.inputs)
+    p, ins = _weight_gemm(generic, 64)
     kg = kernel_graph(generic, [p.name], ins, [p.name])
     target = make_target(1)
     mod = schedule(lower(kg, kg.prims, ins, [p.name], "t6x64p"), target, "t6x64p", bounds={"seq": 512})
     assert int(mod["main"].attrs["kernorch.small_rows"]) == SMALL_ROWS
     script = mod["main"].script()
     assert "T.unroll(T.int64(6))" in script and f"T.unroll(T.int64({SMALL_ROWS}))" in script, script
-    ex = tvm.compile(mod, target=target)
-    for s in (1, 7, 23, 64):
-        b = dynamic.bind(kg, {"seq": s})
-        x = np.random.default_rng(s).standard_normal(b.type_of(ins[0]).shape).astype(np.float32)
-        args = pack_args(b, ins, "t6x64p", [x, np.asarray(b.constants[ins[1]], np.float32)])
-        got = tvm.runtime.empty(b.type_of(p.name).shape, "float32", tvm.cpu())
-        ex["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args], got)
-        np.testing.assert_allclose(got.numpy(), reference(b, {ins[0]: x})[p.name], rtol=1e-4, atol=1e-4,
-                                   err_msg=f"seq={s}")
+    _packed_gemm_right(kg, p, ins, "t6x64p", tvm.compile(mod, target=target), (1, 7, 23, 64))
     static = dynamic.bind(kg, {"seq": 23})
     smod = schedule(lower(static, static.prims, ins, [p.name], "t6x64p"), target, "t6x64p")
     assert "kernorch.small_rows" not in smod["main"].attrs
@@ -360,12 +348,8 @@ def test_copies_of_a_kernel_hold_only_the_loops_some_length_reaches(block, monke
     from kernorch.backends.tvm.lower import lower
     from kernorch.backends.tvm.target import make_target
     from kernorch.ir import kernel_graph
-    from kernorch.kernels import pack_args
-    from kernorch.executor import run as reference
     _, generic = block
-    p = next(q for q in generic.prims if q.op == "matmul" and q.inputs[1] in generic.constants
-             and int(np.shape(generic.constants[q.inputs[1]])[-1]) % 64 == 0)
-    ins = list(p.inputs)
+    p, ins = _weight_gemm(generic, 64)
     kg = kernel_graph(generic, [p.name], ins, [p.name])
     target = make_target(2)
 
@@ -380,15 +364,7 @@ def test_copies_of_a_kernel_hold_only_the_loops_some_length_reaches(block, monke
     assert "T.parallel" not in small_copy and "T.unroll(T.int64(2))" in small_copy
     monkeypatch.setattr(sched, "_without_dead_branches", lambda f: f)
     assert mod.script().count("T.parallel") < scheduled().script().count("T.parallel")
-    ex = tvm.compile(mod, target=target)
-    for s in (1, 2, 3, 7, 64, 512):
-        b = dynamic.bind(kg, {"seq": s})
-        x = np.random.default_rng(s).standard_normal(b.type_of(ins[0]).shape).astype(np.float32)
-        args = pack_args(b, ins, "t6x64p", [x, np.asarray(b.constants[ins[1]], np.float32)])
-        got = tvm.runtime.empty(b.type_of(p.name).shape, "float32", tvm.cpu())
-        ex["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args], got)
-        np.testing.assert_allclose(got.numpy(), reference(b, {ins[0]: x})[p.name], rtol=1e-4, atol=1e-4,
-                                   err_msg=f"seq={s}")
+    _packed_gemm_right(kg, p, ins, "t6x64p", tvm.compile(mod, target=target), (1, 2, 3, 7, 64, 512))
 
 
 def test_a_packed_tile_over_symbolic_rows_prefetches_the_next_weight_panel():
@@ -421,6 +397,21 @@ def test_a_packed_tile_over_symbolic_rows_prefetches_the_next_weight_panel():
         x = np.random.default_rng(s).standard_normal((s, 96)).astype(np.float32)
         got = kernel(*pack_args(b, ["x", "w"], "t6x64p", [x, w]), out_shapes=[(s, 128)])[0]
         np.testing.assert_allclose(got, reference(b, {"x": x})["y"], rtol=1e-4, atol=1e-4, err_msg=f"seq={s}")
+
+
+def _packed_gemm_right(kg, p, ins, tile: str, ex, lengths) -> None:
+    """The compiled weight GEMM `ex` (its weight packed for `tile`) computes the reference at each length."""
+    import tvm
+    from kernorch.executor import run as reference
+    from kernorch.kernels import pack_args
+    for s in lengths:
+        b = dynamic.bind(kg, {"seq": s})
+        x = np.random.default_rng(s).standard_normal(b.type_of(ins[0]).shape).astype(np.float32)
+        args = pack_args(b, ins, tile, [x, np.asarray(b.constants[ins[1]], np.float32)])
+        got = tvm.runtime.empty(b.type_of(p.name).shape, "float32", tvm.cpu())
+        ex["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args], got)
+        np.testing.assert_allclose(got.numpy(), reference(b, {ins[0]: x})[p.name], rtol=1e-4, atol=1e-4,
+                                   err_msg=f"seq={s}")
 
 
 def _weight_gemm(generic, cols: int):
@@ -463,8 +454,7 @@ def test_row_copies_are_each_in_the_kernel_and_each_computes_the_gemm(block, til
     from kernorch.backends.tvm.schedule import schedule
     from kernorch.backends.tvm.target import make_target
     from kernorch.ir import kernel_graph
-    from kernorch.kernels import Tile, pack_args
-    from kernorch.executor import run as reference
+    from kernorch.kernels import Tile
     t = Tile.parse(tile)
     p, ins = _weight_gemm(block[1], t.nb)
     kg = kernel_graph(block[1], [p.name], ins, [p.name])
@@ -478,15 +468,7 @@ def test_row_copies_are_each_in_the_kernel_and_each_computes_the_gemm(block, til
     ran = [t.pick(n) for n in range(1, 301)]
     changes = [n for n in range(2, 301) if ran[n - 1] != ran[n - 2]]
     assert {ran[n - 1] for n in range(1, 301)} == {c[0] for c in t.copies}   # every copy runs somewhere
-    lengths = sorted({1, *(x for n in changes for x in (n - 1, n)), 300})
-    for s in lengths:
-        b = dynamic.bind(kg, {"seq": s})
-        x = np.random.default_rng(s).standard_normal(b.type_of(ins[0]).shape).astype(np.float32)
-        args = pack_args(b, ins, tile, [x, np.asarray(b.constants[ins[1]], np.float32)])
-        got = tvm.runtime.empty(b.type_of(p.name).shape, "float32", tvm.cpu())
-        ex["main"](*[tvm.runtime.tensor(np.ascontiguousarray(a)) for a in args], got)
-        np.testing.assert_allclose(got.numpy(), reference(b, {ins[0]: x})[p.name], rtol=1e-4, atol=1e-4,
-                                   err_msg=f"seq={s}")
+    _packed_gemm_right(kg, p, ins, tile, ex, sorted({1, *(x for n in changes for x in (n - 1, n)), 300}))
 
 
 def test_a_tile_over_symbolic_rows_reads_its_rows_in_place_without_a_padding_copy(block):
