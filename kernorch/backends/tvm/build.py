@@ -14,7 +14,7 @@ from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
 from ...ir import KernorchError
-from .lower import BOUNDS_ATTR, NUM_INPUTS_ATTR
+from .lower import NUM_INPUTS_ATTR, bounds_of
 from .passes import PIPELINE
 from .schedule import CACHE_LINE
 from .tirwalk import operands
@@ -212,7 +212,7 @@ def check_bounds(mod: tvm.IRModule) -> None:
     syms = {d.name: d for buf in func.params for d in buf.shape if isinstance(d, tirx.Var)}
     if not syms:
         return _check_bounds(mod)
-    bounds = dict(func.attrs[BOUNDS_ATTR]) if func.attrs is not None and BOUNDS_ATTR in func.attrs else {}
+    bounds = bounds_of(func)
     from tvm.sym.analyzer import Analyzer
     for value in SYMBOLIC_PROBES + tuple(int(v) for v in bounds.values()):
         ana = Analyzer()

@@ -87,6 +87,12 @@ BLOCK = "block"    # TE stages that write a kernel output in a blocked layout
 ROWS_OUT = "rows_out"  # the TE stage that copies a padded attention's real rows out
 
 
+def bounds_of(func) -> dict[str, int]:
+    """A kernel's BOUNDS_ATTR: {symbol: the largest value it serves}, {} for a static kernel."""
+    attrs = func.attrs
+    return {k: int(v) for k, v in attrs[BOUNDS_ATTR].items()} if attrs is not None and BOUNDS_ATTR in attrs else {}
+
+
 NARROW_KEYS_FUNC = "narrow_keys"  # the module's copy of an attention in narrow key tiles
 NARROW_KEYS_WHEN = "kernorch.narrow_keys_when"  # its attribute: the length condition it runs under
 

@@ -25,7 +25,7 @@ import tvm
 import tvm_ffi
 from tvm import s_tir, tirx
 
-from .lower import BOUNDS_ATTR
+from .lower import bounds_of
 from .tirwalk import is_call, map_expr, operands, rewrite, with_body
 
 # a register tile and its neighbours: the largest micro-kernel tile is the register file
@@ -207,7 +207,7 @@ def _symbols(func) -> dict:
 
 def _bounded(func):
     root = _root_block(func)
-    bounds = dict(func.attrs[BOUNDS_ATTR]) if func.attrs is not None and BOUNDS_ATTR in func.attrs else {}
+    bounds = bounds_of(func)
     syms = {n: v for n, v in _symbols(func).items() if n in bounds}
     if root is None or not syms:
         return func
@@ -223,7 +223,7 @@ def _bounded(func):
 
 @tvm.transform.module_pass(opt_level=0, name="kernorch.BoundSymbols")
 def bound_symbols(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
-    """A kernel over a range (BOUNDS_ATTR) starts by asserting that each symbolic length lies in
+    """A kernel over a range (lower.BOUNDS_ATTR) starts by asserting that each symbolic length lies in
     1..its bound. TVM's passes that simplify with an analyzer take an assertion as a fact for the
     statements after it, so they know a length is positive and bounded: LowerIntrin turns
     `i // seq` into one division instead of a division corrected for signs it could not decide, and

@@ -22,7 +22,7 @@ from ...ir import KernorchError
 from ...kernels import Tile, Winograd, split
 from ...kernels.tiles import NARROW_KEYS, SMALL_ROWS, SMALL_ROWS_COST, row_tile
 from ...kernels.variants import CONVERSIONS
-from .lower import BOUNDS_ATTR, NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, ROWS_OUT, UNPACK, VIEW, divisible
+from .lower import BOUNDS_ATTR, NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, ROWS_OUT, UNPACK, VIEW, bounds_of, divisible
 from .tirwalk import buffers_in, is_call, loads, operands, rewrite, substitute_buffers, with_body
 from .target import vector_bits
 
@@ -319,8 +319,7 @@ def _without_dead_branches(func: tirx.PrimFunc) -> tirx.PrimFunc:
     the scores over seq=1..512 (t6x16r, Zen 3) in 466 lines of TIR instead of 672, compiled in 0.56
     s instead of 0.68 and emitted in 0.28 instead of 0.44; the code that runs is the same.
     Conditions over anything but the length are kept."""
-    attrs = func.attrs
-    bounds = dict(attrs[BOUNDS_ATTR]) if attrs is not None and BOUNDS_ATTR in attrs else {}
+    bounds = bounds_of(func)
     root = func.body.block if isinstance(func.body, s_tir.stmt.SBlockRealize) else None
     if len(bounds) != 1 or root is None:
         return func
@@ -434,7 +433,7 @@ def _serial_when_small(func: tirx.PrimFunc) -> tirx.PrimFunc:
     stmts = list(blk.body.seq) if isinstance(blk.body, tirx.SeqStmt) else [blk.body]
     from tvm.sym.analyzer import Analyzer
     ana = Analyzer()
-    bounds = func.attrs[BOUNDS_ATTR] if func.attrs is not None and BOUNDS_ATTR in func.attrs else {}
+    bounds = bounds_of(func)
     used: list = []   # each root statement's buffers, walked only once a loop is duplicated (never for static work)
 
     def only(buf, i: int) -> bool:  # a buffer of the root that only statement i touches
@@ -791,12 +790,12 @@ def _parallel(sch, loops, min_work: int = 0, serial: bool = False) -> object | N
 
 def _upper_bound(sch, expr) -> int | None:
     """The largest value of a symbolic extent under the function's BOUNDS_ATTR (None: unbounded)."""
-    attrs = sch.mod["main"].attrs
-    if attrs is None or BOUNDS_ATTR not in attrs:
+    bounds = bounds_of(sch.mod["main"])
+    if not bounds:
         return None
     from tvm.sym.analyzer import Analyzer
     ana = Analyzer()
-    if not _bind_symbols(ana, expr, attrs[BOUNDS_ATTR]):
+    if not _bind_symbols(ana, expr, bounds):
         return None
     top = ana.const_int_bound(expr).max_value
     return int(top) if top < 2 ** 62 else None
