@@ -336,13 +336,13 @@ def _without_dead_branches(func: tirx.PrimFunc) -> tirx.PrimFunc:
             holds = np.broadcast_to(np.asarray(_at_lengths(store.value.condition, name, lengths), bool), lengths.shape)
         except _NotApplicable:
             return None
-        then = visit(branch.then_case, lengths[holds])
-        other = visit(branch.else_case, lengths[~holds]) if branch.else_case is not None else None
+        other = branch.else_case
         if holds.all():
-            return [then]
+            return [visit(branch.then_case, lengths)]
         if not holds.any():
-            return [other] if other is not None else []
-        return [store, tirx.IfThenElse(branch.condition, then, other)]
+            return [visit(other, lengths)] if other is not None else []
+        return [store, tirx.IfThenElse(branch.condition, visit(branch.then_case, lengths[holds]),
+                                       visit(other, lengths[~holds]) if other is not None else None)]
 
     def visit(stmt, lengths):  # (each opaque branch is a flag's store and a test of it in a SeqStmt)
         stmts = list(stmt.seq) if isinstance(stmt, tirx.SeqStmt) else [stmt]
