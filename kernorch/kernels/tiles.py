@@ -208,16 +208,20 @@ def fit_copies(times: dict[int, dict[int, float]]) -> tuple[tuple[int, tuple[tup
     """The cost curves of the row copies a tile family holds, from its tiles' times over symbolic
     rows. `times`: per tile row count (a tile without copies), its time in ns at each length it
     was timed at. At each length a tile ran one copy (`ran_copy`: its own or the SMALL_ROWS one) at
-    some number of passes; a copy's curve holds its time at every pass count it ran at (the mean
-    where several tiles ran it there), three significant digits. Returns (mr, ((passes, ns), ...))
-    per copy, the largest row count first."""
+    some number of passes; a copy's curve holds its time at every pass count it ran at, three
+    significant digits. Where several tiles ran the same copy at the same passes (every tile of a
+    family runs the SMALL_ROWS copy at seq=1), that is one code timed several times, and the least
+    time is kept: noise only ever slows a timing. (The mean let one slowed timing decide a copy:
+    a seq x 384 x 384 GEMM, Zen 3, timed its 2-row copy at seq=1 in 10.7 and 14.2 us, the mean
+    lost to the 6-row copy's 12.0 us at seq=5, and seq=1 ran 6 rows: 13.1 us against 9.5 alone.)
+    Returns (mr, ((passes, ns), ...)) per copy, the largest row count first."""
     points: dict[int, dict[int, list[float]]] = {}
     for mr, by_length in times.items():
         for rows, ns in by_length.items():
             c = ran_copy(mr, rows)
             points.setdefault(c, {}).setdefault(passes(c, rows), []).append(float(ns))
     return tuple((mr, tuple((p, _three_digits(t)) for p, t in
-                            _under_chords([(p, sum(ts) / len(ts)) for p, ts in sorted(points[mr].items())])))
+                            _under_chords([(p, min(ts)) for p, ts in sorted(points[mr].items())])))
                  for mr in sorted(points, reverse=True))
 
 
