@@ -1107,7 +1107,7 @@ def test_a_copy_curve_point_far_above_the_chord_of_its_neighbours_is_lowered_ont
 def test_a_copy_timed_in_several_tiles_keeps_its_least_time():
     """Every tile of a family runs the same 2-row copy at seq=1: one code timed twice, and a slowed
     timing must not decide the copy. A seq x 384 x 384 GEMM on a Zen 3 timed it at 10.7 and 14.2 us,
-    the 6-row copy at 12.0 us (seq=5); by the mean seq=1 ran 6 rows (13.1 us against 9.5)."""
+    the 6-row copy at 12.0 us (seq=5); by the mean seq=1 ran 6 rows (13.1 us against 9.5, alone and hot)."""
     from kernorch.kernels import Tile
     from kernorch.kernels.tiles import fit_copies
     times = {6: {1: 10740, 5: 11962, 23: 41578, 109: 192809, 512: 784384},

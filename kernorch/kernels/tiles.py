@@ -213,7 +213,7 @@ def fit_copies(times: dict[int, dict[int, float]]) -> tuple[tuple[int, tuple[tup
     family runs the SMALL_ROWS copy at seq=1), that is one code timed several times, and the least
     time is kept: noise only ever slows a timing. (The mean let one slowed timing decide a copy:
     a seq x 384 x 384 GEMM, Zen 3, timed its 2-row copy at seq=1 in 10.7 and 14.2 us, the mean
-    lost to the 6-row copy's 12.0 us at seq=5, and seq=1 ran 6 rows: 13.1 us against 9.5 alone.)
+    lost to the 6-row copy's 12.0 us at seq=5, and seq=1 ran 6 rows: 13.1 us against 9.5, alone and hot.)
     Returns (mr, ((passes, ns), ...)) per copy, the largest row count first."""
     points: dict[int, dict[int, list[float]]] = {}
     for mr, by_length in times.items():
