@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 
 from .ir import KernorchError
 from .options import Options
@@ -178,24 +180,39 @@ def options_from(args) -> Options:
     return o.with_(**kw)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a `kill`, a job scheduler's stop): unwound as Ctrl-C is, so the run's temporary
+    build directory is removed and its workers are closed (killed outright, a run left its
+    directory of built kernels in the temporary directory: 4375 of them once)."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
+    previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() else None
     try:
         from . import commands
         return getattr(commands, f"cmd_{args.cmd}")(args, options_from(args))
     except KernorchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted: measurements so far are kept in the profile database", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:
+        print(f"{'terminated' if isinstance(e, Terminated) else 'interrupted'}: measurements so far are kept in the "
+              "profile database", file=sys.stderr)
+        return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
     except Exception as e:  # never a bare traceback from deep inside a dependency
         if getattr(args, "debug", False):
             raise
         print(f"internal error: {type(e).__name__}: {e}\n(rerun with --debug for the traceback)", file=sys.stderr)
         return 3
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -559,7 +559,9 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
 
     own = workers is None
     workers = workers or Workers(options)
-    with tempfile.TemporaryDirectory(prefix="kernorch-build-") as tmp, contextlib.ExitStack() as stack:
+    # (an interrupted run removes it while a worker may still be writing a kernel into it)
+    with tempfile.TemporaryDirectory(prefix="kernorch-build-", ignore_cleanup_errors=True) as tmp, \
+            contextlib.ExitStack() as stack:
         if own:
             stack.callback(workers.close)
         built: dict[tuple[str, str, str], dict] = {}

@@ -104,6 +104,30 @@ def test_a_killed_measurement_loses_nothing_and_resumes(tmp_path):
     assert rep["refused"] == 0
 
 
+def test_a_terminated_run_removes_its_build_directory_and_keeps_its_measurements(tmp_path):
+    """SIGTERM (a `kill`) unwinds the run as Ctrl-C does: exit code 143 and a message, its workers
+    gone, its temporary directory of built kernels removed, every stored measurement kept."""
+    model = chain_model(tmp_path / "m.onnx", depth=5)
+    db = tmp_path / "db.sqlite"
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen(cli("optimize", model, "-o", tmp_path / "out", "--db", db, *FAST),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp)})
+    t0 = time.time()
+    while time.time() - t0 < 300 and proc.poll() is None and rows(db) < 8:
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run ended before it could be terminated"
+    assert any(p.name.startswith("kernorch-build-") for p in tmp.iterdir())
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "terminated: measurements so far are kept" in err, err
+    assert not any(p.name.startswith("kernorch-build-") for p in tmp.iterdir())
+    time.sleep(1.0)
+    assert not any("kernorch" in " ".join(p) for p in _children_of(proc.pid))
+    assert rows(db) >= 8
+
+
 def _children_of(pid: int) -> list[list[str]]:
     import psutil
     out = []
