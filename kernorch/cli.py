@@ -194,7 +194,8 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    previous = signal.signal(signal.SIGTERM, _terminate) if threading.current_thread() is threading.main_thread() else None
+    installed = threading.current_thread() is threading.main_thread()  # (signals are for the main thread only)
+    previous = signal.signal(signal.SIGTERM, _terminate) if installed else None
     try:
         from . import commands
         return getattr(commands, f"cmd_{args.cmd}")(args, options_from(args))
@@ -202,17 +203,18 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
-        print(f"{'terminated' if isinstance(e, Terminated) else 'interrupted'}: measurements so far are kept in the "
-              "profile database", file=sys.stderr)
-        return 128 + (signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT)
+        term = isinstance(e, Terminated)
+        print(f"{'terminated' if term else 'interrupted'}: measurements so far are kept in the profile database",
+              file=sys.stderr)
+        return 128 + (signal.SIGTERM if term else signal.SIGINT)
     except Exception as e:  # never a bare traceback from deep inside a dependency
         if getattr(args, "debug", False):
             raise
         print(f"internal error: {type(e).__name__}: {e}\n(rerun with --debug for the traceback)", file=sys.stderr)
         return 3
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        if installed:  # (None: the previous handler was not set from Python, the default one)
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 if __name__ == "__main__":
