@@ -101,6 +101,36 @@ def test_out_of_bounds_kernel_is_refused(target):
     np.testing.assert_array_equal(k(x0, x1)[0], np.arange(8, dtype=np.float32))
 
 
+def test_a_kernel_over_a_symbolic_length_is_checked_where_a_select_may_read_out_of_bounds(target):
+    """Over seq a Select reading a[i + 1] for the first rows is out of bounds at seq=1 only: the
+    kernel is checked at a few lengths (build.SYMBOLIC_PROBES) and refused. A kernel whose Select
+    reads in bounds, or that has no load under a Select at all (looked at once, no length tried),
+    builds and computes its reference at any length."""
+    from tvm import te, tirx
+    import importlib
+    import tvm
+    kb = importlib.import_module("kernorch.backends.tvm.build")  # (the package's `build` is the function)
+    seq = tirx.Var("seq", "int64")
+    a, b = te.placeholder((seq,), name="a"), te.placeholder((seq,), name="b")
+
+    def module(f):
+        y = te.compute((seq,), f, name="y")
+        return tvm.IRModule({"main": te.create_prim_func([a, b, y]).with_attr("kernorch.num_inputs", 2)
+                             .with_attr("kernorch.bounds", {"seq": 64})})
+    bad = module(lambda i: tirx.Select(i < 2, a[i + 1], b[i]))
+    assert kb._loads_under_select(bad, None)
+    with pytest.raises(KernorchError, match="out of bounds"):
+        kt.build(bad, target)
+    inside = module(lambda i: tirx.Select(i < 2, a[i], b[i]))
+    plain = module(lambda i: a[i] + b[i])
+    assert kb._loads_under_select(inside, None) and not kb._loads_under_select(plain, None)
+    for mod, want in ((inside, lambda x0, x1: np.where(np.arange(len(x0)) < 2, x0, x1)), (plain, np.add)):
+        k = kt.build(mod, target)
+        for n in (1, 5):
+            x0, x1 = np.arange(n, dtype=np.float32), np.arange(10, 10 + n, dtype=np.float32)
+            np.testing.assert_array_equal(k(x0, x1, out_shapes=[(n,)])[0], want(x0, x1))
+
+
 def test_guarded_tail_loads_are_not_refused(target):
     """A nearest-resize gather (26 outputs split by the vector width) reads its index table under a
     Select, guarded by the split's tail condition: in bounds, so it builds (yolox's upsampling)."""
