@@ -14,6 +14,9 @@ import contextlib
 import functools
 import logging
 import math
+import os
+import shutil
+import socket
 import tempfile
 import time
 import zlib
@@ -425,6 +428,41 @@ class Workers:
         self.close()
 
 
+BUILD_DIR = "kernorch-build-"  # a run's temporary directory of built kernels: + host digest + pid
+
+
+def _host_build_dirs() -> str:
+    """The prefix of this host's build directories (a digest of its name: containers sharing /tmp
+    have process ids of their own); the owner's process id follows."""
+    return f"{BUILD_DIR}{zlib.crc32(socket.gethostname().encode()):08x}-"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
+def sweep_build_dirs(root: str | None = None) -> list[Path]:
+    """Remove the build directories of this host's runs that are gone (killed outright: SIGKILL, a
+    crash, a power cut leave theirs behind; an interrupted or terminated run removes its own);
+    returns them. A directory another host's run or a live process owns, or named otherwise, stays."""
+    host = _host_build_dirs()
+    removed = []
+    for d in Path(root or tempfile.gettempdir()).glob(host + "*"):
+        pid = d.name[len(host):].split("-")[0]
+        if d.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+            removed.append(d)
+    if removed:
+        log.info("removed %d build directories of runs that were killed", len(removed))
+    return removed
+
+
 def transient(error: str) -> bool:
     """A failure of the process, not of the kernel: its worker crashed (segfault, killed, out of
     memory) or hit the deadline (a loaded machine slows builds and runs down)."""
@@ -560,7 +598,8 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
     own = workers is None
     workers = workers or Workers(options)
     # (an interrupted run removes it while a worker may still be writing a kernel into it)
-    with tempfile.TemporaryDirectory(prefix="kernorch-build-", ignore_cleanup_errors=True) as tmp, \
+    sweep_build_dirs()
+    with tempfile.TemporaryDirectory(prefix=f"{_host_build_dirs()}{os.getpid()}-", ignore_cleanup_errors=True) as tmp, \
             contextlib.ExitStack() as stack:
         if own:
             stack.callback(workers.close)

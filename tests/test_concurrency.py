@@ -88,21 +88,46 @@ def _kill_when(proc, condition, timeout=300.0, sig=signal.SIGKILL, group=True) -
 
 
 def test_a_killed_measurement_loses_nothing_and_resumes(tmp_path):
+    """Killed outright, a run loses no stored measurement; it leaves its build directory behind,
+    which the next run removes (its owner is gone)."""
     model = chain_model(tmp_path / "m.onnx", depth=5)
     db = tmp_path / "db.sqlite"
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp)}
     proc = subprocess.Popen(cli("optimize", model, "-o", tmp_path / "out", "--db", db, *FAST),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
     assert _kill_when(proc, lambda: rows(db) >= 8), "the run ended before it could be killed"
     stored = rows(db)
     time.sleep(1.0)
     assert not any("kernorch" in " ".join(p) for p in _children_of(proc.pid))  # its workers died with it
+    left = [p for p in tmp.iterdir() if p.name.startswith("kernorch-build-")]
+    assert len(left) == 1 and f"-{proc.pid}-" in left[0].name
     r = subprocess.run(cli("candidates", model, "--db", db, "--json", "--threads", "1", "--max-kernel-size", "3"),
-                       capture_output=True, text=True, timeout=600)
+                       capture_output=True, text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stderr
     import json
     rep = json.loads(r.stdout)
     assert rep["from_database"] >= stored - 1  # every stored measurement is served (one may be mid-commit)
     assert rep["refused"] == 0
+    assert not left[0].exists()
+
+
+def test_only_the_build_directories_of_gone_runs_are_swept(tmp_path):
+    from kernorch import measure
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    host = measure._host_build_dirs()
+    dirs = {name: tmp_path / name for name in (
+        f"{host}{gone.pid}-abc",             # its run is gone: removed
+        f"{host}{os.getpid()}-abc",          # a live run's
+        f"kernorch-build-other-{gone.pid}-abc",  # another host's
+        "kernorch-build-abc")}               # named as before (no owner to ask)
+    for d in dirs.values():
+        d.mkdir()
+        (d / "k.so").write_bytes(b"")
+    assert measure.sweep_build_dirs(str(tmp_path)) == [dirs[f"{host}{gone.pid}-abc"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for n in dirs if n != f"{host}{gone.pid}-abc")
 
 
 def test_a_terminated_run_removes_its_build_directory_and_keeps_its_measurements(tmp_path):
