@@ -240,19 +240,18 @@ def _lowering():
     order, read from the same configuration) with `bound_symbols` and `let_repeated` first and the
     root buffers hidden from CompactBufferAllocation (`hide_root_buffers`), for the CPU only.
 
-    Left out, as the code is the same without them (the disassembly of the executables of the
-    transformer block over seq=1..512 and at 512, and of segformer_b0, compared whole: the same
-    instructions but in three kernels of each of the two models, where without HoistIfThenElse the
-    registers and order of some index computations differ: 58 more instructions of 23,600 in the
-    block's, no slower end to end; 6 fewer of 168,400 in segformer's): the passes
-    that only act on GPU code (thread bindings, virtual threads, shared and warp memory, tensor core
-    fragments, software pipelines, Hexagon's VTCM), HoistIfThenElse and the last RemoveNoOp (LLVM
-    moves the invariant tests out of loops and drops empty statements by itself). Over a symbolic
-    length the last two spent 40 % of the lowering (0.14 and 0.12 s of 0.62 s for a LayerNorm
-    fused before a 384 x 1536 GEMM in three row copies, Zen 3), proving conditions on index
-    expressions of the length. With `build.check_bounds`' first look, ten kernels of the
-    transformer block over seq built in 6.3 s instead of 7.9 (medians of 5 alternated runs; the
-    same kernels at seq=128 in 1.9-2.3 s, before and after)."""
+    Left out: the passes that only act on GPU code (thread bindings, virtual threads, shared and
+    warp memory, tensor core fragments, software pipelines, Hexagon's VTCM), HoistIfThenElse and
+    the last RemoveNoOp (LLVM moves invariant tests out of loops and drops empty statements by
+    itself). The code is the same without them: the disassembly of whole executables (the
+    transformer block over seq=1..512 and at 512, segformer_b0) matched but for three kernels of
+    each model, where without HoistIfThenElse the registers and order of some index computations
+    differ (58 more instructions of 23,600 in the block's, no slower end to end; 6 fewer of 168,400
+    in segformer's). Over a symbolic length the last two spent 40 % of the lowering (0.14 and 0.12
+    s of 0.62 s for a LayerNorm fused before a 384 x 1536 GEMM in three row copies, Zen 3), proving
+    conditions on index expressions of the length. With `build.check_bounds`' first look, ten
+    kernels of the transformer block over seq built in 6.3 s instead of 7.9 (medians of 5
+    alternated runs; the same kernels at seq=128 in 1.9-2.3 s, before and after)."""
 
     @tvm.transform.module_pass(opt_level=0, name="kernorch.Lowering")
     def lowering(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
