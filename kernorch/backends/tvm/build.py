@@ -278,6 +278,9 @@ def _loads_under_select(mod: tvm.IRModule, ana) -> list[str]:
         for sub in operands(e):
             expr(sub, in_select)
 
+    def scope(condition):
+        return ana.constraint_scope(condition) if ana is not None else contextlib.nullcontext()
+
     def stmt(st) -> None:
         if isinstance(st, tirx.For):
             if ana is not None:
@@ -289,10 +292,10 @@ def _loads_under_select(mod: tvm.IRModule, ana) -> list[str]:
         elif isinstance(st, tirx.BufferStore):
             expr(st.value, False)
         elif isinstance(st, tirx.IfThenElse):  # e.g. the tail guard of a non-dividing split
-            with ana.constraint_scope(st.condition) if ana is not None else contextlib.nullcontext():
+            with scope(st.condition):
                 stmt(st.then_case)
             if st.else_case is not None:
-                with ana.constraint_scope(tirx.Not(st.condition)) if ana is not None else contextlib.nullcontext():
+                with scope(tirx.Not(st.condition)):
                     stmt(st.else_case)
         elif isinstance(st, (tirx.LetStmt, tirx.Bind)):
             if ana is not None:
