@@ -315,9 +315,10 @@ def test_the_scores_and_their_max_take_a_register_tile_over_a_range(block, tile)
 
 def test_a_tile_over_symbolic_rows_carries_a_small_tile_for_short_lengths(block):
     """A weight GEMM over seq rows in a 6-row tile (its weight packed in 64 columns) also holds a
-    2-row copy of the same packing, chosen at run time by the length (a short length padded to 6
-    rows computes 6); both copies compute the reference, at lengths either picks (1: 2 rows; 7,
-    23, 64: 6 rows), and a static GEMM has no second copy."""
+    one-row copy of the same packing for seq=1, chosen at run time by the length (a short length
+    padded to 6 rows computes 6); the one-row copy pads nothing (no padded buffer of its own);
+    both copies compute the reference, at lengths either picks (1: one row; 7, 23, 64: 6 rows),
+    and a static GEMM has no second copy."""
     import tvm
     from kernorch.backends.tvm.lower import lower
     from kernorch.backends.tvm.schedule import SMALL_ROWS, schedule
@@ -330,7 +331,9 @@ def test_a_tile_over_symbolic_rows_carries_a_small_tile_for_short_lengths(block)
     mod = schedule(lower(kg, kg.prims, ins, [p.name], "t6x64p"), target, "t6x64p", bounds={"seq": 512})
     assert int(mod["main"].attrs["kernorch.small_rows"]) == SMALL_ROWS
     script = mod["main"].script()
-    assert "T.unroll(T.int64(6))" in script and f"T.unroll(T.int64({SMALL_ROWS}))" in script, script
+    assert SMALL_ROWS == 1 and "T.unroll(T.int64(6))" in script and "branch = T.Select(seq <= T.int64(1)" in script
+    one_row = script[script.index("if branch != 0:"):script.index("else:")]
+    assert "_pad" not in one_row and "T.unroll" not in one_row and "for i0_i1_0_fused in range(seq)" in one_row, one_row
     _packed_gemm_right(kg, p, ins, "t6x64p", tvm.compile(mod, target=target), (1, 7, 23, 64))
     static = dynamic.bind(kg, {"seq": 23})
     smod = schedule(lower(static, static.prims, ins, [p.name], "t6x64p"), target, "t6x64p")
@@ -338,8 +341,8 @@ def test_a_tile_over_symbolic_rows_carries_a_small_tile_for_short_lengths(block)
 
 
 def test_copies_of_a_kernel_hold_only_the_loops_some_length_reaches(block, monkeypatch):
-    """schedule._without_dead_branches: the 2-row copy of a GEMM over seq rows serves only the
-    shortest lengths, too little work to share, so it holds no parallel loop (the parallel twin of
+    """schedule._without_dead_branches: the one-row copy of a GEMM over seq rows serves only
+    seq=1, too little work to share, so it holds no parallel loop (the parallel twin of
     each of its loops was code no length ran); the kernel holds fewer loops than unpruned and
     computes the reference at lengths each copy serves, up to the bound."""
     import tvm
@@ -359,9 +362,9 @@ def test_copies_of_a_kernel_hold_only_the_loops_some_length_reaches(block, monke
     body = mod["main"].body.block.body
     store, branch = body.seq[0], body.seq[1]
     small = sched._at_lengths(store.value.condition, "seq", np.arange(1, 513))
-    assert small[0] and not small[-1]  # (the 2-row copy runs at seq=1, the 6-row one at 512)
+    assert small[0] and not small[1:].any()  # (the one-row copy runs at seq=1, the 6-row one from 2)
     small_copy = tvm.IRModule({"main": mod["main"].with_body(branch.then_case)}).script()
-    assert "T.parallel" not in small_copy and "T.unroll(T.int64(2))" in small_copy
+    assert "T.parallel" not in small_copy and "T.unroll" not in small_copy and "_pad" not in small_copy
     monkeypatch.setattr(sched, "_without_dead_branches", lambda f: f)
     assert mod.script().count("T.parallel") < scheduled().script().count("T.parallel")
     _packed_gemm_right(kg, p, ins, "t6x64p", tvm.compile(mod, target=target), (1, 2, 3, 7, 64, 512))
@@ -369,11 +372,13 @@ def test_copies_of_a_kernel_hold_only_the_loops_some_length_reaches(block, monke
 
 def test_a_packed_tile_over_symbolic_rows_prefetches_the_next_weight_panel():
     """Over seq rows the number of row tiles sharing a weight panel is known at run time only: in
-    each copy of the tile (the 2-row one and the main one) the panel's last tiles fetch one line of
-    the next panel a step of their reduction loop, tile t from the last the lines t*K.., guarded by
-    the panel's line count; the other tiles run a reduction loop with no prefetch code in it (on a
-    Zen 3 the guard in every tile's loop made the GEMM 1.3x slower at seq=512). The kernel stays
-    right at lengths that use one tile per panel, several, and many."""
+    each copy of the tile (the one-row one and the main one) the panel's last tiles fetch one line
+    of the next panel a step of their reduction loop, tile t from the last the lines t*K.., guarded
+    by the panel's line count; the other tiles run a reduction loop with no prefetch code in it (on
+    a Zen 3 the guard in every tile's loop made the GEMM 1.3x slower at seq=512). The one-row copy
+    runs at seq=1 only, one tile a panel, each its panel's last: it fetches the next panel as a
+    static kernel with one row tile does, with no loop without the prefetch. The kernel stays right
+    at lengths that use one tile per panel, several, and many."""
     from kernorch.backends import tvm as tb
     from kernorch.executor import run as reference
     from kernorch.ir import Graph, TensorType, make_prim, SymDim
@@ -388,9 +393,11 @@ def test_a_packed_tile_over_symbolic_rows_prefetches_the_next_weight_panel():
     # 96 x 64 floats a panel: 384 lines; tile t from the last fetches line t*96 + k at step k
     fetching = re.findall(r"if \(.*\) \* T.int64\(96\) < T.int64\(384\):\n\s+for k in range\(T.int64\(96\)\):\n"
                           r"\s+if \(.*\) \* T.int64\(96\) \+ k < T.int64\(384\):\n\s+T.prefetch", text)
-    assert len(fetching) == 2, text
+    assert len(fetching) == 1, text
     plain = re.findall(r"\n(\s+)else:\n\s+for k in range\(T.int64\(96\)\):\n((?:\1\s+.*\n)+)", text)
-    assert len(plain) == 2 and not any("prefetch" in body for _, body in plain), text
+    assert len(plain) == 1 and not any("prefetch" in body for _, body in plain), text
+    one_row = text[text.index("if branch != 0:"):text.index("\n    else:")]
+    assert one_row.count("T.prefetch") == 1 and "for k in range(T.int64(96))" in one_row, one_row
     kernel = tb.build(mod, target)
     for s in (1, 5, 13, 200):
         b = dynamic.bind(g, {"seq": s})
@@ -620,9 +627,9 @@ def test_a_predicate_is_trusted_between_its_lanes_only_where_its_ends_imply_it()
 
 
 def test_twin_loops_over_a_range_keep_their_register_tiles_apart(block):
-    """An attention's scores over seq run a 2-row copy of their tile at short lengths, and the main
+    """An attention's scores over seq run a one-row copy of their tile at seq=1, and the main
     copy runs its rows serially where the length gives too little work for threads: three loop
-    nests that each hold a register tile (the 2-row copy in parallel is run by no length it serves:
+    nests that each hold a register tile (the one-row copy in parallel is run by no length it serves:
     schedule._without_dead_branches). Each keeps tile buffers of its own, so TVM shrinks every one to
     its tile: sharing one, the copies left it at the root, seq x seq floats in memory, and the
     accumulators went to memory with it. Right at lengths each copy serves."""
@@ -639,7 +646,7 @@ def test_twin_loops_over_a_range_keep_their_register_tiles_apart(block):
     tiles = [(n, shape) for n, shape in re.findall(r"(\w+) = T\.alloc_local\(\((.*?),\)", lowered)
              if not n.startswith("branch")]   # (the copies' one-flag buffers)
     assert len(tiles) >= 3, lowered
-    assert all(re.fullmatch(r"T\.int64\((32|64)\)", shape) for _, shape in tiles), tiles  # 2 x 16 or 4 x 16
+    assert all(re.fullmatch(r"T\.int64\((16|64)\)", shape) for _, shape in tiles), tiles  # 1 x 16 or 4 x 16
     _right_at(scores, mod, 2, (1, 2, 3, 7, 40, 130))
 
 
@@ -1015,7 +1022,7 @@ def _copy_times(costs: dict[int, tuple[int, int]], tiles, lengths=(1, 5, 23, 109
 
 
 def test_a_tile_over_symbolic_rows_runs_the_copy_cheapest_at_each_length():
-    """Each row count of a packing and loop order, and the 2-row copy, gets the curve of its times
+    """Each row count of a packing and loop order, and the one-row copy, gets the curve of its times
     at the pass counts it ran at; the kernel holds the copies that are cheapest somewhere in the
     range and runs the cheapest at each length (here 8 rows at 7, 16 and 32 rows, 14 at 28 and
     512: what a seq x 384 x 1536 GEMM showed on a Xeon). The family closest to the best at every
@@ -1023,17 +1030,18 @@ def test_a_tile_over_symbolic_rows_runs_the_copy_cheapest_at_each_length():
     from kernorch.kernels import Tile
     from kernorch.kernels.tiles import curve_ns, passes
     from kernorch.pipeline import row_copies
-    times = _copy_times({14: (80000, 53000), 8: (71000, 33000), 2: (80000, 14000)}, ["t14x32p", "t8x32p"])
+    times = _copy_times({14: (80000, 53000), 8: (71000, 33000), 1: (80000, 14000)}, ["t14x32p", "t8x32p"])
     assert times["t8x32p"] == {1: 94000, 5: 104000, 23: 170000, 109: 533000, 512: 2183000}
     x64 = {1: 90000, 5: 300000, 23: 400000, 109: 900000, 512: 2000000}
     by_prim, ms = _tile_race({**times, "t6x64p": x64})
     got = row_copies(ms, by_prim, {("mm", None): "t6x64p"}, (1, 512))
     t = Tile.parse(got[("mm", None)])
     assert (t.nb, t.pack) == (32, True) and dict(t.copies) == {
-        14: ((2, 186000), (8, 504000), (37, 2040000)), 8: ((1, 104000), (3, 170000), (14, 533000), (64, 2180000)),
-        2: ((1, 94000), (3, 122000))}, t
-    assert [t.pick(n) for n in (1, 7, 16, 28, 32, 512)] == [2, 8, 8, 14, 8, 14]
-    assert Tile.parse("t14x32p").pick(16) == 2   # the tile alone ran its 2-row copy at 16 rows
+        14: ((1, 133000), (2, 186000), (8, 504000), (37, 2040000)),
+        8: ((1, 104000), (3, 170000), (14, 533000), (64, 2180000)), 1: ((1, 94000),)}, t
+    assert [t.pick(n) for n in (1, 7, 16, 28, 32, 512)] == [1, 8, 8, 14, 8, 14]
+    # the tile alone runs its one-row copy at one row only
+    assert [Tile.parse("t14x32p").pick(n) for n in (1, 2, 16)] == [1, 14, 14]
     # at every length timed, the copy that was fastest there
     for n in (1, 5, 23, 109, 512):
         ran = {mr: curve_ns(pts, passes(mr, n)) for mr, pts in t.copies}
@@ -1055,8 +1063,8 @@ def test_the_contraction_alone_is_offered_with_the_copies_of_each_family_and_not
     from kernorch.kernels import Tile
     from kernorch.options import Machine, Options
     from kernorch.pipeline import candidate_jobs, family_copies, row_copies, superseded
-    x32 = _copy_times({14: (80000, 53000), 8: (71000, 33000), 2: (80000, 14000)}, ["t14x32p", "t8x32p"])
-    x64 = _copy_times({6: (50000, 30000), 4: (50000, 22000), 2: (50000, 14000)}, ["t6x64p", "t4x64p"])
+    x32 = _copy_times({14: (80000, 53000), 8: (71000, 33000), 1: (80000, 14000)}, ["t14x32p", "t8x32p"])
+    x64 = _copy_times({6: (50000, 30000), 4: (50000, 22000), 1: (50000, 14000)}, ["t6x64p", "t4x64p"])
     by_prim, ms = _tile_race({**x32, **x64})
     fams = family_copies(ms, by_prim, {("mm", None): "t6x64p"}, (1, 512))[("mm", None)]
     assert sorted(Tile.parse(f).nb for f in fams) == [32, 64] and all(len(Tile.parse(f).copies) > 1 for f in fams)
@@ -1105,16 +1113,17 @@ def test_a_copy_curve_point_far_above_the_chord_of_its_neighbours_is_lowered_ont
 
 
 def test_a_copy_timed_in_several_tiles_keeps_its_least_time():
-    """Every tile of a family runs the same 2-row copy at seq=1: one code timed twice, and a slowed
-    timing must not decide the copy. A seq x 384 x 384 GEMM on a Zen 3 timed it at 10.7 and 14.2 us,
-    the 6-row copy at 12.0 us (seq=5); by the mean seq=1 ran 6 rows (13.1 us against 9.5, alone and hot)."""
+    """Every tile of a family runs the same small copy at seq=1: one code timed twice, and a slowed
+    timing must not decide the copy. A seq x 384 x 384 GEMM on a Zen 3 timed it (then of 2 rows) at
+    10.7 and 14.2 us, the 6-row copy at 12.0 us (seq=5); by the mean seq=1 ran 6 rows (13.1 us
+    against 9.5, alone and hot)."""
     from kernorch.kernels import Tile
     from kernorch.kernels.tiles import fit_copies
     times = {6: {1: 10740, 5: 11962, 23: 41578, 109: 192809, 512: 784384},
              4: {1: 14172, 5: 15278, 23: 47378, 109: 172542, 512: 915538}}
     copies = dict(fit_copies(times))
-    assert copies[2] == ((1, 10700),) and copies[6][0] == (1, 12000)
-    assert Tile(6, 16, True, copies=tuple(copies.items())).pick(1) == 2
+    assert copies[1] == ((1, 10700),) and copies[6][0] == (1, 12000)
+    assert Tile(6, 16, True, copies=tuple(copies.items())).pick(1) == 1
 
 
 def test_the_kernels_copy_curve_is_the_one_the_plan_reads():
@@ -1135,7 +1144,7 @@ def test_the_kernels_copy_curve_is_the_one_the_plan_reads():
 
 def test_a_tile_whose_own_copies_are_cheapest_everywhere_or_without_lengths_stays_as_it_is():
     from kernorch.pipeline import row_copies
-    costs = {14: (70, 30), 8: (71, 33), 2: (200, 100)}
+    costs = {14: (70, 30), 8: (71, 33), 1: (200, 100)}
     by_prim, ms = _tile_race(_copy_times(costs, ["t14x32p", "t8x32p"]))
     assert row_copies(ms, by_prim, {("mm", None): "t14x32p"}, (32, 512)) == {("mm", None): "t14x32p"}
     # tiles over symbolic columns or depth (attention) are not timed between the samples: no copies
@@ -1167,7 +1176,7 @@ def test_tiles_over_symbolic_rows_are_timed_between_the_samples_too():
 
 def test_tiles_over_a_short_range_are_as_tall_as_its_longest_length():
     """A range (or dispatch bucket) of a few lengths races tiles of as many rows as its longest
-    length (their 2-row copy serves the shortest), not tiles as short as its middle: seq=1..8 gets
+    length (their one-row copy serves seq=1), not tiles as short as its middle: seq=1..8 gets
     8-row tiles, where sizing at the middle (3) raced only 3-row tiles (three passes at 7 rows)."""
     from kernorch import pipeline
     from kernorch.kernels import Tile, prim_tiles
@@ -1208,7 +1217,7 @@ def test_a_projection_to_heads_over_seq_rows_runs_its_reshape_and_transpose_per_
     mod = schedule(lower(kg, kg.prims, ins, outs, "t8x32p"), target, "t8x32p", bounds={"seq": 512})
     script = mod["main"].script()
     assert "% seq" not in script, script
-    assert script.count("T.parallel(") == 2, script   # the large tile and the small-row copy, nothing else
+    assert script.count("T.parallel(") == 1, script   # the large tile, nothing else (the one-row copy: seq=1, serial)
     ex = tvm.compile(mod, target=target)
     for s in (1, 7, 8, 9, 100):
         b = dynamic.bind(kg, {"seq": s})

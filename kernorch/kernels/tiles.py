@@ -148,13 +148,14 @@ def row_tile(mr: int, extent: int) -> int:
     return next((r for r in range(mr, (mr + 1) // 2 - 1, -1) if extent % r == 0), mr)
 
 
-# over a symbolic row extent, a tile without fitted `copies` also holds a copy in SMALL_ROWS rows for
-# short lengths; measured on a 2-core Zen 4 (a seq x 384 x 384 GEMM with its bias, 64 columns wide):
-# 2 rows cost per row what 4, 6, 8 and 14 do up to 64 rows, and 1.05-1.13x as much at 128-512
-# rows; on a Xeon (family 6 model 207, seq x 384 x 1536, weights cold) 1.5x what 6 rows do at 24
-# and 48 rows, 1.2x what 4 do at 12 (each pass of a row tile streams the weight panel from L2)
-SMALL_ROWS = 2
-SMALL_ROWS_COST = 1.5  # a row of the small tile against a row of the large one
+# over a symbolic row extent, a tile without fitted `copies` also holds a copy of SMALL_ROWS rows
+# that runs at up to SMALL_ROWS rows: at one row the product is a matrix-vector one (every weight
+# used once, its stream from L2/L3 bounds it) and a padded row tile only adds multiply-adds. Zen 3,
+# 2 threads, seq x 384 x 1536 with the weights packed: 1 row 30 us in the one-row tile, 34 in a
+# 2-row one, 45 in a 6-row one (the padded tiles compute 2 and 6 rows); at 2 rows the one-row tile
+# takes 51 us (two passes over the weights) against 34 in a 2-row tile (a 2-row copy, held before,
+# was timed at one row only on AVX2, of the lengths timed: 1, 5, 23, 109 and 512)
+SMALL_ROWS = 1
 
 
 # over a symbolic length, an attention whose key tile is wider than NARROW_KEYS columns also holds a
@@ -182,11 +183,8 @@ def passes(mr: int, rows: int) -> int:
 
 def ran_copy(mr: int, rows: int) -> int:
     """The row count a tile of `mr` rows without fitted copies runs at `rows` symbolic rows: the
-    SMALL_ROWS copy where its padded rows, at SMALL_ROWS_COST each, cost less than the tile's
-    (seq 1 and 2 with 6-row tiles; not 3, 7 or 512), else its own."""
-    if mr > SMALL_ROWS and SMALL_ROWS_COST * passes(SMALL_ROWS, rows) * SMALL_ROWS < passes(mr, rows) * mr:
-        return SMALL_ROWS
-    return mr
+    SMALL_ROWS copy at up to SMALL_ROWS rows (seq=1), else its own."""
+    return SMALL_ROWS if SMALL_ROWS < mr and rows <= SMALL_ROWS else mr
 
 
 def curve_ns(points, p: int) -> int:

@@ -20,7 +20,7 @@ from tvm import s_tir
 
 from ...ir import KernorchError
 from ...kernels import Tile, Winograd, split
-from ...kernels.tiles import NARROW_KEYS, SMALL_ROWS, SMALL_ROWS_COST, row_tile
+from ...kernels.tiles import NARROW_KEYS, SMALL_ROWS, row_tile
 from ...kernels.variants import CONVERSIONS
 from .lower import BOUNDS_ATTR, NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, ROWS_OUT, UNPACK, VIEW, bounds_of, divisible
 from .tirwalk import buffers_in, is_call, loads, operands, rewrite, substitute_buffers, with_body
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 37
+SCHEDULES_VERSION = 38
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -144,7 +144,7 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
 def _tile_over_rows(func, lanes: int, tile: Tile, mode: str, threads: int = 1) -> tvm.IRModule:
     """The micro-kernel `tile` on `func`; over a symbolic row extent, a copy per row count of
     `tile.copies` picked at run time by their fitted costs at the length (`_cheapest`), or without
-    copies the tile and a copy in SMALL_ROWS rows for short lengths (`_by_rows`)."""
+    copies the tile and a copy of SMALL_ROWS rows for the shortest lengths (`_by_rows`)."""
     def copy(t: Tile) -> tirx.PrimFunc:
         return _scheduled(_tiled(func, lanes, t, mode, threads), f"contraction {mode}")["main"]
 
@@ -164,7 +164,7 @@ def _tile_over_rows(func, lanes: int, tile: Tile, mode: str, threads: int = 1) -
         except Exception as e:  # noqa: BLE001 - the tile alone serves every length
             log.debug("no small-row tile for %s: %s", mode, _first_line(e))
         else:
-            out = _by_rows(out, small, rows, base.mr)
+            out = _by_rows(out, small, rows)
     return tvm.IRModule({"main": out})
 
 
@@ -237,13 +237,12 @@ def _padded(rows, m: int):
     return (rows + (m - 1)) // m * m
 
 
-def _by_rows(large: tirx.PrimFunc, small: tirx.PrimFunc, rows, mr: int) -> tirx.PrimFunc:
+def _by_rows(large: tirx.PrimFunc, small: tirx.PrimFunc, rows) -> tirx.PrimFunc:
     """One kernel of two schedules of the same contraction over a symbolic row extent `rows`, chosen
     at run time by the actual length: rows are padded to the tile, so a short length pays for a
-    whole tile (seq=1 in a 6-row tile: 6 rows); the small tile runs when its padded rows, at
-    SMALL_ROWS_COST each, cost less than the large tile's (kernorch.kernels.tiles.ran_copy)."""
-    cond = (tirx.const(round(SMALL_ROWS_COST * 10), "int64") * _padded(rows, SMALL_ROWS)
-            < tirx.const(10, "int64") * _padded(rows, mr))
+    whole tile (seq=1 in a 6-row tile: 6 rows); the small tile runs at up to SMALL_ROWS rows
+    (kernorch.kernels.tiles.ran_copy)."""
+    cond = rows <= tirx.const(SMALL_ROWS, "int64")
     return _either(cond, small, large).with_attr("kernorch.small_rows", SMALL_ROWS)
 
 
@@ -869,10 +868,19 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None, threads: int =
     if len(loops) != len(ivs) or kinds != [_DATA_PAR] * nsp + [_COMM_REDUCE] * (len(ivs) - nsp) or nsp < 1:
         raise _NotApplicable("unexpected loop structure")
     ext = [_extent(sch, lp) for lp in loops]
-    padded = any(e is None for e in ext) or (func.attrs is not None and PADDED_ATTR in func.attrs)
+    symbolic = {i for i, e in enumerate(ext) if e is None}
+    rows_whole = _rows_whole(ext, nsp, tile)
+    padded = (bool(symbolic) and not rows_whole) or (func.attrs is not None and PADDED_ATTR in func.attrs)
+    if rows_whole:  # read as ints: any number of rows is a whole number of tiles
+        ext = [e if e is not None else 1024 for e in ext]
     if padded:  # a symbolic extent or ragged columns, padded to the tile before inlining (see _pad_to_tile)
         factors = _pad_factors(ext, nsp, lanes, tile)
-        if any(e is None and f == 1 and i < nsp for i, (e, f) in enumerate(zip(ext, factors))):
+        # (one-row tiles leave symbolic rows unpadded, `_rows_whole`; not over a symbolic depth: its
+        # operand, a softmax's division, would be recomputed in every multiply-add, unpadded rows
+        # read it in place instead of through a clamped row copy)
+        one_row = tile is not None and tile.mr == 1 and None not in ext[nsp:]
+        if any(e is None and f == 1 and i < nsp and not (one_row and i < nsp - 1)
+               for i, (e, f) in enumerate(zip(ext, factors))):
             raise _NotApplicable("a symbolic spatial extent that is not padded")
         # the rule reads extents as ints: a padded symbolic extent counts as its tile times a large
         # number (it only has to be divisible by the tile and larger than it)
@@ -906,12 +914,13 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None, threads: int =
     else:
         vo, vi = None, loops[v]
     outer = [loops[i] for i in range(nsp) if i not in (row, v)]
-    tiles_order = (ro, vo) if tile is None or tile.rows_outer else (vo, ro)
+    # (unpadded symbolic rows outside: a run-time extent inside the fused loop is a division by it)
+    tiles_order = (ro, vo) if tile is None or tile.rows_outer or rows_whole else (vo, ro)
     # a row-wise epilogue (a softmax over the columns): the parallel loop walks row tiles, each
     # computes its whole rows column tile by column tile, and the epilogue runs on them in cache
     row_wise = (_row_epilogue(sch, cname, names) if tile is not None and tile.rows_outer and not padded
                 and ro is not None and vo is not None else [])
-    if (not row_wise and tile is not None and tile.rows_outer and not tile.serial and threads > 1
+    if (not row_wise and not rows_whole and tile is not None and tile.rows_outer and not tile.serial and threads > 1
             and ro is not None and vo is not None and _extent(sch, vo) is not None and (ext[v] // vt) % threads == 0
             and all(ext[i] == 1 for i in range(nsp) if i not in (row, v))):
         vg, vo = sch.split(vo, factors=[threads, None])
@@ -956,7 +965,8 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None, threads: int =
             and vo is not None and (row is None or ext[row] % r == 0)):
         weight = _packed_weight(stmt, lambda s: len(s) == 3 and s[2] == vt and s[0] * vt == ext[v])
         if weight is not None:
-            tiles = 1 if row is None else (row_tiles if padded else ext[row] // r)
+            # (unpadded symbolic rows: the one-row copy runs at one row, SMALL_ROWS, one tile a panel)
+            tiles = 1 if row is None or rows_whole else (row_tiles if padded else ext[row] // r)
             _prefetch_next_panel(sch, par, red[0], weight, ext[v] // vt, tiles)
     return sch
 
@@ -1217,6 +1227,14 @@ def _prefetch_next_panel(sch, par, red_loop, weight, panels: int, tiles) -> bool
 SYMBOLIC_ROWS = 8  # the row tile of a contraction over a symbolic row extent, without a tile variant
 
 
+def _rows_whole(ext: list, nsp: int, tile: Tile | None) -> bool:
+    """Whether a contraction's symbolic extents (None in `ext`) are all rows that `tile` covers
+    unpadded: a tile of one row (kernorch.kernels.tiles.SMALL_ROWS) runs any number of them as a
+    whole number of tiles, so it needs neither padding nor a guarded copy-out."""
+    symbolic = [i for i, e in enumerate(ext) if e is None]
+    return bool(symbolic) and tile is not None and tile.mr == 1 and all(i < nsp - 1 for i in symbolic)
+
+
 def _pad_factors(ext: list, nsp: int, lanes: int, tile: Tile | None) -> list[int]:
     """Per loop of a contraction: the multiple its symbolic spatial extent is padded to (rows to
     the row tile, columns to the column tile; 1 elsewhere)."""
@@ -1244,7 +1262,7 @@ def _pad_to_tile(func, lanes: int, tile: Tile | None):
     # copies its tiles out guarded
     ragged = (tile is not None and not tile.pack and ext[nsp - 1] is not None and ext[nsp - 1] % tile.nb != 0
               and _contraction_name(func).startswith("matmul"))
-    if not any(e is None for e in ext[:nsp]) and not ragged:
+    if (not any(e is None for e in ext[:nsp]) or _rows_whole(ext, nsp, tile)) and not ragged:
         return func
     name = sch.get(blk).name_hint
     factors = _pad_factors(ext, nsp, lanes, tile)
