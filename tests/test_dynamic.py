@@ -1126,6 +1126,34 @@ def test_a_copy_timed_in_several_tiles_keeps_its_least_time():
     assert Tile(6, 16, True, copies=tuple(copies.items())).pick(1) == 1
 
 
+def test_the_one_row_copy_runs_at_one_row_whatever_its_time_there(block):
+    """A copy of more rows streams the same weights at seq=1 and only adds multiply-adds: the
+    one-row copy runs there even where its time at one row is above the time another copy took
+    at 5 rows (its held first point; timings at one row vary by a quarter), and only there (it was
+    timed at one row only). The plan's pick and the kernel's branches agree at every length."""
+    import importlib
+    import tvm
+    sched = importlib.import_module("kernorch.backends.tvm.schedule")
+    from kernorch.backends.tvm.lower import lower
+    from kernorch.backends.tvm.target import make_target
+    from kernorch.ir import kernel_graph
+    from kernorch.kernels import Tile
+    name = "t6x64p~6:1@12000,4@45000~4:2@20000,6@44000~1:1@15000"
+    t = Tile.parse(name)
+    assert [t.pick(n) for n in (1, 2, 6, 7, 8, 24)] == [1, 6, 6, 4, 4, 4]
+    assert Tile.parse("t6x64p~1:1@15000").pick(7) == 1   # (the only copy runs everywhere)
+    p, ins = _weight_gemm(block[1], 64)
+    kg = kernel_graph(block[1], [p.name], ins, [p.name])
+    target = make_target(1)
+    mod = sched.schedule(lower(kg, kg.prims, ins, [p.name], name), target, name, bounds={"seq": 512})
+    store, branch = mod["main"].body.block.body.seq[:2]
+    lengths = np.arange(1, 513)
+    one_row = np.broadcast_to(sched._at_lengths(store.value.condition, "seq", lengths), lengths.shape)
+    assert one_row[0] and not one_row[1:].any()
+    assert "T.unroll" not in tvm.IRModule({"main": mod["main"].with_body(branch.then_case)}).script()
+    _packed_gemm_right(kg, p, ins, name, tvm.compile(mod, target=target), (1, 2, 7, 24))
+
+
 def test_the_kernels_copy_curve_is_the_one_the_plan_reads():
     """The run-time test inside the kernel computes every curve as kernorch.kernels.tiles.curve_ns."""
     import tvm

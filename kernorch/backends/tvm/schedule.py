@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 38
+SCHEDULES_VERSION = 39
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -248,15 +248,22 @@ def _by_rows(large: tirx.PrimFunc, small: tirx.PrimFunc, rows) -> tirx.PrimFunc:
 
 def _cheapest(copies: list, rows) -> tirx.PrimFunc:
     """One kernel of several schedules of the same contraction over a symbolic row extent `rows`
-    (`copies`: ((mr, cost curve), func) pairs): the copy whose curve is least at ceil(rows / mr)
-    passes runs, the first of equal ones (kernorch.kernels.Tile.pick, tiles.curve_ns)."""
-    costs = [_curve(points, _padded(rows, mr) // mr) for (mr, points), _ in copies]
-    out = copies[-1][1]
-    for i in range(len(copies) - 2, -1, -1):  # the first copy's test outermost
+    (`copies`: ((mr, cost curve), func) pairs): the SMALL_ROWS copy at up to SMALL_ROWS rows, else
+    the copy whose curve is least at ceil(rows / mr) passes, the first of equal ones
+    (kernorch.kernels.Tile.pick, tiles.curve_ns)."""
+    small = [f for (mr, _), f in copies if mr == SMALL_ROWS]
+    others = [c for c in copies if c[0][0] != SMALL_ROWS]
+    if not others:
+        return small[0].with_attr("kernorch.row_copies", [SMALL_ROWS])
+    costs = [_curve(points, _padded(rows, mr) // mr) for (mr, points), _ in others]
+    out = others[-1][1]
+    for i in range(len(others) - 2, -1, -1):  # the first copy's test outermost
         cond = costs[i] <= costs[i + 1]
         for later in costs[i + 2:]:
             cond = tirx.And(cond, costs[i] <= later)
-        out = _either(cond, copies[i][1], out)
+        out = _either(cond, others[i][1], out)
+    if small:
+        out = _either(rows <= tirx.const(SMALL_ROWS, "int64"), small[0], out)
     return out.with_attr("kernorch.row_copies", [c[0] for c, _ in copies])
 
 
