@@ -27,6 +27,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from .ir import Graph, KernorchError, Prim, SymDim, TensorType
+from .kernels.tiles import SMALL_ROWS
 
 PRIMES = (61, 67, 71, 73, 79, 83, 89, 97, 101, 103, 107, 109, 113, 127, 131, 137, 139, 149, 151, 157, 163,
           167, 173, 179, 181, 191, 193, 197, 199, 211, 223, 227, 229, 233, 239, 241, 251, 2, 3, 5, 7, 11, 13, 17,
@@ -108,11 +109,13 @@ def relative_weights(graph, ranges, lengths, floor_ns) -> tuple[float, ...]:
 
 def probe_points(ranges, lengths=()) -> tuple[dict[str, int], ...]:
     """Bindings between the three `points`, each the geometric middle of two neighbours (seq=1..512:
-    5 and 108): where a kernel is timed to be seen, not counted (kernorch.pipeline.row_copies
-    reads there which micro-kernel wins at which length)."""
-    name = ranges[0][0]
+    5 and 108), and the lengths in the range a small row copy serves (kernorch.kernels.tiles.
+    SMALL_ROWS: seq=2; seq=1 is a point): where a kernel is timed to be seen, not counted
+    (kernorch.pipeline.row_copies reads there which micro-kernel wins at which length)."""
+    name, lo, hi = ranges[0]
     values = sorted({b[name] for b in points(ranges, lengths)})
-    out = {round(math.sqrt(a * b)) for a, b in zip(values, values[1:])} - set(values)
+    out = ({round(math.sqrt(a * b)) for a, b in zip(values, values[1:])}
+           | {r for r in SMALL_ROWS if lo <= r <= hi}) - set(values)
     return tuple({name: v} for v in sorted(out))
 
 

@@ -87,20 +87,24 @@ class Tile:
 
     def pick(self, rows: int) -> int:
         """The row count of the copy that runs at `rows` rows (what the kernel computes at run
-        time): with `copies`, the SMALL_ROWS copy at up to SMALL_ROWS rows where there is one, else
-        the copy whose curve is least there (among the others: the SMALL_ROWS copy was timed at one
-        row only, and more rows take it more passes over the weights); without, `ran_copy`.
-        At one row a copy of more rows streams the same weights and only adds multiply-adds, so it
-        is not timed against the one-row copy there: its curve, held below its first point, gives
-        it the time it took at 5 rows, and a 384 x 384 GEMM (Zen 3, 2 threads, weights in L3)
-        timed its one-row copy at 9.7-15.4 us in four runs against 12.8-13.9 for the 6-row copy at
-        5 rows: seq=1 ran 6 rows in the projections whenever the noise fell that way."""
+        time): with `copies`, at up to max(SMALL_ROWS) rows the least SMALL_ROWS copy that holds
+        them, where there is one; else the copy whose curve is least there (among the others: a
+        SMALL_ROWS copy was timed at its own row count only, and more rows take it more passes
+        over the weights); without, `ran_copy`. At one or two rows a copy of more rows streams the
+        same weights and only adds multiply-adds, so it is not timed against the small copies
+        there: its curve, held below its first point, gives it the time it took at 5 rows, and a
+        384 x 384 GEMM (Zen 3, 2 threads, weights in L3) timed its one-row copy at 9.7-15.4 us in
+        four runs against 12.8-13.9 for the 6-row copy at 5 rows: seq=1 ran 6 rows in the
+        projections whenever the noise fell that way."""
         if not self.copies:
             return ran_copy(self.mr, rows)
-        small = [c for c in self.copies if c[0] == SMALL_ROWS]
-        others = [c for c in self.copies if c[0] != SMALL_ROWS]
-        if small and (rows <= SMALL_ROWS or not others):
-            return SMALL_ROWS
+        small = sorted(m for m, _ in self.copies if m in SMALL_ROWS)
+        others = [c for c in self.copies if c[0] not in SMALL_ROWS]
+        holding = [m for m in small if m >= rows]
+        if holding:
+            return holding[0]
+        if not others:
+            return small[-1]
         return min(others, key=lambda c: curve_ns(c[1], passes(c[0], rows)))[0]
 
     def registers(self, lanes: int) -> int:
@@ -159,14 +163,14 @@ def row_tile(mr: int, extent: int) -> int:
     return next((r for r in range(mr, (mr + 1) // 2 - 1, -1) if extent % r == 0), mr)
 
 
-# over a symbolic row extent, a tile without fitted `copies` also holds a copy of SMALL_ROWS rows
-# that runs at up to SMALL_ROWS rows: at one row the product is a matrix-vector one (every weight
-# used once, its stream from L2/L3 bounds it) and a padded row tile only adds multiply-adds. Zen 3,
-# 2 threads, seq x 384 x 1536 with the weights packed: 1 row 30 us in the one-row tile, 34 in a
-# 2-row one, 45 in a 6-row one (the padded tiles compute 2 and 6 rows); at 2 rows the one-row tile
-# takes 51 us (two passes over the weights) against 34 in a 2-row tile (a 2-row copy, held before,
-# was timed at one row only on AVX2, of the lengths timed: 1, 5, 23, 109 and 512)
-SMALL_ROWS = 1
+# over a symbolic row extent, a tile without fitted `copies` also holds a copy of each row count of
+# SMALL_ROWS below its own, run at exactly that many rows (seq=1 and 2), where a padded row tile
+# only adds multiply-adds to the same weight stream. At one row the product is a matrix-vector one:
+# Zen 3, 2 threads, seq x 384 x 1536 with the weights packed, 1 row took 30 us in the one-row tile,
+# 34 in a 2-row one, 45 in a 6-row one; at 2 rows the one-row tile takes 51 us (two passes over the
+# weights), the 2-row one 34, the 6-row one 47 (without the 2-row copy the block ran seq=2 in 1.41x
+# its time). Each is timed at its length (`kernorch.dynamic.probe_points`).
+SMALL_ROWS = (1, 2)
 
 
 # over a symbolic length, an attention whose key tile is wider than NARROW_KEYS columns also holds a
@@ -194,8 +198,8 @@ def passes(mr: int, rows: int) -> int:
 
 def ran_copy(mr: int, rows: int) -> int:
     """The row count a tile of `mr` rows without fitted copies runs at `rows` symbolic rows: the
-    SMALL_ROWS copy at up to SMALL_ROWS rows (seq=1), else its own."""
-    return SMALL_ROWS if SMALL_ROWS < mr and rows <= SMALL_ROWS else mr
+    SMALL_ROWS copy of exactly `rows` rows where there is one below `mr` (seq=1 and 2), else its own."""
+    return rows if rows in SMALL_ROWS and rows < mr else mr
 
 
 def curve_ns(points, p: int) -> int:
@@ -216,10 +220,10 @@ def curve_ns(points, p: int) -> int:
 def fit_copies(times: dict[int, dict[int, float]]) -> tuple[tuple[int, tuple[tuple[int, int], ...]], ...]:
     """The cost curves of the row copies a tile family holds, from its tiles' times over symbolic
     rows. `times`: per tile row count (a tile without copies), its time in ns at each length it
-    was timed at. At each length a tile ran one copy (`ran_copy`: its own or the SMALL_ROWS one) at
+    was timed at. At each length a tile ran one copy (`ran_copy`: its own or a SMALL_ROWS one) at
     some number of passes; a copy's curve holds its time at every pass count it ran at, three
     significant digits. Where several tiles ran the same copy at the same passes (every tile of a
-    family runs the SMALL_ROWS copy at seq=1), that is one code timed several times, and the least
+    family runs the one-row copy at seq=1), that is one code timed several times, and the least
     time is kept: noise only ever slows a timing. (The mean let one slowed timing decide a copy:
     a seq x 384 x 384 GEMM, Zen 3, timed its 2-row copy at seq=1 in 10.7 and 14.2 us, the mean
     lost to the 6-row copy's 12.0 us at seq=5, and seq=1 ran 6 rows: 13.1 us against 9.5, alone and hot.)

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 39
+SCHEDULES_VERSION = 40
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -144,7 +144,7 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
 def _tile_over_rows(func, lanes: int, tile: Tile, mode: str, threads: int = 1) -> tvm.IRModule:
     """The micro-kernel `tile` on `func`; over a symbolic row extent, a copy per row count of
     `tile.copies` picked at run time by their fitted costs at the length (`_cheapest`), or without
-    copies the tile and a copy of SMALL_ROWS rows for the shortest lengths (`_by_rows`)."""
+    copies the tile and a copy of each SMALL_ROWS row count below its own for those lengths (`_by_rows`)."""
     def copy(t: Tile) -> tirx.PrimFunc:
         return _scheduled(_tiled(func, lanes, t, mode, threads), f"contraction {mode}")["main"]
 
@@ -158,13 +158,14 @@ def _tile_over_rows(func, lanes: int, tile: Tile, mode: str, threads: int = 1) -
         out = copy(base)
     except Exception as e:  # noqa: BLE001 - the variant does not apply to this kernel
         raise KernorchError(f"tile {mode} does not apply: {type(e).__name__}: {_first_line(e)}") from None
-    if rows is not None and base.mr > SMALL_ROWS:
-        try:
-            small = copy(replace(base, mr=SMALL_ROWS))
-        except Exception as e:  # noqa: BLE001 - the tile alone serves every length
-            log.debug("no small-row tile for %s: %s", mode, _first_line(e))
-        else:
-            out = _by_rows(out, small, rows)
+    if rows is not None:
+        small = []
+        for mr in (m for m in SMALL_ROWS if m < base.mr):
+            try:
+                small.append((mr, copy(replace(base, mr=mr))))
+            except Exception as e:  # noqa: BLE001 - the tile alone serves these lengths
+                log.debug("no %d-row tile for %s: %s", mr, mode, _first_line(e))
+        out = _by_rows(out, small, rows)
     return tvm.IRModule({"main": out})
 
 
@@ -237,33 +238,36 @@ def _padded(rows, m: int):
     return (rows + (m - 1)) // m * m
 
 
-def _by_rows(large: tirx.PrimFunc, small: tirx.PrimFunc, rows) -> tirx.PrimFunc:
-    """One kernel of two schedules of the same contraction over a symbolic row extent `rows`, chosen
+def _by_rows(large: tirx.PrimFunc, small: list, rows) -> tirx.PrimFunc:
+    """One kernel of schedules of the same contraction over a symbolic row extent `rows`, chosen
     at run time by the actual length: rows are padded to the tile, so a short length pays for a
-    whole tile (seq=1 in a 6-row tile: 6 rows); the small tile runs at up to SMALL_ROWS rows
-    (kernorch.kernels.tiles.ran_copy)."""
-    cond = rows <= tirx.const(SMALL_ROWS, "int64")
-    return _either(cond, small, large).with_attr("kernorch.small_rows", SMALL_ROWS)
+    whole tile (seq=1 in a 6-row tile: 6 rows); each small copy ((mr, func) pairs, SMALL_ROWS)
+    runs at up to its own rows, the least first (kernorch.kernels.tiles.ran_copy)."""
+    out = large
+    for mr, func in sorted(small, reverse=True):  # the least copy's test outermost
+        out = _either(rows <= tirx.const(mr, "int64"), func, out)
+    return out.with_attr("kernorch.small_rows", [mr for mr, _ in sorted(small)]) if small else out
 
 
 def _cheapest(copies: list, rows) -> tirx.PrimFunc:
     """One kernel of several schedules of the same contraction over a symbolic row extent `rows`
-    (`copies`: ((mr, cost curve), func) pairs): the SMALL_ROWS copy at up to SMALL_ROWS rows, else
-    the copy whose curve is least at ceil(rows / mr) passes, the first of equal ones
-    (kernorch.kernels.Tile.pick, tiles.curve_ns)."""
-    small = [f for (mr, _), f in copies if mr == SMALL_ROWS]
-    others = [c for c in copies if c[0][0] != SMALL_ROWS]
-    if not others:
-        return small[0].with_attr("kernorch.row_copies", [SMALL_ROWS])
-    costs = [_curve(points, _padded(rows, mr) // mr) for (mr, points), _ in others]
-    out = others[-1][1]
-    for i in range(len(others) - 2, -1, -1):  # the first copy's test outermost
-        cond = costs[i] <= costs[i + 1]
-        for later in costs[i + 2:]:
-            cond = tirx.And(cond, costs[i] <= later)
-        out = _either(cond, others[i][1], out)
-    if small:
-        out = _either(rows <= tirx.const(SMALL_ROWS, "int64"), small[0], out)
+    (`copies`: ((mr, cost curve), func) pairs): at up to max(SMALL_ROWS) rows the least SMALL_ROWS
+    copy that holds them, else the copy whose curve is least at ceil(rows / mr) passes, the first
+    of equal ones (kernorch.kernels.Tile.pick, tiles.curve_ns)."""
+    small = [(mr, f) for (mr, _), f in copies if mr in SMALL_ROWS]
+    others = [c for c in copies if c[0][0] not in SMALL_ROWS]
+    if not others:  # (more rows than the largest small copy holds: that copy, in passes)
+        out = max(small)[1]
+    else:
+        costs = [_curve(points, _padded(rows, mr) // mr) for (mr, points), _ in others]
+        out = others[-1][1]
+        for i in range(len(others) - 2, -1, -1):  # the first copy's test outermost
+            cond = costs[i] <= costs[i + 1]
+            for later in costs[i + 2:]:
+                cond = tirx.And(cond, costs[i] <= later)
+            out = _either(cond, others[i][1], out)
+    for mr, func in sorted(small, reverse=True)[0 if others else 1:]:
+        out = _either(rows <= tirx.const(mr, "int64"), func, out)
     return out.with_attr("kernorch.row_copies", [c[0] for c, _ in copies])
 
 
@@ -972,7 +976,7 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None, threads: int =
             and vo is not None and (row is None or ext[row] % r == 0)):
         weight = _packed_weight(stmt, lambda s: len(s) == 3 and s[2] == vt and s[0] * vt == ext[v])
         if weight is not None:
-            # (unpadded symbolic rows: the one-row copy runs at one row, SMALL_ROWS, one tile a panel)
+            # (unpadded symbolic rows: the one-row copy runs at one row, seq=1, one tile a panel)
             tiles = 1 if row is None or rows_whole else (row_tiles if padded else ext[row] // r)
             _prefetch_next_panel(sch, par, red[0], weight, ext[v] // vt, tiles)
     return sch
