@@ -243,7 +243,7 @@ def row_copies(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob]],
                tiles: Mapping[tuple, str], bounds: tuple[int, int]) -> dict[tuple, str]:
     """`tiles` with fitted row copies (kernorch.kernels.Tile.copies) for contractions over symbolic
     rows (their tiles timed between the samples too). Per packing and loop order (a family), each
-    row count of its tiles and their SMALL_ROWS copy gets the cost curve of the lengths it ran at
+    row count of its tiles and their SMALL_ROWS copies gets the cost curve of the lengths it ran at
     (kernorch.kernels.tiles.fit_copies); the family's kernel holds the copies that are the
     cheapest at some length of the range `bounds` (lo, hi) and runs the cheapest at each. Where
     that runs the same copies as the family's fastest tile everywhere, that tile stays. The family
