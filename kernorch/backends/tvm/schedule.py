@@ -243,10 +243,16 @@ def _by_rows(large: tirx.PrimFunc, small: list, rows) -> tirx.PrimFunc:
     at run time by the actual length: rows are padded to the tile, so a short length pays for a
     whole tile (seq=1 in a 6-row tile: 6 rows); each small copy ((mr, func) pairs, SMALL_ROWS)
     runs at up to its own rows, the least first (kernorch.kernels.tiles.ran_copy)."""
-    out = large
-    for mr, func in sorted(small, reverse=True):  # the least copy's test outermost
-        out = _either(rows <= tirx.const(mr, "int64"), func, out)
+    out = _small_first(large, small, rows)
     return out.with_attr("kernorch.small_rows", [mr for mr, _ in sorted(small)]) if small else out
+
+
+def _small_first(out: tirx.PrimFunc, small: list, rows) -> tirx.PrimFunc:
+    """`out` behind the small row copies ((mr, func) pairs): each runs at up to its own rows, the
+    least copy's test outermost."""
+    for mr, func in sorted(small, reverse=True):
+        out = _either(rows <= tirx.const(mr, "int64"), func, out)
+    return out
 
 
 def _cheapest(copies: list, rows) -> tirx.PrimFunc:
@@ -266,8 +272,7 @@ def _cheapest(copies: list, rows) -> tirx.PrimFunc:
             for later in costs[i + 2:]:
                 cond = tirx.And(cond, costs[i] <= later)
             out = _either(cond, others[i][1], out)
-    for mr, func in sorted(small, reverse=True)[0 if others else 1:]:
-        out = _either(rows <= tirx.const(mr, "int64"), func, out)
+    out = _small_first(out, sorted(small)[:None if others else -1], rows)
     return out.with_attr("kernorch.row_copies", [c[0] for c, _ in copies])
 
 
