@@ -884,17 +884,13 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None, threads: int =
     if len(loops) != len(ivs) or kinds != [_DATA_PAR] * nsp + [_COMM_REDUCE] * (len(ivs) - nsp) or nsp < 1:
         raise _NotApplicable("unexpected loop structure")
     ext = [_extent(sch, lp) for lp in loops]
-    symbolic = {i for i, e in enumerate(ext) if e is None}
     rows_whole = _rows_whole(ext, nsp, tile)
-    padded = (bool(symbolic) and not rows_whole) or (func.attrs is not None and PADDED_ATTR in func.attrs)
+    padded = (None in ext and not rows_whole) or (func.attrs is not None and PADDED_ATTR in func.attrs)
     if rows_whole:  # read as ints: any number of rows is a whole number of tiles
         ext = [e if e is not None else 1024 for e in ext]
     if padded:  # a symbolic extent or ragged columns, padded to the tile before inlining (see _pad_to_tile)
         factors = _pad_factors(ext, nsp, lanes, tile)
-        # (one-row tiles leave symbolic rows unpadded, `_rows_whole`; not over a symbolic depth: its
-        # operand, a softmax's division, would be recomputed in every multiply-add, unpadded rows
-        # read it in place instead of through a clamped row copy)
-        one_row = tile is not None and tile.mr == 1 and None not in ext[nsp:]
+        one_row = _one_row(ext, nsp, tile)  # (symbolic rows left unpadded)
         if any(e is None and f == 1 and i < nsp and not (one_row and i < nsp - 1)
                for i, (e, f) in enumerate(zip(ext, factors))):
             raise _NotApplicable("a symbolic spatial extent that is not padded")
@@ -1243,12 +1239,20 @@ def _prefetch_next_panel(sch, par, red_loop, weight, panels: int, tiles) -> bool
 SYMBOLIC_ROWS = 8  # the row tile of a contraction over a symbolic row extent, without a tile variant
 
 
+def _one_row(ext: list, nsp: int, tile: Tile | None) -> bool:
+    """Whether `tile` leaves a contraction's symbolic rows unpadded: a tile of one row
+    (kernorch.kernels.tiles.SMALL_ROWS) runs any number of them as a whole number of tiles. Not
+    over a symbolic depth (None in `ext` past its `nsp` spatial loops): the operand there, a
+    softmax's division, read in place would be recomputed in every multiply-add, where padded rows
+    read it through a clamped row copy."""
+    return tile is not None and tile.mr == 1 and None not in ext[nsp:]
+
+
 def _rows_whole(ext: list, nsp: int, tile: Tile | None) -> bool:
-    """Whether a contraction's symbolic extents (None in `ext`) are all rows that `tile` covers
-    unpadded: a tile of one row (kernorch.kernels.tiles.SMALL_ROWS) runs any number of them as a
-    whole number of tiles, so it needs neither padding nor a guarded copy-out."""
+    """Whether a contraction's symbolic extents (None in `ext`) are all rows that `tile` leaves
+    unpadded (`_one_row`): then it needs neither padding nor a guarded copy-out."""
     symbolic = [i for i, e in enumerate(ext) if e is None]
-    return bool(symbolic) and tile is not None and tile.mr == 1 and all(i < nsp - 1 for i in symbolic)
+    return bool(symbolic) and all(i < nsp - 1 for i in symbolic) and _one_row(ext, nsp, tile)
 
 
 def _pad_factors(ext: list, nsp: int, lanes: int, tile: Tile | None) -> list[int]:
