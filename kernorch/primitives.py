@@ -9,7 +9,6 @@ Kinds: elementwise, reduce, broadcast, layout, linear, opaque.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -187,8 +186,11 @@ _unary("not", np.logical_not, lambda T, x: T.tir.Not(x), 1, dtype_in="bool")
 
 
 def _erf_np(x):
-    # float32 erf through float64 math.erf vectorised: exact to fp32 rounding.
-    return np.vectorize(math.erf, otypes=[np.float64])(x.astype(np.float64)).astype(x.dtype) if x.size else x
+    # float32 erf through float64 erf: exact to fp32 rounding. (scipy's, not math.erf element by
+    # element: the same float32 values for 512 x 1536 normal inputs in 17 ms instead of 129, which a
+    # GELU kernel over seq=1..512 spent three times in its check at each sample.)
+    from scipy.special import erf
+    return erf(x.astype(np.float64)).astype(x.dtype) if x.size else x
 
 
 def _cast_infer(types, a):
