@@ -210,7 +210,8 @@ def check_bounds(mod: tvm.IRModule) -> None:
     concrete lengths and the largest it serves (its `kernorch.bounds`), since the interval
     analysis cannot relate a fused index to a symbolic extent (`f // 4 < seq` from `f < 4 * seq`).
     The lengths are judged in one walk of the kernel, an analyzer per length with the dimension
-    bound to it (a walk per length took 0.1-0.3 s of a fused attention's 1.2 s build)."""
+    bound to it (a walk of the kernel specialized at each length: 25 ms against 13 per kernel, over
+    182 kernels of the transformer block over seq=1..512, Zen 4)."""
     func = mod["main"]
     syms = {d.name: d for buf in func.params for d in buf.shape if isinstance(d, tirx.Var)}
     if not syms:
