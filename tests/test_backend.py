@@ -755,6 +755,35 @@ def test_a_buffer_is_substituted_wherever_it_is_used():
     assert new.alloc_buffers[0].same_as(fresh) and new.reads[1].source.same_as(fresh)
 
 
+def test_a_walk_finds_each_operand_and_each_buffer_once():
+    """tirwalk.operands gives each kind of expression's direct operands (by its type, looked up
+    once); buffers_in every buffer a statement stores to, loads from (in values, indices, loop
+    bounds and conditions) or whose blocks read, write or allocate, each once, and builds nothing."""
+    import tvm
+    from tvm import s_tir, tirx
+    from kernorch.backends.tvm.tirwalk import buffers_in, operands
+    a, b, c, d, e, n = (tirx.decl_buffer((8,), "float32" if x != "n" else "int32", x) for x in "abcden")
+    i, v = tirx.Var("i", "int32"), tirx.Var("v", "float32")
+    one = tirx.const(1.0, "float32")
+    ramp = tirx.Ramp(i, 1, 4)
+    assert [str(x) for x in operands(a[i] + one)] == [str(a[i]), str(one)]
+    for expr, want in ((a[i], [i]), (tirx.Select(i > 0, one, a[i]), [i > 0, one, a[i]]), (ramp, [i, 1]),
+                       (tirx.Broadcast(one, 4), [one]), (tirx.Cast("int32", a[i]), [a[i]]),
+                       (tirx.Let(v, a[i], v * one), [a[i], v * one]), (tirx.exp(a[i]), [a[i]]),
+                       (tirx.const(3, "int32"), []), (i, [])):
+        for _ in range(2):  # (the second time from the per-type table)
+            assert [str(x) for x in operands(expr)] == [str(x) for x in want], expr
+    full = [tvm.ir.Range(0, 8)]
+    inner = s_tir.stmt.SBlock([], [tirx.BufferRegion(d, full)], [tirx.BufferRegion(e, full)], "blk",
+                              tirx.BufferStore(a, b[c[i].astype("int32")] * one, [i]), None, [a])
+    stmt = tirx.SeqStmt([
+        tirx.For(i, 0, n[0], tirx.ForKind.SERIAL, s_tir.stmt.SBlockRealize([], True, inner)),
+        tirx.IfThenElse(b[0] > one, tirx.BufferStore(b, one, [0]), tirx.Evaluate(tirx.const(0, "int32")))])
+    found = buffers_in(stmt)
+    assert sorted(x.name for x in found) == ["a", "b", "c", "d", "e", "n"]
+    assert buffers_in(tirx.Evaluate(tirx.const(0, "int32"))) == []
+
+
 def test_a_guarded_load_is_not_bound_outside_its_guard():
     """A load repeated only inside `if_then_else` branches (a padded read, out of bounds where its
     guard is false) stays inside them: a Let would read it at every position."""

@@ -13,16 +13,43 @@ from tvm import s_tir, tirx
 def operands(e) -> list:
     """The direct sub-expressions of a TIR expression (a load's indices, a call's arguments, an
     op's operands; none for a leaf)."""
+    fields = _FIELDS.get(type(e))
+    if fields is None:
+        fields = _FIELDS[type(e)] = _fields_of(e)
+    out = []
+    for name in fields:
+        x = getattr(e, name)
+        if name in _LISTS:
+            out.extend(x)
+        else:
+            out.append(x)
+    return out
+
+
+_LISTS = ("indices", "args")
+
+
+def _fields_of(e) -> tuple[str, ...]:
+    """The fields that hold a TIR expression's operands, by its type (looked up once per type in
+    `_FIELDS`: isinstance against TVM's abstract classes, and a missing attribute, which raises,
+    cost most of a walk of a kernel)."""
     if isinstance(e, tvm.ir.expr.TensorLoad):
-        return list(e.indices)
+        return ("indices",)
     if isinstance(e, tvm.ir.expr.Call):
-        return list(e.args)
+        return ("args",)
     if isinstance(e, tirx.Select):
-        return [e.condition, e.true_value, e.false_value]
+        return ("condition", "true_value", "false_value")
     if isinstance(e, tirx.Let):
-        return [e.value, e.body]
-    return [x for x in (getattr(e, n, None) for n in ("a", "b", "value", "base", "stride"))
-            if isinstance(x, tvm.ir.expr.Expr)]
+        return ("value", "body")
+    return tuple(n for n in ("a", "b", "value", "base", "stride") if isinstance(getattr(e, n, None), tvm.ir.expr.Expr))
+
+
+_FIELDS: dict[type, tuple[str, ...]] = {}  # per expression type, the fields of its operands (`_fields_of`)
+
+
+def is_load(e) -> bool:
+    """Is `e` a buffer load (by its type, looked up once)?"""
+    return _FIELDS.get(type(e)) == ("indices",) or (type(e) not in _FIELDS and isinstance(e, tvm.ir.expr.TensorLoad))
 
 
 def is_call(e, name: str) -> bool:
@@ -32,7 +59,7 @@ def is_call(e, name: str) -> bool:
 
 def loads(e):
     """Every buffer load in an expression, each time it occurs."""
-    if isinstance(e, tvm.ir.expr.TensorLoad):
+    if is_load(e):
         yield e
     for sub in operands(e):
         yield from loads(sub)
@@ -139,16 +166,57 @@ def substitute_buffers(stmt, pairs):
 
 
 def buffers_in(stmt) -> list:
-    """Every buffer `stmt` stores to, loads from, or whose blocks read, write or allocate."""
-    seen: list = []
+    """Every buffer `stmt` stores to, loads from, or whose blocks read, write or allocate, each once
+    (a walk that builds nothing: rebuilding the kernel through `substitute_buffers` to record them
+    took most of a range kernel's scheduling)."""
+    seen: dict = {}   # the object's address -> the buffer (a TVM object's Python wrapper is not unique)
 
-    class Recorder(_Buffers):
-        def get(self, buf):
-            if not any(buf.same_as(b) for b in seen):
-                seen.append(buf)
-            return None
-    _map_buffers(stmt, Recorder(()))
-    return seen
+    def add(buf) -> None:
+        seen.setdefault(buf.__chandle__(), buf)
+
+    def expr(e) -> None:
+        if is_load(e):
+            add(e.source)
+        for sub in operands(e):
+            expr(sub)
+
+    def visit(st) -> None:
+        if isinstance(st, tirx.SeqStmt):
+            for s in st.seq:
+                visit(s)
+        elif isinstance(st, tirx.BufferStore):
+            add(st.buffer)
+            expr(st.value)
+            for i in st.indices:
+                expr(i)
+        elif isinstance(st, tirx.For):
+            expr(st.min)
+            expr(st.extent)
+            visit(st.body)
+        elif isinstance(st, tirx.IfThenElse):
+            expr(st.condition)
+            visit(st.then_case)
+            if st.else_case is not None:
+                visit(st.else_case)
+        elif isinstance(st, s_tir.stmt.SBlockRealize):
+            b = st.block
+            for r in (*b.reads, *b.writes):
+                add(r.source)
+            for v in (*st.iter_values, st.predicate):
+                expr(v)
+            visit(b.body)
+            if b.init is not None:
+                visit(b.init)
+            for a in b.alloc_buffers:
+                add(a)
+        elif isinstance(st, tirx.AttrStmt):
+            visit(st.body)
+        elif isinstance(st, tirx.Evaluate):
+            expr(st.value)
+        else:
+            raise TypeError(f"no buffer walk through {type(st).__name__}")
+    visit(stmt)
+    return list(seen.values())
 
 
 def _map_buffers(stmt, bufs: _Buffers):
