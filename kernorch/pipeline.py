@@ -682,7 +682,8 @@ REFINE_BLOCK_SECONDS = 1.0
 def promising(measured: Measured, wanted, solve_s: float, plan=None, near: Mapping[str, int] | None = None) -> list:
     """What a refine round measures: the kernels the plan wants, then more pending fusions the
     solver would ask for in later rounds: as many as can be measured in about the time one solve
-    takes (between 16 and 512), so neither the solves nor the measurements dominate the loop.
+    takes (between 16 and 512), so neither the solves nor the measurements dominate the loop, and
+    no more than FILL_PER_FAMILY of one family.
 
     With the learned model, first the fusions it expects to save against their members alone
     (within a sigma), best first; then those the solver may still want on their estimates: below
@@ -721,7 +722,39 @@ def promising(measured: Measured, wanted, solve_s: float, plan=None, near: Mappi
                 return measured.estimates[i] / (now or measured.members_ns[i])
             likely += sorted((i for i in rest if i not in chosen and against(i) < 1.0), key=lambda i: (against(i), i))
         rest = likely
-    return wanted + rest[:more]
+    return wanted + _one_per_family(measured, rest)[:more]
+
+
+# a round's fill-up takes at most this many fusions of each family (`_family`): their outcomes go
+# together (one measured moves the learned estimates of the others), and their builds do not. Over
+# seq=1..512 (transformer block, Zen 4, cold, two optimizes each) the fill-up took every variant of
+# the attention's scores (a bias, a reshape or transposes before, each step of the softmax after:
+# 52-173 kernels in the 32-column tile, about 0.7 s of builders each): 139 and 101 s, 392 and 347
+# kernels measured; one per family 88 and 93 s, 312 and 297 kernels, in 25-27 rounds instead of
+# 12-15, the plans' predicted times the same (0.212-0.217 ms; two per family 114 and 98 s, and
+# counting the wanted fusions against the cap 91 and 104 s, in 50 rounds)
+FILL_PER_FAMILY = 1
+
+
+def _family(kg: Graph) -> tuple[str, ...]:
+    """The prims a fusion is built around: its contractions, else its reductions, else its first prim."""
+    for kind in ("linear", "reduce"):
+        names = tuple(sorted(p.name for p in kg.prims if primitives.kind(p.op) == kind))
+        if names:
+            return names
+    return (kg.prims[0].name,)
+
+
+def _one_per_family(measured: Measured, idents) -> list:
+    """`idents` in order, without those past FILL_PER_FAMILY of their family (`_family`)."""
+    taken: dict[tuple, int] = {}
+    out = []
+    for i in idents:
+        f = _family(measured.pending[i].graph)
+        if taken.get(f, 0) < FILL_PER_FAMILY:
+            taken[f] = taken.get(f, 0) + 1
+            out.append(i)
+    return out
 
 
 def _promise(measured: Measured, ident) -> float:

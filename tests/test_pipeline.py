@@ -388,11 +388,44 @@ def test_estimates_err_low():
     assert fused_estimate_ns(g, 300.0, 40.0, {"a": 10_000, "b": 4_000}, 1_000) == max(floor, 900 + 4_550)
 
 
+def _job(*prims, op: str = "exp"):
+    """A pending job as promising() sees it: its kernel graph's prims (names, one op)."""
+    from types import SimpleNamespace as NS
+    return NS(graph=NS(prims=tuple(NS(name=n, op=op) for n in prims)))
+
+
+def test_a_round_fills_up_with_one_fusion_of_each_family():
+    """The fill-up takes one fusion built around the same contraction (else the same reductions,
+    else the same first prim): their outcomes go together. The wanted kernels are never capped."""
+    from types import SimpleNamespace as NS
+    from kernorch.measure import MeasureStats
+
+    def fusion(*ops):  # (name, op) pairs
+        return NS(graph=NS(prims=tuple(NS(name=n, op=o) for n, o in ops)))
+    pending = {
+        ("s1", "tvm", "t14x32r"): fusion(("t", "transpose"), ("mm", "matmul")),
+        ("s2", "tvm", "t14x32r"): fusion(("mm", "matmul"), ("d", "div")),
+        ("s2", "tvm", "t4x64r"): fusion(("mm", "matmul"), ("d", "div")),       # the same family in another tile
+        ("r1", "tvm", "default"): fusion(("d", "div"), ("mx", "reduce_max")),
+        ("r2", "tvm", "default"): fusion(("mx", "reduce_max"), ("sb", "sub")),
+        ("e1", "tvm", "default"): fusion(("sb", "sub"), ("ex", "exp")),
+        ("e2", "tvm", "default"): fusion(("ex", "exp"), ("sm", "add")),         # another first prim: its own
+        ("w1", "tvm", "default"): fusion(("sb", "sub"), ("x", "exp"), ("y", "exp")),  # e1's first prim
+    }
+    ids = list(pending)
+    m = pipeline.Measured({}, MeasureStats(measured=100, seconds=50.0), pending=pending,
+                          estimates={i: 500 + n for n, i in enumerate(ids)}, members_ns=dict.fromkeys(ids, 1000.0))
+    assert pipeline.promising(m, [], solve_s=1.0) == [ids[0], ids[3], ids[5], ids[6]]
+    assert pipeline.promising(m, ids[1:3], solve_s=1.0) == ids[1:3] + [ids[0], ids[3], ids[5], ids[6]]
+    with mock.patch.object(pipeline, "FILL_PER_FAMILY", 2):  # the third fusion around mm left out
+        assert pipeline.promising(m, [], solve_s=1.0) == ids[:2] + ids[3:]
+
+
 def test_a_refine_round_measures_what_the_plan_wants_then_the_most_promising():
     """promising(): the wanted kernels first, then pending fusions by estimate / members alone,
     as many as one solve's time measures (at least 16, at most 512)."""
     from kernorch.measure import MeasureStats
-    pending = {(f"k{i}", "tvm", "default"): None for i in range(600)}
+    pending = {(f"k{i}", "tvm", "default"): _job(f"p{i}") for i in range(600)}
     promise = {i: (int(i[0][1:]) * 7919) % 600 / 600 for i in pending}
     m = pipeline.Measured({}, MeasureStats(measured=100, seconds=50.0), pending=pending,
                           estimates={i: 1000 * p for i, p in promise.items()}, members_ns={i: 1000.0 for i in pending})
@@ -413,7 +446,7 @@ def test_a_refine_round_fills_up_with_what_the_solver_may_still_ask_for():
     ids = [(f"k{i}", "tvm", "default") for i in range(40)]
     saves = ids[:3]      # predicted at half their members; the others at 10x, estimated (bound) at 0.5x-0.9x or 1.5x
     estimates = {i: (500 if i in saves else 500 + 10 * n if n < 30 else 1500) for n, i in enumerate(ids)}
-    m = pipeline.Measured({}, MeasureStats(measured=100, seconds=50.0), pending=dict.fromkeys(ids),
+    m = pipeline.Measured({}, MeasureStats(measured=100, seconds=50.0), pending={i: _job(i[0]) for i in ids},
                           estimates=estimates, members_ns=dict.fromkeys(ids, 1000.0), sigma=0.3,
                           predicted={i: (500.0 if i in saves else 10_000.0) for i in ids})
     batch = pipeline.promising(m, [ids[39]], solve_s=1.0)
@@ -431,7 +464,7 @@ def test_a_fusion_the_model_does_not_estimate_fills_up_a_round_only_against_the_
     from kernorch.measure import MeasureStats
     ids = [(f"k{i}", "tvm", "default") for i in range(4)]
     learned, cheap, dear = ids[0], ids[1], ids[2]
-    graphs = {i: SimpleNamespace(graph=SimpleNamespace(prims=[SimpleNamespace(name=f"p{n}")])) for n, i in enumerate(ids)}
+    graphs = {i: _job(f"p{n}") for n, i in enumerate(ids)}
     plan = SimpleNamespace(kernels=[SimpleNamespace(cost_ns=600.0 if n == 1 else 100.0, members=[f"p{n}"])
                                     for n in range(4)])
     m = pipeline.Measured({}, MeasureStats(measured=100, seconds=50.0), pending=graphs,
@@ -494,8 +527,7 @@ def test_the_fill_up_stays_in_the_partitions_the_plan_wants_fusions_in():
     from types import SimpleNamespace as NS
     from kernorch.measure import MeasureStats
 
-    def job(*prims):
-        return NS(graph=NS(prims=tuple(NS(name=n) for n in prims)))
+    job = _job
     ids = {n: (n, "tvm", "default") for n in ("ab", "bc", "cd", "de")}
     m = pipeline.Measured({}, MeasureStats(measured=100, seconds=50.0),
                           pending={i: job(*n) for n, i in ids.items()}, estimates=dict.fromkeys(ids.values(), 500),
@@ -513,8 +545,7 @@ def test_the_fill_up_weighs_a_fusion_against_what_the_plan_spends_on_its_prims()
     from kernorch.measure import MeasureStats
     from kernorch.plan import Kernel
 
-    def job(*prims):
-        return NS(graph=NS(prims=tuple(NS(name=n) for n in prims)))
+    job = _job
     a, b = ("ab", "tvm", "default"), ("cd", "tvm", "default")
     m = pipeline.Measured({}, MeasureStats(measured=100, seconds=50.0), pending={a: job("a", "b"), b: job("c", "d")},
                           estimates={a: 800, b: 800}, members_ns={a: 1000.0, b: 1000.0}, sigma=0.3,
