@@ -27,7 +27,7 @@ import tvm_ffi
 from tvm import s_tir, tirx
 
 from .lower import bounds_of
-from .tirwalk import is_call, map_expr, operands, rewrite, with_body
+from .tirwalk import is_call, is_load, map_expr, operands, rewrite, with_body
 
 # a register tile and its neighbours: the largest micro-kernel tile is the register file
 # (32 x 64 bytes with AVX-512); well inside a worker thread's stack
@@ -80,7 +80,7 @@ def _let_bound(value):
             guarded = is_call(e, "if_then_else")  # (only its condition is always evaluated)
             parts = [count(x, always and (not guarded or i == 0)) for i, x in enumerate(operands(e))]
             size = 1 + sum(n for n, _ in parts)
-            loads = isinstance(e, tvm.ir.expr.TensorLoad) or any(ld for _, ld in parts)
+            loads = is_load(e) or any(ld for _, ld in parts)
             if always and loads and parts and str(e.ty) == "float32":
                 h = tvm_ffi.structural_hash(e)
                 if h in seen and tvm_ffi.structural_equal(seen[h][1], e):

@@ -13,11 +13,8 @@ from tvm import s_tir, tirx
 def operands(e) -> list:
     """The direct sub-expressions of a TIR expression (a load's indices, a call's arguments, an
     op's operands; none for a leaf)."""
-    fields = _FIELDS.get(type(e))
-    if fields is None:
-        fields = _FIELDS[type(e)] = _fields_of(e)
     out = []
-    for name in fields:
+    for name in _fields(e):
         x = getattr(e, name)
         if name in _LISTS:
             out.extend(x)
@@ -47,14 +44,21 @@ def _fields_of(e) -> tuple[str, ...]:
 _FIELDS: dict[type, tuple[str, ...]] = {}  # per expression type, the fields of its operands (`_fields_of`)
 
 
+def _fields(e) -> tuple[str, ...]:
+    fields = _FIELDS.get(type(e))
+    if fields is None:
+        fields = _FIELDS[type(e)] = _fields_of(e)
+    return fields
+
+
 def is_load(e) -> bool:
     """Is `e` a buffer load (by its type, looked up once)?"""
-    return _FIELDS.get(type(e)) == ("indices",) or (type(e) not in _FIELDS and isinstance(e, tvm.ir.expr.TensorLoad))
+    return _fields(e) == ("indices",)
 
 
 def is_call(e, name: str) -> bool:
     """Is `e` a call of the intrinsic `name` ("if_then_else": TVM 0.27 names it prim.if_then_else)?"""
-    return isinstance(e, tvm.ir.expr.Call) and str(getattr(e.op, "name", "")).endswith(name)
+    return _fields(e) == ("args",) and str(getattr(e.op, "name", "")).endswith(name)
 
 
 def loads(e):
