@@ -732,7 +732,9 @@ def promising(measured: Measured, wanted, solve_s: float, plan=None, near: Mappi
 # 52-173 kernels in the 32-column tile, about 0.7 s of builders each): 139 and 101 s, 392 and 347
 # kernels measured; one per family 88 and 93 s, 312 and 297 kernels, in 25-27 rounds instead of
 # 12-15, the plans' predicted times the same (0.212-0.217 ms; two per family 114 and 98 s, and
-# counting the wanted fusions against the cap 91 and 104 s, in 50 rounds)
+# counting the wanted fusions against the cap 91 and 104 s, in 50 rounds). A cold range optimize
+# varies by half from run to run (which tiles its attention races to decides what its fusions cost
+# to build): three more with one per family took 85, 109 and 125 s
 FILL_PER_FAMILY = 1
 
 
