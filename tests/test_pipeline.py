@@ -389,28 +389,26 @@ def test_estimates_err_low():
 
 
 def _job(*prims, op: str = "exp"):
-    """A pending job as promising() sees it: its kernel graph's prims (names, one op)."""
+    """A pending job as promising() sees it: its kernel graph's prims, each a name (of an `op`) or
+    a (name, op) pair."""
     from types import SimpleNamespace as NS
-    return NS(graph=NS(prims=tuple(NS(name=n, op=op) for n in prims)))
+    return NS(graph=NS(prims=tuple(NS(name=p, op=op) if isinstance(p, str) else NS(name=p[0], op=p[1])
+                                   for p in prims)))
 
 
 def test_a_round_fills_up_with_one_fusion_of_each_family():
     """The fill-up takes one fusion built around the same contraction (else the same reductions,
     else the same first prim): their outcomes go together. The wanted kernels are never capped."""
-    from types import SimpleNamespace as NS
     from kernorch.measure import MeasureStats
-
-    def fusion(*ops):  # (name, op) pairs
-        return NS(graph=NS(prims=tuple(NS(name=n, op=o) for n, o in ops)))
     pending = {
-        ("s1", "tvm", "t14x32r"): fusion(("t", "transpose"), ("mm", "matmul")),
-        ("s2", "tvm", "t14x32r"): fusion(("mm", "matmul"), ("d", "div")),
-        ("s2", "tvm", "t4x64r"): fusion(("mm", "matmul"), ("d", "div")),       # the same family in another tile
-        ("r1", "tvm", "default"): fusion(("d", "div"), ("mx", "reduce_max")),
-        ("r2", "tvm", "default"): fusion(("mx", "reduce_max"), ("sb", "sub")),
-        ("e1", "tvm", "default"): fusion(("sb", "sub"), ("ex", "exp")),
-        ("e2", "tvm", "default"): fusion(("ex", "exp"), ("sm", "add")),         # another first prim: its own
-        ("w1", "tvm", "default"): fusion(("sb", "sub"), ("x", "exp"), ("y", "exp")),  # e1's first prim
+        ("s1", "tvm", "t14x32r"): _job(("t", "transpose"), ("mm", "matmul")),
+        ("s2", "tvm", "t14x32r"): _job(("mm", "matmul"), ("d", "div")),
+        ("s2", "tvm", "t4x64r"): _job(("mm", "matmul"), ("d", "div")),       # the same family in another tile
+        ("r1", "tvm", "default"): _job(("d", "div"), ("mx", "reduce_max")),
+        ("r2", "tvm", "default"): _job(("mx", "reduce_max"), ("sb", "sub")),
+        ("e1", "tvm", "default"): _job(("sb", "sub"), ("ex", "exp")),
+        ("e2", "tvm", "default"): _job(("ex", "exp"), ("sm", "add")),         # another first prim: its own
+        ("w1", "tvm", "default"): _job(("sb", "sub"), ("x", "exp"), ("y", "exp")),  # e1's first prim
     }
     ids = list(pending)
     m = pipeline.Measured({}, MeasureStats(measured=100, seconds=50.0), pending=pending,
@@ -524,13 +522,11 @@ def _attention_and_gemm_graphs():
 
 
 def test_the_fill_up_stays_in_the_partitions_the_plan_wants_fusions_in():
-    from types import SimpleNamespace as NS
     from kernorch.measure import MeasureStats
 
-    job = _job
     ids = {n: (n, "tvm", "default") for n in ("ab", "bc", "cd", "de")}
     m = pipeline.Measured({}, MeasureStats(measured=100, seconds=50.0),
-                          pending={i: job(*n) for n, i in ids.items()}, estimates=dict.fromkeys(ids.values(), 500),
+                          pending={i: _job(*n) for n, i in ids.items()}, estimates=dict.fromkeys(ids.values(), 500),
                           members_ns=dict.fromkeys(ids.values(), 1000.0))
     near = {"a": 0, "b": 0, "c": 1, "d": 2, "e": 2}  # a fusion is in its first prim's partition
     assert pipeline.promising(m, [ids["ab"]], solve_s=1.0, near=near) == [ids["ab"], ids["bc"]]
@@ -545,9 +541,8 @@ def test_the_fill_up_weighs_a_fusion_against_what_the_plan_spends_on_its_prims()
     from kernorch.measure import MeasureStats
     from kernorch.plan import Kernel
 
-    job = _job
     a, b = ("ab", "tvm", "default"), ("cd", "tvm", "default")
-    m = pipeline.Measured({}, MeasureStats(measured=100, seconds=50.0), pending={a: job("a", "b"), b: job("c", "d")},
+    m = pipeline.Measured({}, MeasureStats(measured=100, seconds=50.0), pending={a: _job("a", "b"), b: _job("c", "d")},
                           estimates={a: 800, b: 800}, members_ns={a: 1000.0, b: 1000.0}, sigma=0.3,
                           predicted={a: 5000.0, b: 5000.0})
     assert set(pipeline.promising(m, [], solve_s=1.0)) == {a, b}

@@ -18,7 +18,7 @@ from ...ir import KernorchError
 from .lower import NUM_INPUTS_ATTR, bounds_of
 from .passes import PIPELINE
 from .schedule import CACHE_LINE
-from .tirwalk import operands
+from .tirwalk import is_load, operands
 from .target import versions
 
 log = logging.getLogger(__name__)
@@ -274,7 +274,7 @@ def _loads_under_select(mod: tvm.IRModule, analyzers) -> list[str]:
                    for idx, n in zip(e.indices, e.source.shape))
 
     def expr(e, in_select: bool) -> None:
-        if isinstance(e, tvm.ir.expr.TensorLoad) and in_select and not load_ok(e):
+        if is_load(e) and in_select and not load_ok(e):
             bad.append(f"{e.source.name}[{', '.join(str(i) for i in e.indices)}]")
         if isinstance(e, tirx.Select):
             expr(e.condition, in_select)

@@ -131,7 +131,7 @@ def map_expr(e, visit):
 
     def same(a, b):
         return all(x.same_as(y) for x, y in zip(a, b))
-    if isinstance(e, tvm.ir.expr.TensorLoad):
+    if is_load(e):
         idx = [map_expr(i, visit) for i in e.indices]
         return e if same(idx, e.indices) else tirx.BufferLoad(e.source, idx)
     if isinstance(e, tvm.ir.expr.Call):
@@ -226,7 +226,7 @@ def buffers_in(stmt) -> list:
 def _map_buffers(stmt, bufs: _Buffers):
     """`stmt` rebuilt with each buffer it uses passed through `bufs.get` (None: kept)."""
     def load(e):
-        if isinstance(e, tvm.ir.expr.TensorLoad):
+        if is_load(e):
             new = bufs.get(e.source)
             return tirx.BufferLoad(new if new is not None else e.source, [expr(i) for i in e.indices])
         return None
