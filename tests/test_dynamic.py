@@ -341,24 +341,6 @@ def test_a_tile_over_symbolic_rows_carries_a_small_tile_for_short_lengths(block)
     assert "kernorch.small_rows" not in smod["main"].attrs
 
 
-def test_the_seven_row_four_vector_tile_one_register_over_computes_the_reference(block):
-    """kernels.tiles.SPILL_ROWS: a 7 x 64 tile on AVX-512 is one register over the register file
-    (its compiler spills two accumulators to L1); over seq rows it computes the reference in one
-    pass (7 rows), a padded one (5), several with a tail (15, 64), and in its small-row copies."""
-    import tvm
-    from kernorch.backends.tvm.lower import lower
-    from kernorch.backends.tvm.schedule import schedule
-    from kernorch.backends.tvm.target import make_target
-    from kernorch.ir import kernel_graph
-    _, generic = block
-    p, ins = _weight_gemm(generic, 64)
-    kg = kernel_graph(generic, [p.name], ins, [p.name])
-    target = make_target(2)
-    mod = schedule(lower(kg, kg.prims, ins, [p.name], "t7x64p"), target, "t7x64p", bounds={"seq": 512})
-    assert "T.unroll(T.int64(7))" in mod["main"].script()
-    _packed_gemm_right(kg, p, ins, "t7x64p", tvm.compile(mod, target=target), (1, 2, 5, 7, 15, 64))
-
-
 def test_copies_of_a_kernel_hold_only_the_loops_some_length_reaches(block, monkeypatch):
     """schedule._without_dead_branches: the one-row copy of a GEMM over seq rows serves only
     seq=1, too little work to share, so it holds no parallel loop (the parallel twin of

@@ -14,8 +14,10 @@ fewer columns than two vectors. v is a power of two: LLVM splits a 3-register-wi
 (measured on AVX-512: 9x48 ran at 13 GFLOP/s where 14x32 ran at 167). From that rule, per v in
 (2, 4), the largest `mr` and about half of it are offered (AVX-512, 32 registers of 16 lanes: 14x32,
 8x32, 6x64, 4x64; AVX2, 16 registers of 8 lanes: 6x16, 4x16; BLIS uses 12x32 and 6x16 on those
-ISAs), except that a GEMM's four-vector tile takes one row more where it is measured to pay
-(`SPILL_ROWS`: 7x64 on AVX-512). Which one wins depends on the shape (M tails, cache reuse), so each is measured and the
+ISAs). A tile one register over does not pay: on Zen 4 a 7x64 GEMM tile (two accumulators
+spilled) ran 7 rows in one pass 9-14 % faster than 4x64's two, alone with the weights cold, but in
+the transformer block at seq=512 it took 1.2x 4x64's time, and 2x with a GELU prologue fused (its
+registers spill too). Which one wins depends on the shape (M tails, cache reuse), so each is measured and the
 fastest kept; a tile whose `nb` does not divide the output's columns is not offered (no guarded
 vector tail), unless no tile does: a matmul's columns are then padded to the tile (`pad_cols`).
 """
@@ -114,27 +116,11 @@ class Tile:
         return self.mr * v + v + 1
 
 
-# rows a GEMM tile of so many vectors takes beyond the register rule, on a machine with at least
-# SPILL_REGISTERS vector registers. Seven rows of four AVX-512 vectors are one register over: LLVM
-# keeps two broadcasts and the four right-operand vectors live and spills two of the 28
-# accumulators to L1 (a load, an FMA and a store per k, behind the other rows' 26 FMAs). Measured
-# on Zen 4 (2 threads, the weights packed and cold; seq x 384 x 384, seq x 384 x 1536,
-# seq x 1536 x 384): at 7 rows 7x64 took 20.1, 72.0 and 71.6 us, 6x64 (two passes) 27.1, 94.8 and
-# 104.9, 4x64 (two) 22.1, 79.3 and 83.4, 7x32 21.6, 72.2 and 80.2; at 300 and 512 rows 7x64 ran
-# within 2 % of 6x64 (4-6 % slower at 64 rows, where 4x64 ran fastest). Two vectors wide it does
-# not pay: 15x32 spilled three of 30 accumulators and took 1.26-1.38x 14x32's time at 64-512 rows.
-SPILL_ROWS = {4: 1}
-SPILL_REGISTERS = 32
-
-
-def row_options(lanes: int, registers: int, widths=(2, 4), spill: bool = False) -> list[tuple[int, int]]:
-    """(mr, nb) pairs the register rule allows, before the shape is known, for `widths` vectors
-    (`spill`: a GEMM's, with SPILL_ROWS)."""
+def row_options(lanes: int, registers: int, widths=(2, 4)) -> list[tuple[int, int]]:
+    """(mr, nb) pairs the register rule allows, before the shape is known, for `widths` vectors."""
     out: list[tuple[int, int]] = []
     for v in widths:
         full = min(MAX_ROWS, (registers - v - 1) // v)
-        if spill and registers >= SPILL_REGISTERS:
-            full += SPILL_ROWS.get(v, 0)
         if full < MIN_ROWS:
             continue
         half = max(MIN_ROWS, full // 2 + 1)
@@ -161,11 +147,11 @@ def contraction_tiles(machine, rows: int, cols: int, depth: int, pack: bool = Fa
     lanes, regs = machine.lanes, machine.vector_registers
     rows_outer = depth * cols * 4 <= machine.l2_kib * 1024 // 2
     tiles: list[Tile] = []
-    for mr, nb in row_options(lanes, regs, (2, 3, 4) if split_vectors else (2, 4), spill=not split_vectors):
+    for mr, nb in row_options(lanes, regs, (2, 3, 4) if split_vectors else (2, 4)):
         if cols % nb == 0:
             tiles.append(Tile(min(mr, rows), nb, pack, rows_outer))
     if not tiles and pad_cols and not pack:  # no tile divides the columns: padded to the tile
-        tiles += [Tile(min(mr, rows), nb, pack, rows_outer) for mr, nb in row_options(lanes, regs, spill=True) if cols > nb]
+        tiles += [Tile(min(mr, rows), nb, pack, rows_outer) for mr, nb in row_options(lanes, regs) if cols > nb]
     if not any(cols % t.nb == 0 for t in tiles) and cols % lanes == 0:  # one vector wide
         tiles.append(Tile(min(regs - 3, MAX_ROWS, rows), lanes, pack, rows_outer))
     return tuple(dict.fromkeys(tiles))
