@@ -7,6 +7,8 @@ registered function. Relax's static memory planner reuses intermediate buffers b
 """
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import time
 from pathlib import Path
@@ -89,8 +91,14 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
     """The Relax IRModule of the plan. Over a symbolic dimension (plan.meta["ranges"]: "seq=1..512")
     the function's shapes use one int64 variable per symbol, bounded by the range's upper end (the
     VM plans its buffers for it); the kernels bind their own variables from their arguments. A plan
-    with buckets (plan.meta["buckets"]) gets one function per bucket, and `main` dispatches on the
-    symbol's value: `if seq <= 8: b0(...) elif seq <= 64: b1(...) else: b2(...)`."""
+    with buckets (plan.meta["buckets"]) dispatches on the symbol's value in `main`: `if seq <= 8:
+    <the first bucket's kernels> elif seq <= 64: bucket1(...) else: bucket2(...)`. A bucket called
+    as a function checks every parameter again (its weights too: 22 more tensor checks and 17 more
+    shape matches per call for the transformer block), which cost the shortest lengths about 7 % (the
+    one plan dispatched to itself in two buckets: 1.07x the plan's time at seq=1 and 7, 9 rounds
+    alternated, Zen 4); so the first bucket, the shortest lengths, runs inline. The others stay functions: inline in nested branches, TVM 0.27's memory
+    planning allocated a storage in the first branch only and reused it in the others (a crash at
+    the second bucket's lengths); a branch that only calls allocates nothing."""
     bb = relax.BlockBuilder()
     sym = Symbols()
     bounds = {name: hi for name, (_, hi) in plan_ranges(plan.meta).items()}
@@ -109,7 +117,7 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
                                               weight_params, sym, bounds))
         return bb.get()
     funcs = []
-    for b, (_, hi) in enumerate(parts):
+    for b, (_, hi) in enumerate(parts[1:], start=1):
         inputs, wvars = params()
         with bb.function(f"bucket{b}", inputs + wvars, attrs=attrs, private=True):
             kernels = [i for i, k in enumerate(plan.kernels) if k.bucket == b]
@@ -119,10 +127,16 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
     (name, _), = plan_ranges(plan.meta).items()
     with bb.function("main", inputs + wvars, attrs=attrs):
         call = relax.Call(funcs[-1], inputs + wvars)
-        for b in reversed(range(len(parts) - 1)):  # built inside out: the last bucket is the innermost else
+        for b in reversed(range(1, len(parts) - 1)):  # built inside out: the last bucket is the innermost else
             call = relax.If(relax.prim_value(sym.vars[name] <= parts[b][1]),
-                            relax.SeqExpr([], relax.Call(funcs[b], inputs + wvars)), relax.SeqExpr([], call))
-        bb.emit_func_output(bb.emit(call))
+                            relax.SeqExpr([], relax.Call(funcs[b - 1], inputs + wvars)), relax.SeqExpr([], call))
+        bb._begin_binding_block()  # the first bucket's kernels in main itself, the others' functions called
+        first = _emit_kernels(bb, graph, plan, [i for i, k in enumerate(plan.kernels) if k.bucket == 0], target,
+                              inputs, wvars, weight_params, sym, {n: parts[0][1] for n in bounds}, dataflow=False)
+        first = relax.SeqExpr([bb._end_block()], first)
+        bb._begin_binding_block()
+        bb.emit_func_output(bb.emit(relax.If(relax.prim_value(sym.vars[name] <= parts[0][1]), first,
+                                             relax.SeqExpr([], call))))
     return bb.get()
 
 
@@ -131,15 +145,16 @@ def _tensor_type(t, sym: Symbols) -> relax.TensorType:
 
 
 def _emit_kernels(bb, graph: Graph, plan, indices, target, inputs, wvars, weight_params, sym,
-                  bounds: dict[str, int]) -> relax.Expr:
+                  bounds: dict[str, int], dataflow: bool = True) -> relax.Expr:
     """The plan kernels `indices` (global plan indices: kernel i is PrimFunc `k{i}`) called in order
-    inside one dataflow block of the function being built; returns its output tuple. `bounds`: the
+    inside one dataflow block of the function being built (`dataflow=False`: in the binding block
+    the caller began, a branch of an `If`); returns its output tuple. `bounds`: the
     largest value of each symbol these kernels serve (their bucket's or the range's end), with which
     they were measured."""
     wvar = {(t, layout): v for (t, layout, _), v in zip(weight_params, wvars)}
     env = {n: v for (n, _), v in zip(graph.inputs, inputs)}
     tune_dir = plan.meta.get("tune_dir")
-    with bb.dataflow():
+    with bb.dataflow() if dataflow else contextlib.nullcontext():
         for i in indices:
             k = plan.kernels[i]
             native = registry.native(k.impl)
@@ -173,7 +188,8 @@ def _emit_kernels(bb, graph: Graph, plan, indices, target, inputs, wvars, weight
         missing = [o for o in graph.outputs if o not in env]
         if missing:
             raise KernorchError(f"the plan does not produce graph outputs {missing}")
-        return bb.emit_output(relax.Tuple([env[o] for o in graph.outputs]))
+        out = relax.Tuple([env[o] for o in graph.outputs])
+        return bb.emit_output(out) if dataflow else bb.emit(out)
 
 
 @tvm.transform.module_pass(opt_level=0, name="kernorch.NoaliasHostFuncs")
