@@ -28,7 +28,9 @@ def optimize(model, target=None, *, runs: int = 20, **options):
         options["ranges"] = tuple((k, int(lo), int(hi)) for k, (lo, hi) in options["ranges"].items())
     if "lengths" in options:
         options["lengths"] = tuple(int(v) for v in options["lengths"])
-    if "buckets" in options:  # [8, 64]: a plan per bucket of the range (1..8, 9..64, 65..hi), dispatched at run time
+    if options.get("buckets") == "samples":  # a plan per length the range is timed at, dispatched at run time
+        options["sample_plans"] = bool(options.pop("buckets"))
+    elif "buckets" in options:  # [8, 64]: a plan per bucket of the range (1..8, 9..64, 65..hi), dispatched at run time
         options["bucket_edges"] = tuple(int(v) for v in options.pop("buckets"))
     opts = Options().with_(**options)
     if target is not None and target != Machine.host():

@@ -100,9 +100,11 @@ def _tuning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", default=None, metavar="FILE",
                    help="observed values of the --shape range's dimension (integers in a text file): the range is "
                         "timed at their 10th, 50th and 90th percentiles instead of its ends and middle")
-    p.add_argument("--buckets", default=None, metavar="E1,E2",
+    p.add_argument("--buckets", default=None, metavar="E1,E2|samples",
                    help="cut the --shape range after these lengths (8,64 over 1..512: 1..8, 9..64, 65..512); each "
-                        "bucket gets its own plan and the executable dispatches on the length at run time")
+                        "bucket gets its own plan and the executable dispatches on the length at run time; "
+                        "'samples': a plan per length the range is timed at (1, 23, 512), from one measurement "
+                        "of its kernels, each serving the lengths nearest it")
     p.add_argument("--cost-model", choices=("learned", "analytic"), default=None,
                    help="what an unmeasured fusion is estimated at: the analytic bound raised by the shipped "
                         "learned model where it is confident the fusion loses (learned, default), or the bound alone")
@@ -142,11 +144,15 @@ def options_from(args) -> Options:
         if not kw.get("ranges"):
             raise KernorchError("--buckets cuts a range: give one with --shape NAME=LO..HI")
         from .dynamic import buckets
-        try:
-            kw["bucket_edges"] = tuple(int(v) for v in args.buckets.split(",") if v.strip())
-        except ValueError:
-            raise KernorchError(f"--buckets {args.buckets!r}: expected lengths separated by commas, e.g. 8,64") from None
-        buckets(kw["ranges"][0], kw["bucket_edges"])  # refuses bad edges now, with the range named
+        if args.buckets.strip() == "samples":
+            kw["sample_plans"] = True
+        else:
+            try:
+                kw["bucket_edges"] = tuple(int(v) for v in args.buckets.split(",") if v.strip())
+            except ValueError:
+                raise KernorchError(f"--buckets {args.buckets!r}: expected lengths separated by commas, e.g. 8,64, "
+                                    "or 'samples'") from None
+            buckets(kw["ranges"][0], kw["bucket_edges"])  # refuses bad edges now, with the range named
     if args.threads:
         kw["threads"] = args.threads
     if args.db:

@@ -119,6 +119,15 @@ def probe_points(ranges, lengths=()) -> tuple[dict[str, int], ...]:
     return tuple({name: v} for v in sorted(out))
 
 
+def sample_edges(rng: tuple[str, int, int], values) -> tuple[int, ...]:
+    """The bucket edges that give each of the ascending lengths `values` in the range `rng` the
+    lengths nearer it than its neighbours on a log scale (1, 23, 512 over 1..512: 4, 108, so
+    1..4, 5..108, 109..512): a length `v` belongs below the edge between `a` and `b` when
+    v * v < a * b. A plan per sample (`kernorch.pipeline.sample_plans`) serves its bucket."""
+    _, lo, hi = rng
+    return tuple(min(max(math.isqrt(a * b - 1), lo), hi - 1) for a, b in zip(values, values[1:]))
+
+
 def middle(ranges, lengths=()) -> dict[str, int]:
     """The binding that stands for the range when one length must (tiles, estimates, timing)."""
     return points(ranges, lengths)[1]
@@ -149,11 +158,19 @@ def buckets(rng: tuple[str, int, int], edges: tuple[int, ...]) -> tuple[tuple[st
     if any(not lo <= e < hi for e in cuts):
         raise KernorchError(f"--buckets {','.join(map(str, edges))}: every edge must lie in {lo}..{hi - 1} "
                             f"(the last length of a bucket of {name}={lo}..{hi})")
-    out, start = [], lo
-    for e in (*cuts, hi):
+    out = cut(rng, cuts)
+    for name, start, e in out:
         if e - start + 1 < PROBES:
             raise KernorchError(f"bucket {name}={start}..{e} holds fewer than {PROBES} lengths; "
                                 "choose edges further apart")
+    return out
+
+
+def cut(rng: tuple[str, int, int], edges) -> tuple[tuple[str, int, int], ...]:
+    """The range `rng` cut after each of the ascending `edges` (each in lo..hi-1)."""
+    name, lo, hi = rng
+    out, start = [], lo
+    for e in (*edges, hi):
         out.append((name, start, e))
         start = e + 1
     return tuple(out)

@@ -1054,7 +1054,40 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
             with clock("tune"):
                 plan, measured, tuning = tune.tune_loop(loaded.graph, enumeration, measured, plan, db, options,
                                                         machine, solve)
+    if options.ranges and options.sample_plans:
+        with clock("orchestrate"):
+            plan = sample_plans(loaded.graph, enumeration, measured, options, meta, plan, db)
     return Planned(loaded, enumeration, measured, plan, tuning, clock.seconds, machine)
+
+
+def sample_plans(graph: Graph, enumeration, measured: Measured, options: Options, meta: Mapping[str, str],
+                 plan, db: ProfileDB | None = None):
+    """Over a range, a plan per length its kernels were timed at (`_lengths_at`: 1, 23 and 512 over
+    1..512), each the optimum there among the kernels measured (their times at that length): no
+    kernel is measured again, and each is at least as fast there as `plan`, the one plan over
+    the range, whose kernels are among them. Each length of the range runs the plan of the sample
+    nearest it on a log scale (dynamic.sample_edges); neighbours whose plans came out the same
+    share a bucket. Returns `plan` when every sample's plan is the same (then it is the one plan),
+    else one plan that dispatches on the length (Plan.dispatch, as with `bucket_edges`)."""
+    from .dynamic import bucket_weights, cut, sample_edges
+    lengths = [length for length, _, _ in _lengths_at(options)]
+    at = [orchestrate(graph, enumeration, replace(measured, pending={}, estimates={}, measurements={
+        i: _at_length(m, length) for i, m in measured.measurements.items()}), options, meta, db=db)
+        for length in lengths]
+    plans, edges = [at[0]], []
+    for e, p in zip(sample_edges(options.ranges[0], lengths), at[1:]):
+        if _kernels_of(p) != _kernels_of(plans[-1]):
+            plans.append(p)
+            edges.append(e)
+    if len(plans) == 1:
+        return plan
+    parts = cut(options.ranges[0], edges)
+    return Plan.dispatch(plans, bucket_weights(parts, options.lengths),
+                         {**meta, "buckets": ",".join(f"{lo}..{hi}" for _, lo, hi in parts)})
+
+
+def _kernels_of(plan) -> tuple:
+    return tuple((k.members, k.impl, k.schedule) for k in plan.kernels)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -914,8 +914,11 @@ def test_a_plan_per_bucket_dispatched_inside_one_executable(tmp_path, capsys):
         np.testing.assert_allclose(compiled.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=1e-4, atol=1e-4)
     for s, b in ((5, 0), (30, 1)):
         feeds = {"x": np.zeros((1, s, 64), np.float32)}
-        ran = {plan.kernels[p["kernel"]].bucket for p in compiled.profile(feeds, runs=1) if p["kernel"] is not None}
+        calls = compiled.profile(feeds, runs=1)
+        ran = {plan.kernels[p["kernel"]].bucket for p in calls if p["kernel"] is not None}
         assert ran == {b} and compiled.plan_for(feeds) == plan.bucket(b)
+        # the first bucket runs inline in main (a called function checks every parameter again)
+        assert [p["call"] for p in calls if p["call"].startswith("bucket")] == ([] if b == 0 else [f"bucket{b}"])
     compiled.save(tmp_path / "out")
     loaded = runtime.load(tmp_path / "out")
     assert loaded.plan == plan
@@ -937,6 +940,86 @@ def test_a_plan_per_bucket_dispatched_inside_one_executable(tmp_path, capsys):
     assert "must lie in 1..63" in capsys.readouterr().err
     assert cli.main(["plan", str(path), "--buckets", "8"]) == 2
     assert "cuts a range" in capsys.readouterr().err
+
+
+def test_sample_edges_give_each_length_the_sample_nearest_it_on_a_log_scale():
+    """dynamic.sample_edges: cut after the edges, each length of the range falls in the bucket of
+    the sample nearest it on a log scale (1, 23, 512 over 1..512: 1..4, 5..108, 109..512), for
+    random ranges and samples (brute force: the least |log v - log s|, a tie to the lower)."""
+    r = ("seq", 1, 512)
+    assert dynamic.sample_edges(r, (1, 23, 512)) == (4, 108)
+    assert dynamic.cut(r, (4, 108)) == (("seq", 1, 4), ("seq", 5, 108), ("seq", 109, 512))
+    rng = random.Random(0)
+    for _ in range(200):
+        lo = rng.randint(1, 40)
+        hi = lo + rng.randint(1, 600)
+        values = sorted(rng.sample(range(lo, hi + 1), min(rng.randint(1, 4), hi - lo + 1)))
+        parts = dynamic.cut(("n", lo, hi), dynamic.sample_edges(("n", lo, hi), values))
+        for v in range(lo, hi + 1):
+            nearest = min(range(len(values)), key=lambda i: (abs(np.log(v) - np.log(values[i])), i))
+            got = dynamic.bucket_of(parts, v)
+            assert got == nearest or np.isclose(abs(np.log(v / values[got])), abs(np.log(v / values[nearest]))), \
+                (lo, hi, values, v)
+
+
+def test_a_plan_per_sample_from_one_measurement(tmp_path, capsys):
+    """pipeline.sample_plans over seq=1..64: a plan per length the range was timed at, chosen from
+    the kernels measured once over the range, each no slower at its length than the one plan (the
+    oracle: the one plan's kernels timed there); equal neighbours share a bucket. With the one
+    plan's kernels made 20x slower at the first length, that length's plan differs: the executable
+    dispatches (buckets cut by dynamic.sample_edges), each length runs its bucket's kernels, and it
+    is right against ONNX Runtime on both sides of the edges. `--buckets samples` on the command line."""
+    import onnxruntime as ort
+    from dataclasses import replace
+    from kernorch import cli, pipeline, runtime
+    from kernorch.options import Machine, Options
+    path = tmp_path / "block.onnx"
+    onnx.save(examples.transformer_block(seq="seq"), str(path))
+    options = Options(threads=1, max_kernel_size=2, repeats=3, min_repeat_ms=1.0, workers=2, compare_untuned=0,
+                      db_path=str(tmp_path / "db.sqlite"), ranges=(("seq", 1, 64),))
+    planned = pipeline.plan_model(str(path), options)
+    one, measured, graph = planned.plan, planned.measured, planned.loaded.graph
+    lengths = [length for length, _, _ in pipeline._lengths_at(options)]
+    assert lengths == [1, 8, 64]
+    boundary = int(one.meta["boundary_ns"])
+
+    def at(plan, length, ms):  # the plan's kernels timed at `length`, each plus the kernel boundary
+        return sum(pipeline._at_length(ms[(k.key, k.impl, k.schedule)], length).median_ns + boundary
+                   for k in plan.kernels)
+
+    def check(got, ms):
+        parts = dynamic.plan_buckets(got.meta)
+        if not parts:
+            assert got is one
+            return []
+        for b, (lo, hi) in enumerate(parts):
+            length = next(v for v in lengths if lo <= v <= hi)
+            assert got.bucket(b).predicted_ns == at(got.bucket(b), length, ms) <= at(one, length, ms)
+        return parts
+
+    check(pipeline.sample_plans(graph, planned.enumeration, measured, options, one.meta, one), measured.measurements)
+    slowed = {i: replace(m, samples_ns=tuple((n, t * 20 if n == 1 else t) for n, t in m.samples_ns))
+              if i in {(k.key, k.impl, k.schedule) for k in one.kernels} else m
+              for i, m in measured.measurements.items()}
+    plan = pipeline.sample_plans(graph, planned.enumeration, replace(measured, measurements=slowed), options,
+                                 one.meta, one)
+    parts = check(plan, slowed)
+    assert parts and parts[0] == (1, 2) and parts[-1][1] == 64  # (the edge between 1 and 8: 2)
+    compiled = pipeline.emit(graph, plan, options, Machine.host())
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for s in (1, 2, 3, 22, 23, 64):
+        x = np.random.default_rng(s).standard_normal((1, s, 64)).astype(np.float32)
+        np.testing.assert_allclose(compiled.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=1e-4, atol=1e-4)
+        ran = {plan.kernels[p["kernel"]].bucket for p in compiled.profile({"x": x}, runs=1) if p["kernel"] is not None}
+        assert ran == {dynamic.bucket_of(parts, s)}
+    common = [str(path), "--threads", "1", "--shape", "seq=1..64", "--db", str(tmp_path / "db.sqlite"),
+              "--max-kernel-size", "2"]
+    capsys.readouterr()
+    assert cli.main(["optimize", *common, "--buckets", "samples", "-o", str(tmp_path / "cli")]) == 0  # measured already
+    assert runtime.load(tmp_path / "cli").plan.meta.get("buckets", "") in ("", "1..2,3..22,23..64", "1..2,3..64",
+                                                                          "1..22,23..64")
+    assert cli.main(["plan", *common, "--buckets", "samplez"]) == 2
+    assert "or 'samples'" in capsys.readouterr().err
 
 
 def test_a_bert_like_encoder_over_a_range_matches_onnx_runtime(tmp_path):
