@@ -9,7 +9,8 @@ sequence axis (`examples.transformer_block(seq="seq")`). Built with the CLI, eac
 database of its own, wall time recorded:
 
 * dynamic: `kernorch optimize --shape seq=LO..HI` (one executable, one plan);
-* dispatched: the same with `--buckets 8,64` (one executable, a plan per bucket, dispatch inside);
+* dispatched: the same with `--buckets 8,64` (one executable, a plan per bucket, dispatch inside;
+  `--dispatch samples`: a plan per length the range is timed at, from one measurement);
 * static: `kernorch optimize --shape x=1xSx{dim}` for every length S of the list;
 * pad-to-bucket: the static executables of the buckets (32, 128, 512 by default), each length
   running in the smallest bucket that holds it (the padding copy itself is not counted).
@@ -88,7 +89,8 @@ def main(argv=None) -> int:
     ap.add_argument("--lengths", default="1,7,32,128,300,512")
     ap.add_argument("--buckets", default="32,128,512", help="pad-to-bucket: the static lengths padded to")
     ap.add_argument("--dispatch", default="8,64",
-                    help="bucket edges of the dispatching executable (kernorch optimize --buckets); '' to skip it")
+                    help="bucket edges of the dispatching executable (kernorch optimize --buckets), or 'samples'; "
+                         "'' to skip it")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--max-kernel-size", type=int, default=8)
