@@ -17,8 +17,8 @@ fewer columns than two vectors. v is a power of two: LLVM splits a 3-register-wi
 ISAs). A tile one register over does not pay: on Zen 4 a 7x64 GEMM tile (two accumulators
 spilled) ran 7 rows in one pass 9-14 % faster than 4x64's two, alone with the weights cold, but in
 the transformer block at seq=512 it took 1.2x 4x64's time, and 2x with a GELU prologue fused (its
-registers spill too). Which one wins depends on the shape (M tails, cache reuse), so each is measured and the
-fastest kept; a tile whose `nb` does not divide the output's columns is not offered (no guarded
+registers spill too). Which one wins depends on the shape (M tails, cache reuse), so each is
+measured and the fastest kept; a tile whose `nb` does not divide the output's columns is not offered (no guarded
 vector tail), unless no tile does: a matmul's columns are then padded to the tile (`pad_cols`).
 """
 from __future__ import annotations

@@ -8,7 +8,6 @@ registered function. Relax's static memory planner reuses intermediate buffers b
 from __future__ import annotations
 
 import contextlib
-
 import logging
 import time
 from pathlib import Path
@@ -94,11 +93,13 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
     with buckets (plan.meta["buckets"]) dispatches on the symbol's value in `main`: `if seq <= 8:
     <the first bucket's kernels> elif seq <= 64: bucket1(...) else: bucket2(...)`. A bucket called
     as a function checks every parameter again (its weights too: 22 more tensor checks and 17 more
-    shape matches per call for the transformer block), which cost the shortest lengths about 7 % (the
-    one plan dispatched to itself in two buckets: 1.07x the plan's time at seq=1 and 7, 9 rounds
-    alternated, Zen 4); so the first bucket, the shortest lengths, runs inline. The others stay functions: inline in nested branches, TVM 0.27's memory
-    planning allocated a storage in the first branch only and reused it in the others (a crash at
-    the second bucket's lengths); a branch that only calls allocates nothing."""
+    shape matches per call for the transformer block), which cost the shortest lengths about 7 %
+    (the one plan dispatched to itself in two buckets: 1.07x the plan's time at seq=1 and 7, 9
+    rounds alternated, Zen 4); so the first bucket, the shortest lengths, runs inline. The others
+    stay functions: inline in nested branches, TVM 0.27's memory planning allocated a storage in
+    the first branch only and reused it in the others (a crash at the second bucket's lengths); a
+    branch that only calls allocates nothing. (The inline branch is built with BlockBuilder's
+    `_begin_binding_block`/`_end_block`: TVM has no public scope for an `If` branch.)"""
     bb = relax.BlockBuilder()
     sym = Symbols()
     bounds = {name: hi for name, (_, hi) in plan_ranges(plan.meta).items()}
