@@ -17,7 +17,8 @@ def optimize(model, target=None, *, runs: int = 20, **options):
 
     `options` are fields of `kernorch.options.Options` (threads, shapes as a dict, db_path, ranges as
     a dict such as {"seq": (1, 512)} for one executable over a symbolic dimension, buckets such as
-    [8, 64] for a plan per bucket of that range with dispatch at run time, ...).
+    [8, 64] for a plan per bucket of that range with dispatch at run time, or "samples" for a plan
+    per length the range is timed at, ...).
     `target` is a `Machine` (default: this host); only the host CPU can be measured today.
     """
     from .options import Machine, Options
@@ -29,7 +30,8 @@ def optimize(model, target=None, *, runs: int = 20, **options):
     if "lengths" in options:
         options["lengths"] = tuple(int(v) for v in options["lengths"])
     if options.get("buckets") == "samples":  # a plan per length the range is timed at, dispatched at run time
-        options["sample_plans"] = bool(options.pop("buckets"))
+        del options["buckets"]
+        options["sample_plans"] = True
     elif "buckets" in options:  # [8, 64]: a plan per bucket of the range (1..8, 9..64, 65..hi), dispatched at run time
         options["bucket_edges"] = tuple(int(v) for v in options.pop("buckets"))
     opts = Options().with_(**options)

@@ -159,7 +159,7 @@ def buckets(rng: tuple[str, int, int], edges: tuple[int, ...]) -> tuple[tuple[st
         raise KernorchError(f"--buckets {','.join(map(str, edges))}: every edge must lie in {lo}..{hi - 1} "
                             f"(the last length of a bucket of {name}={lo}..{hi})")
     out = cut(rng, cuts)
-    for name, start, e in out:
+    for _, start, e in out:
         if e - start + 1 < PROBES:
             raise KernorchError(f"bucket {name}={start}..{e} holds fewer than {PROBES} lengths; "
                                 "choose edges further apart")

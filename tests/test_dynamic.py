@@ -1022,6 +1022,19 @@ def test_a_plan_per_sample_from_one_measurement(tmp_path, capsys):
     assert "or 'samples'" in capsys.readouterr().err
 
 
+def test_the_python_api_takes_buckets_as_edges_or_samples(monkeypatch):
+    """kernorch.optimize(buckets=[8, 64]) cuts the range at the edges; buckets="samples" asks for a
+    plan per sample length (Options.sample_plans), with no edges."""
+    import kernorch
+    from kernorch import pipeline
+    seen = []
+    monkeypatch.setattr(pipeline, "optimize", lambda model, opts, runs: (seen.append(opts), (None, None))[1])
+    kernorch.optimize("m.onnx", ranges={"seq": (1, 512)}, buckets=[8, 64])
+    kernorch.optimize("m.onnx", ranges={"seq": (1, 512)}, buckets="samples")
+    assert (seen[0].bucket_edges, seen[0].sample_plans) == ((8, 64), False)
+    assert (seen[1].bucket_edges, seen[1].sample_plans) == ((), True)
+
+
 def test_a_bert_like_encoder_over_a_range_matches_onnx_runtime(tmp_path):
     """The BERT-architecture example (int64 token and position ids gathered from embeddings, an
     attention mask added to the scores, post-norm layers, a pooler over the first token) over
