@@ -986,7 +986,7 @@ def plan_model(model, options: Options, db: ProfileDB | None = None, machine: Ma
 def _plan_buckets(model, options: Options, db: ProfileDB, machine: Machine, clock: Clock) -> Planned:
     """Each bucket of the range planned over its own lengths (its kernels measured there, in its own
     database namespace); the plans joined, each bucket weighted by its share of the range."""
-    from .dynamic import bucket_of, bucket_weights, buckets, example_bucket
+    from .dynamic import bucket_of, buckets, example_bucket
     parts = buckets(options.ranges[0], options.bucket_edges)
     planned = []
     for i, part in enumerate(parts):
@@ -994,12 +994,10 @@ def _plan_buckets(model, options: Options, db: ProfileDB, machine: Machine, cloc
         lengths = tuple(v for v in options.lengths if bucket_of(parts, v) == i)  # none inside: its ends and middle
         planned.append(_plan_range(model, options.with_(ranges=(part,), lengths=lengths, bucket_edges=()), db,
                                    machine, clock))
-    meta = {**plan_meta(planned[0].loaded.source, machine, options),
-            "buckets": ",".join(f"{lo}..{hi}" for _, lo, hi in parts)}
-    plan = Plan.dispatch([p.plan for p in planned], bucket_weights(parts, options.lengths), meta)
+    plan = _dispatch([p.plan for p in planned], parts, options, plan_meta(planned[0].loaded.source, machine, options))
     # what the report shows of measurements: the bucket that serves the middle length (a kernel
     # measured in several buckets has a time in each); the counts of every bucket
-    shown = planned[example_bucket(meta)]
+    shown = planned[example_bucket(plan.meta)]
     stats = planned[0].measured.stats
     for p in planned[1:]:
         stats = stats.merged(p.measured.stats)
@@ -1069,7 +1067,7 @@ def sample_plans(graph: Graph, enumeration, measured: Measured, options: Options
     nearest it on a log scale (dynamic.sample_edges); neighbours whose plans came out the same
     share a bucket. Returns `plan` when every sample's plan is the same (then it is the one plan),
     else one plan that dispatches on the length (Plan.dispatch, as with `bucket_edges`)."""
-    from .dynamic import bucket_weights, cut, sample_edges
+    from .dynamic import cut, sample_edges
     lengths = [length for length, _, _ in _lengths_at(options)]
     at = [orchestrate(graph, enumeration, replace(measured, pending={}, estimates={}, measurements={
         i: _at_length(m, length) for i, m in measured.measurements.items()}), options, meta, db=db)
@@ -1081,13 +1079,19 @@ def sample_plans(graph: Graph, enumeration, measured: Measured, options: Options
             edges.append(e)
     if len(plans) == 1:
         return plan
-    parts = cut(options.ranges[0], edges)
-    return Plan.dispatch(plans, bucket_weights(parts, options.lengths),
-                         {**meta, "buckets": ",".join(f"{lo}..{hi}" for _, lo, hi in parts)})
+    return _dispatch(plans, cut(options.ranges[0], edges), options, meta)
 
 
 def _kernels_of(plan) -> tuple:
     return tuple((k.members, k.impl, k.schedule) for k in plan.kernels)
+
+
+def _dispatch(plans: list, parts, options: Options, meta: Mapping[str, str]):
+    """One plan of the per-bucket `plans` (buckets `parts`, as dynamic.buckets gives them), each
+    weighted by its share of the range (of the observed lengths, when given); meta["buckets"] names them."""
+    from .dynamic import bucket_weights
+    return Plan.dispatch(plans, bucket_weights(parts, options.lengths),
+                         {**meta, "buckets": ",".join(f"{lo}..{hi}" for _, lo, hi in parts)})
 
 
 # ------------------------------------------------------------------------------------------------

@@ -117,12 +117,14 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
             bb.emit_func_output(_emit_kernels(bb, graph, plan, range(len(plan.kernels)), target, inputs, wvars,
                                               weight_params, sym, bounds))
         return bb.get()
+    def in_bucket(b: int) -> list[int]:
+        return [i for i, k in enumerate(plan.kernels) if k.bucket == b]
+
     funcs = []
     for b, (_, hi) in enumerate(parts[1:], start=1):
         inputs, wvars = params()
         with bb.function(f"bucket{b}", inputs + wvars, attrs=attrs, private=True):
-            kernels = [i for i, k in enumerate(plan.kernels) if k.bucket == b]
-            funcs.append(bb.emit_func_output(_emit_kernels(bb, graph, plan, kernels, target, inputs, wvars,
+            funcs.append(bb.emit_func_output(_emit_kernels(bb, graph, plan, in_bucket(b), target, inputs, wvars,
                                                            weight_params, sym, {n: hi for n in bounds})))
     inputs, wvars = params()
     (name, _), = plan_ranges(plan.meta).items()
@@ -132,8 +134,8 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
             call = relax.If(relax.prim_value(sym.vars[name] <= parts[b][1]),
                             relax.SeqExpr([], relax.Call(funcs[b - 1], inputs + wvars)), relax.SeqExpr([], call))
         bb._begin_binding_block()  # the first bucket's kernels in main itself, the others' functions called
-        first = _emit_kernels(bb, graph, plan, [i for i, k in enumerate(plan.kernels) if k.bucket == 0], target,
-                              inputs, wvars, weight_params, sym, {n: parts[0][1] for n in bounds}, dataflow=False)
+        first = _emit_kernels(bb, graph, plan, in_bucket(0), target, inputs, wvars, weight_params, sym,
+                              {n: parts[0][1] for n in bounds}, dataflow=False)
         first = relax.SeqExpr([bb._end_block()], first)
         bb._begin_binding_block()
         bb.emit_func_output(bb.emit(relax.If(relax.prim_value(sym.vars[name] <= parts[0][1]), first,
