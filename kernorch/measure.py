@@ -76,6 +76,14 @@ class KernelJob:
         return (self.key, self.impl, self.schedule)
 
     @property
+    def lengths(self) -> tuple[int, ...] | None:
+        """The values of its one symbol it is checked and timed at (None: static, or several symbols):
+        the only lengths its measured build runs at (kernorch.backends.tvm.schedule's `at`)."""
+        if len(self.bounds) != 1 or not self.samples:
+            return None
+        return tuple(sorted({v for binding, _ in self.samples for _, v in binding}))
+
+    @property
     def description(self) -> str:
         return describe(self.graph.prims)
 
@@ -210,7 +218,7 @@ def _build_task(job: KernelJob, threads: int, out_dir: str, verify: bool, tune_d
             raise KernorchError(f"no valid tuning record in {tune_dir}")
     else:
         mod = tb.lower(job.graph, job.graph.prims, job.inputs, job.outputs, job.schedule)
-        mod = tb.schedule(mod, target, job.schedule, dict(job.bounds))
+        mod = tb.schedule(mod, target, job.schedule, dict(job.bounds), job.lengths)
     path = str(Path(out_dir) / f"{job.key}-{job.schedule.replace('/', '_')}.so")
     tb.build(mod, target).export(path)  # checked as the timer will load it: no second (just-in-time) code generation
     kernel = tb.load(path) if verify else None

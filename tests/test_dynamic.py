@@ -366,7 +366,7 @@ def test_copies_of_a_kernel_hold_only_the_loops_some_length_reaches(block, monke
     assert small[0] and not small[1:].any()  # (the one-row copy runs at seq=1, the 6-row one from 2)
     small_copy = tvm.IRModule({"main": mod["main"].with_body(branch.then_case)}).script()
     assert "T.parallel" not in small_copy and "T.unroll" not in small_copy and "_pad" not in small_copy
-    monkeypatch.setattr(sched, "_without_dead_branches", lambda f: f)
+    monkeypatch.setattr(sched, "_without_dead_branches", lambda f, at=None: f)
     assert mod.script().count("T.parallel") < scheduled().script().count("T.parallel")
     _packed_gemm_right(kg, p, ins, "t6x64p", tvm.compile(mod, target=target), (1, 2, 3, 7, 64, 512))
 
@@ -425,6 +425,38 @@ def _weight_gemm(generic, cols: int):
     p = next(q for q in generic.prims if q.op == "matmul" and q.inputs[1] in generic.constants
              and int(np.shape(generic.constants[q.inputs[1]])[-1]) % cols == 0)
     return p, list(p.inputs)
+
+
+def test_a_measured_build_holds_only_the_copies_its_lengths_run(block):
+    """A kernel over a range is measured at a few lengths (its samples): its build for that holds
+    only the row copies those lengths pick (schedule's `at`), and computes what the whole kernel
+    computes there. The 6-row copy is the cheapest at 3-6 rows only: a build for seq 1 and 100
+    runs the 2-row copy and the 4-row one, and holds no 6-row micro-kernel; a build for every
+    length holds all three, as the kernel the executable runs does."""
+    import tvm
+    from kernorch.backends.tvm.lower import lower
+    from kernorch.backends.tvm.schedule import schedule
+    from kernorch.backends.tvm.target import make_target
+    from kernorch.kernels import Tile
+    from kernorch.measure import KernelJob
+    from kernorch.ir import kernel_graph
+    tile = "t6x32p~6:1@100,4@400~4:2@120,6@200~2:1@90"
+    assert [Tile.parse(tile).pick(n) for n in (1, 2, 3, 6, 7, 100)] == [2, 2, 6, 6, 4, 4]
+    p, ins = _weight_gemm(block[1], 32)
+    kg = kernel_graph(block[1], [p.name], ins, [p.name])
+    job = KernelJob("k", "tvm", tile, kg, tuple(ins), (p.name,), samples=(((("seq", 100),), 0.5), ((("seq", 1),), 0.5)),
+                    bounds=(("seq", 512),))
+    assert job.lengths == (1, 100) and job.at((("seq", 7),)).lengths is None
+    target = make_target(2)
+
+    def built(at):
+        return schedule(lower(kg, kg.prims, ins, [p.name], tile), target, tile, bounds={"seq": 512}, at=at)
+    whole, measured = built(None).script(), built(job.lengths)
+    assert all(f"T.unroll(T.int64({m}))" in whole for m in (6, 4, 2))
+    text = measured.script()
+    assert "T.unroll(T.int64(6))" not in text and "T.unroll(T.int64(4))" in text and "T.unroll(T.int64(2))" in text
+    assert built(range(1, 513)).script() == whole
+    _packed_gemm_right(kg, p, ins, tile, tvm.compile(measured, target=target), (1, 100))
 
 
 def test_a_kernels_run_time_branches_test_a_stored_flag_not_the_length(block):
