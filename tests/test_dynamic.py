@@ -427,16 +427,25 @@ def _weight_gemm(generic, cols: int):
     return p, list(p.inputs)
 
 
-def test_a_measured_build_holds_only_the_copies_its_lengths_run(block):
-    """A kernel over a range is measured at a few lengths (its samples): its build for that holds
-    only the row copies those lengths pick (schedule's `at`), and computes what the whole kernel
-    computes there. The 6-row copy is the cheapest at 3-6 rows only: a build for seq 1 and 100
-    runs the 2-row copy and the 4-row one, and holds no 6-row micro-kernel; a build for every
-    length holds all three, as the kernel the executable runs does."""
+def test_a_measured_build_holds_only_the_copies_its_lengths_run(block, monkeypatch):
+    """A kernel over a range is measured at a few lengths (its samples): its build for that
+    schedules and holds only the row copies those lengths pick (schedule's `at`), and computes what
+    the whole kernel computes there. The 6-row copy is the cheapest at 3-6 rows only: a build for
+    seq 1 and 100 runs the 2-row copy and the 4-row one, and holds no 6-row micro-kernel; a build
+    for every length holds all three, as the kernel the executable runs does. A tile without
+    fitted copies has its one- and 2-row copies only where a length of `at` runs them."""
+    import importlib
     import tvm
     from kernorch.backends.tvm.lower import lower
-    from kernorch.backends.tvm.schedule import schedule
     from kernorch.backends.tvm.target import make_target
+    sched = importlib.import_module("kernorch.backends.tvm.schedule")
+    schedule = sched.schedule
+    tiled, scheduled = sched._tiled, []
+
+    def counted(func, lanes, tile, *a):
+        scheduled.append(tile.mr)
+        return tiled(func, lanes, tile, *a)
+    monkeypatch.setattr(sched, "_tiled", counted)
     from kernorch.kernels import Tile
     from kernorch.measure import KernelJob
     from kernorch.ir import kernel_graph
@@ -457,6 +466,13 @@ def test_a_measured_build_holds_only_the_copies_its_lengths_run(block):
     assert "T.unroll(T.int64(6))" not in text and "T.unroll(T.int64(4))" in text and "T.unroll(T.int64(2))" in text
     assert built(range(1, 513)).script() == whole
     _packed_gemm_right(kg, p, ins, tile, tvm.compile(measured, target=target), (1, 100))
+    scheduled.clear()
+    built(job.lengths)
+    assert sorted(scheduled) == [2, 4]
+    for at, rows in ((None, [1, 2, 6]), ((23, 512), [6]), ((1, 23), [1, 6])):
+        scheduled.clear()
+        schedule(lower(kg, kg.prims, ins, [p.name], "t6x32p"), target, "t6x32p", bounds={"seq": 512}, at=at)
+        assert sorted(scheduled) == rows, (at, scheduled)
 
 
 def test_a_kernels_run_time_branches_test_a_stored_flag_not_the_length(block):
@@ -1462,7 +1478,8 @@ def test_an_attention_over_seq_holds_a_copy_in_narrow_key_tiles_for_short_length
     """Over a symbolic length, an attention in key tiles wider than NARROW_KEYS is lowered a second
     time with its keys padded to NARROW_KEYS (at seq=7 a 64-wide tile computes 64 keys), and the
     one kernel runs that copy where `narrow_keys` says (its condition, evaluated at every length of
-    the range, is the rule's); in narrow tiles, or over static keys, there is no copy."""
+    the range, is the rule's); in narrow tiles, or over static keys, there is no copy, nor in a
+    build for lengths that never run it (a measurement's samples, schedule's `at`)."""
     import tvm
     from kernorch.backends.tvm.lower import NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, lower
     from kernorch.backends.tvm.schedule import schedule
@@ -1484,6 +1501,11 @@ def test_an_attention_over_seq_holds_a_copy_in_narrow_key_tiles_for_short_length
     script = schedule(mod, make_target(1), "t4x64r", bounds={"seq": 512})["main"].script()
     pads = re.findall(r'keys_padded\w* = T\.sblock_alloc_buffer\(.*// T\.int64\((\d+)\) \* T\.int64', script)
     assert sorted(map(int, pads)) == [NARROW_KEYS, 64], script
+    # a build for lengths none of which runs the narrow copy (a measurement at 49 and 512) has none
+    for at, copies in (((49, 512), [64]), ((7, 512), [NARROW_KEYS, 64])):
+        script = schedule(mod, make_target(1), "t4x64r", bounds={"seq": 512}, at=at)["main"].script()
+        pads = re.findall(r'keys_padded\w* = T\.sblock_alloc_buffer\(.*// T\.int64\((\d+)\) \* T\.int64', script)
+        assert sorted(map(int, pads)) == copies, at
     assert [gv.name_hint for gv in lower(kg, kg.prims, ins, outs, f"t4x{NARROW_KEYS}r").get_global_vars()] == ["main"]
     static, sins, souts = _attention_kernel(dynamic.bind(block[1], {"seq": 40}))   # (keys padded to 48, statically)
     assert [gv.name_hint for gv in lower(static, static.prims, sins, souts, "t4x64r").get_global_vars()] == ["main"]

@@ -20,7 +20,7 @@ from tvm import s_tir
 
 from ...ir import KernorchError
 from ...kernels import Tile, Winograd, split
-from ...kernels.tiles import NARROW_KEYS, SMALL_ROWS, row_tile
+from ...kernels.tiles import NARROW_KEYS, SMALL_ROWS, ran_copy, row_tile
 from ...kernels.variants import CONVERSIONS
 from .lower import BOUNDS_ATTR, NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, ROWS_OUT, UNPACK, VIEW, bounds_of, divisible
 from .tirwalk import buffers_in, is_call, loads, operands, rewrite, substitute_buffers, with_body
@@ -107,11 +107,11 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
         return _scheduled(sch, f"winograd {mode}")
     tile = Tile.parse(inner)
     if tile is not None:  # a micro-kernel variant: exactly this tile, or a refusal (never another rule)
-        out = _tile_over_rows(func, lanes, tile, mode, threads)
+        out = _tile_over_rows(func, lanes, tile, mode, threads, at)
         if any(gv.name_hint == NARROW_KEYS_FUNC for gv in mod.get_global_vars()):
             narrow = mod[NARROW_KEYS_FUNC]
             out = _with_narrow_keys(out["main"], bounded(narrow), narrow.attrs[NARROW_KEYS_WHEN], lanes,
-                                    replace(tile, nb=NARROW_KEYS), mode, threads)
+                                    replace(tile, nb=NARROW_KEYS), mode, threads, at)
         return tvm.IRModule({"main": _without_dead_branches(out["main"], at)})
     if inner not in ("default", *CONVERSIONS):
         raise KernorchError(f"unknown schedule mode {mode!r} (expected 'none', 'default', a tile like 't14x32p', "
@@ -144,10 +144,14 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
     return mod
 
 
-def _tile_over_rows(func, lanes: int, tile: Tile, mode: str, threads: int = 1) -> tvm.IRModule:
+def _tile_over_rows(func, lanes: int, tile: Tile, mode: str, threads: int = 1,
+                    at: Sequence[int] | None = None) -> tvm.IRModule:
     """The micro-kernel `tile` on `func`; over a symbolic row extent, a copy per row count of
     `tile.copies` picked at run time by their fitted costs at the length (`_cheapest`), or without
-    copies the tile and a copy of each SMALL_ROWS row count below its own for those lengths (`_by_rows`)."""
+    copies the tile and a copy of each SMALL_ROWS row count below its own for those lengths
+    (`_by_rows`). `at` (the only lengths the build runs at): only the copies they pick are
+    scheduled, and among those the same one runs at each of them (the cheapest of a set is the
+    cheapest of any subset holding it; the tile itself always stays)."""
     def copy(t: Tile) -> tirx.PrimFunc:
         return _scheduled(_tiled(func, lanes, t, mode, threads), f"contraction {mode}")["main"]
 
@@ -157,13 +161,16 @@ def _tile_over_rows(func, lanes: int, tile: Tile, mode: str, threads: int = 1) -
         if tile.copies and rows is None:
             raise _NotApplicable("row copies need one symbolic row extent")
         if tile.copies:
-            return tvm.IRModule({"main": _cheapest([(c, copy(replace(base, mr=c[0]))) for c in tile.copies], rows)})
+            picked = {tile.pick(n) for n in at} if at is not None else {m for m, _ in tile.copies}
+            copies = [c for c in tile.copies if c[0] in picked]
+            return tvm.IRModule({"main": _cheapest([(c, copy(replace(base, mr=c[0]))) for c in copies], rows)})
         out = copy(base)
     except Exception as e:  # noqa: BLE001 - the variant does not apply to this kernel
         raise KernorchError(f"tile {mode} does not apply: {type(e).__name__}: {_first_line(e)}") from None
     if rows is not None:
         small = []
-        for mr in (m for m in SMALL_ROWS if m < base.mr):
+        ran = {ran_copy(base.mr, n) for n in at} if at is not None else set(SMALL_ROWS)
+        for mr in (m for m in SMALL_ROWS if m < base.mr and m in ran):
             try:
                 small.append((mr, copy(replace(base, mr=mr))))
             except Exception as e:  # noqa: BLE001 - the tile alone serves these lengths
@@ -173,18 +180,33 @@ def _tile_over_rows(func, lanes: int, tile: Tile, mode: str, threads: int = 1) -
 
 
 def _with_narrow_keys(wide: tirx.PrimFunc, narrow: tirx.PrimFunc, when, lanes: int, tile: Tile, mode: str,
-                      threads: int) -> tvm.IRModule:
+                      threads: int, at: Sequence[int] | None = None) -> tvm.IRModule:
     """One kernel of an attention over a symbolic length scheduled twice: `wide` (scheduled) in
     its own key tile, `narrow` (lowered with its keys padded to the narrow tile's columns) in
     `tile`; the narrow copy runs where `when` (an expression of `wide`'s length) holds
     (lower.NARROW_KEYS_FUNC). The two were lowered apart, so the narrow copy's
-    parameters are rebound to the wide one's buffers (and its length to the wide one's)."""
+    parameters are rebound to the wide one's buffers (and its length to the wide one's).
+    `at`: the only lengths the build runs at; where `when` holds at none, no narrow copy."""
+    if at is not None and not _holds_at(when, narrow, at):
+        return tvm.IRModule({"main": wide})
     try:
-        n = _tile_over_rows(narrow, lanes, tile, mode, threads)["main"]
+        n = _tile_over_rows(narrow, lanes, tile, mode, threads, at)["main"]
     except KernorchError as e:
         log.debug("no narrow-key copy for %s: %s", mode, e)
         return tvm.IRModule({"main": wide})
     return tvm.IRModule({"main": _either(when, n, wide).with_attr("kernorch.narrow_keys", tile.nb)})
+
+
+def _holds_at(cond, func, at: Sequence[int]) -> bool:
+    """Whether `cond` (an expression of `func`'s one symbol) holds at some length of `at`; True
+    where that cannot be told."""
+    bounds = bounds_of(func)
+    if len(bounds) != 1:
+        return True
+    try:
+        return bool(np.any(_at_lengths(cond, next(iter(bounds)), np.asarray(at, np.int64))))
+    except _NotApplicable:
+        return True
 
 
 def _tiled(func, lanes: int, tile: Tile, mode: str, threads: int = 1) -> s_tir.Schedule:
