@@ -1070,6 +1070,42 @@ def test_a_plan_per_sample_from_one_measurement(tmp_path, capsys):
     assert "or 'samples'" in capsys.readouterr().err
 
 
+def test_each_sample_length_gets_the_fusions_its_plan_wants_measured(tmp_path):
+    """pipeline.refine_samples: after the one plan's loop over seq=1..64, the loop again at each
+    length the range is timed at. `at_sample` sees every measurement at its time there and every
+    pending fusion at its bound and learned prediction there (their weighted sums are the one
+    plan's estimates); afterwards the plan solved at each length holds only measured kernels, and
+    what was measured for it was measured over the whole range."""
+    from kernorch import pipeline
+    from kernorch.options import Machine, Options
+    path = tmp_path / "block.onnx"
+    onnx.save(examples.transformer_block(seq="seq"), str(path))
+    options = Options(threads=1, max_kernel_size=3, repeats=3, min_repeat_ms=1.0, workers=2, compare_untuned=0,
+                      db_path=str(tmp_path / "db.sqlite"), ranges=(("seq", 1, 64),))
+    planned = pipeline.plan_model(str(path), options)
+    measured, graph, meta = planned.measured, planned.loaded.graph, planned.plan.meta
+    assert measured.pending and [n for n, _ in measured.at] == [1, 8, 64]
+    weights = [w for _, w in measured.at]
+    for i, b in measured.bounds.items():
+        assert abs(b - sum(w * x for w, x in zip(weights, measured.bounds_at[i]))) <= 1
+    for i, p in measured.predicted.items():
+        assert np.isclose(p, sum(w * x for w, x in zip(weights, measured.predicted_at[i])))
+    view = pipeline.at_sample(measured, 2)
+    some = next(iter(measured.measurements.items()))
+    assert view.measurements[some[0]] == pipeline._at_length(some[1], 64) and view.at == ((64, 1.0),)
+    assert set(view.estimates) == set(measured.pending)
+    from kernorch.database import ProfileDB
+    with ProfileDB(options.db_path) as db:
+        after = pipeline.refine_samples(graph, planned.enumeration, measured, options, meta, db, Machine.host())
+        assert set(after.measurements) >= set(measured.measurements)
+        for k in range(3):
+            plan = pipeline.orchestrate(graph, planned.enumeration, pipeline.at_sample(after, k), options, meta,
+                                        rel_gap=pipeline.REFINE_GAP)
+            assert not plan.estimated
+    new = set(after.measurements) - set(measured.measurements)
+    assert all(len(after.measurements[i].samples_ns) >= 3 for i in new if after.measurements[i].ok)
+
+
 def test_the_python_api_takes_buckets_as_edges_or_samples(monkeypatch):
     """kernorch.optimize(buckets=[8, 64]) cuts the range at the edges; buckets="samples" asks for a
     plan per sample length (Options.sample_plans), with no edges."""
