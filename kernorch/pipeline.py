@@ -824,7 +824,8 @@ def refine(measured: Measured, idents, db: ProfileDB, options: Options, machine:
     out = replace(measured, measurements={**measured.measurements, **results}, stats=measured.stats.merged(stats),
                   pending=left, residual=residual, bounds={i: measured.bounds[i] for i in left},
                   bounds_at={i: measured.bounds_at[i] for i in left if i in measured.bounds_at},
-                  predicted=predicted, predicted_at=predicted_at, rows=rows, seen=seen, members_ns={i: measured.members_ns[i] for i in left},
+                  predicted=predicted, predicted_at=predicted_at, rows=rows, seen=seen,
+                  members_ns={i: measured.members_ns[i] for i in left},
                   fitted=len(seen) if refit else measured.fitted, unlearned=unlearned)
     estimates = _estimates(out)
     if not refit and len(seen) >= correct_after:  # not corrected this round: the learned estimates are kept

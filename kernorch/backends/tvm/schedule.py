@@ -72,8 +72,9 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
     bucket's upper end). A loop over a symbolic extent stays serial when even that largest value
     is too little work to share among threads (a parallel launch costs ~2 us, a row of work less).
     `at` (one symbol): the only lengths this build will run at, a measurement's samples; a tile's
-    copies that none of them reaches are left out (`_without_dead_branches`), so what is compiled
-    is what the executable runs at those lengths, without the code for the others.
+    copies that none of them picks are not scheduled (`_tile_over_rows`, `_with_narrow_keys`) and
+    branches none of them takes are dropped (`_without_dead_branches`), so what is compiled is what
+    the executable runs at those lengths, without the code for the others.
 
     mode "none": return `mod` unchanged (naive single-threaded loops: the measurement baseline).
     mode "default": inline injective stages, then the first rule that applies and does not throw:
