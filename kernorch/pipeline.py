@@ -1117,7 +1117,7 @@ def refine_samples(graph: Graph, enumeration, measured: Measured, options: Optio
 
 def sample_plans(graph: Graph, enumeration, measured: Measured, options: Options, meta: Mapping[str, str],
                  plan, db: ProfileDB | None = None):
-    """Over a range, a plan per length its kernels were timed at (`_lengths_at`: 1, 23 and 512 over
+    """Over a range, a plan per length its kernels were timed at (`Measured.at`: 1, 23 and 512 over
     1..512), each the optimum there among the kernels measured (their times at that length): no
     kernel is measured again, and each is at least as fast there as `plan`, the one plan over
     the range, whose kernels are among them. Each length of the range runs the plan of the sample
@@ -1125,10 +1125,9 @@ def sample_plans(graph: Graph, enumeration, measured: Measured, options: Options
     share a bucket. Returns `plan` when every sample's plan is the same (then it is the one plan),
     else one plan that dispatches on the length (Plan.dispatch, as with `bucket_edges`)."""
     from .dynamic import cut, sample_edges
-    lengths = [length for length, _, _ in _lengths_at(options)]
-    at = [orchestrate(graph, enumeration, replace(measured, pending={}, estimates={}, measurements={
-        i: _at_length(m, length) for i, m in measured.measurements.items()}), options, meta, db=db)
-        for length in lengths]
+    lengths = [length for length, _ in measured.at]
+    done = replace(measured, pending={}, bounds_at={}, predicted_at={})  # the kernels measured, nothing estimated
+    at = [orchestrate(graph, enumeration, at_sample(done, k), options, meta, db=db) for k in range(len(lengths))]
     plans, edges = [at[0]], []
     for e, p in zip(sample_edges(options.ranges[0], lengths), at[1:]):
         if _kernels_of(p) != _kernels_of(plans[-1]):
