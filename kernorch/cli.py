@@ -103,8 +103,8 @@ def _tuning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--buckets", default=None, metavar="E1,E2|samples",
                    help="cut the --shape range after these lengths (8,64 over 1..512: 1..8, 9..64, 65..512); each "
                         "bucket gets its own plan and the executable dispatches on the length at run time; "
-                        "'samples': a plan per length the range is timed at (1, 23, 512), from one measurement "
-                        "of its kernels, each serving the lengths nearest it")
+                        "'samples': a plan per length the range is timed at (1, 23, 512), each refined there from "
+                        "the kernels measured over the range, each serving the lengths nearest it")
     p.add_argument("--cost-model", choices=("learned", "analytic"), default=None,
                    help="what an unmeasured fusion is estimated at: the analytic bound raised by the shipped "
                         "learned model where it is confident the fusion loses (learned, default), or the bound alone")

@@ -142,7 +142,7 @@ class Options:
     ranges: tuple[tuple[str, int, int], ...] = ()   # a symbolic dimension over a range: ("seq", 1, 512)
     lengths: tuple[int, ...] = ()                     # observed values of that dimension (weights the range)
     bucket_edges: tuple[int, ...] = ()                # cut the range after these values: a plan per bucket
-    sample_plans: bool = False                        # a plan per sample length of the range, one measurement
+    sample_plans: bool = False                        # a plan per sample length of the range, its kernels measured over it
     # the weights of the lengths a range is timed at (dynamic.samples), set by the pipeline from the
     # model: each length counts by its time relative to the model's floor there (dynamic.relative_weights)
     sample_weights: tuple[float, ...] = ()

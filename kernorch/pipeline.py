@@ -557,7 +557,8 @@ def _with_pending(measured: Measured, pending: Mapping, options: Options, machin
     its measurements: segformer_b0 on a Zen 4 still measured 669 more fusions in 24 rounds); the
     estimates that run kept do (`_resumed`, applied after this)."""
     if not pending:
-        return replace(measured, pending={}, estimates={}, bounds={}, members_ns={}, predicted={})
+        return replace(measured, pending={}, estimates={}, bounds={}, members_ns={}, predicted={}, bounds_at={},
+                       predicted_at={})
     from .calibrate import calibrate
     from .estimate import fused_estimate_ns
     cal = calibrate(options.threads)
