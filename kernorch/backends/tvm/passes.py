@@ -1,5 +1,5 @@
 """The TIR pipeline kernorch compiles every kernel with: TVM's default for the CPU (`_lowering`: the
-GPU passes and two that changed no code left out), plus small local buffers kept on the stack,
+GPU passes and two that changed no code left out), plus small buffers kept on the stack,
 repeated subexpressions bound once before lowering (`let_repeated`), the buffers a kernel's root
 block keeps in memory hidden from TVM's buffer compaction (`hide_root_buffers`), which cannot
 shrink them and spent most of a kernel's build analysing them, and a kernel over a range
@@ -14,10 +14,16 @@ tile of a GEMM or a convolution paid an allocation, a memset, a free, and a stor
 its accumulators (768 times per call for a 128 x 384 x 1536 GEMM in 8 x 32 tiles). On the stack,
 LLVM promotes the tile to registers and writes it back once.
 
-`stack_small_buffers` marks every local buffer of constant size up to `STACK_BYTES` with TVM's own
+The same holds for a buffer in global memory that compaction shrank to a tile: over a symbolic
+length a tile writes its padded result to one (1024 bytes for 4 x 64 floats) and copies the rows and
+columns inside the length out of it, and the attention's scores at seq=512 (6 heads, Zen 4, 2
+threads) took 1.35 ms with it in the workspace, 1.00 on the stack, 0.90 in the static kernel.
+
+`stack_small_buffers` marks every buffer of constant size up to `STACK_BYTES` with TVM's own
 `disable_lower_builtin` annotation, which LowerTVMBuiltin honours by leaving the allocation to
-the code generator (an `alloca` in the function's entry block, so no growth per iteration). It runs
-just before LowerTVMBuiltin, after TVM's lowering has fixed the buffers' final shapes.
+the code generator (an `alloca` in the function's entry block, so no growth per iteration; a
+parallel loop's body is a function of its own, so each thread has its own). It runs just before
+LowerTVMBuiltin, after TVM's lowering has fixed the buffers' final shapes.
 """
 from __future__ import annotations
 
@@ -128,10 +134,11 @@ def let_repeated(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
 
 
 def _on_stack(stmt):
-    """A small local AllocBuffer annotated to stay on the stack (None: any other statement)."""
+    """A small AllocBuffer (local or global memory) annotated to stay on the stack (None: any other
+    statement)."""
     if isinstance(stmt, tirx.AllocBuffer):
         size = _bytes(stmt.buffer)
-        if stmt.buffer.scope() == "local" and size is not None and 0 < size <= STACK_BYTES:
+        if stmt.buffer.scope() in ("local", "global") and size is not None and 0 < size <= STACK_BYTES:
             annotations = dict(stmt.annotations or {})
             annotations["disable_lower_builtin"] = tirx.IntImm("int32", 1)
             return tirx.AllocBuffer(stmt.buffer, annotations)
