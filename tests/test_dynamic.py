@@ -609,24 +609,44 @@ def test_probabilities_times_values_read_their_rows_clamped_and_divide_once(bloc
     through the clamp it would be inlined into the tile and computed again for every column tile
     (the softmax and the values at seq=512: 4.8 ms against 2.7). Right at lengths on both sides of
     a row tile."""
+    values, mod = _probabilities_values(block[1], "t4x16r")
+    script = mod["main"].script()
+    assert "if_then_else" not in script, script
+    updates = re.findall(r"(\w+)\[v_i0, v_i1, v_i2, v_i3\] = \1\[v_i0, v_i1, v_i2, v_i3\] \+ (.*)", script)
+    assert updates and all("T.min(v_i2, seq - T.int64(1))" in u and " / " not in u for _, u in updates), updates
+    assert re.search(r'T\.sblock\("div', script), script
+    _right_at(values, mod, 2, (1, 3, 4, 5, 33, 100))
+
+
+def _probabilities_values(generic, tile: str):
+    """((kernel graph, inputs, prim) of the block's softmax division and probabilities x V over seq,
+    their kernel scheduled in `tile`)."""
     from kernorch.backends.tvm.lower import lower
     from kernorch.backends.tvm.schedule import schedule
     from kernorch.backends.tvm.target import make_target
     from kernorch.ir import kernel_graph
-    generic = block[1]
     p = next(q for q in generic.prims if q.op == "matmul" and q.inputs[1] not in generic.constants
              and not isinstance(q.type.shape[-1], dynamic.SymDim))
     div = generic.by_name[p.inputs[0]]
     assert div.op == "div", div
     ins = list(dict.fromkeys([*div.inputs, p.inputs[1]]))
     kg = kernel_graph(generic, [div.name, p.name], ins, [p.name])
-    mod = schedule(lower(kg, kg.prims, ins, [p.name], "t4x16r"), make_target(2), "t4x16r", bounds={"seq": 512})
+    mod = schedule(lower(kg, kg.prims, ins, [p.name], tile), make_target(2), tile, bounds={"seq": 512})
+    return (kg, ins, p), mod
+
+
+def test_an_elementwise_stage_over_seq_keys_runs_whole_vectors(block):
+    """A stage of its own whose innermost loop is the symbolic length (the softmax's division over
+    seq keys before probabilities x V) is split into vectors: whole ones unguarded, the one across
+    the length lane by lane. As a plain loop over seq LLVM left it scalar (the softmax's tail and
+    the values at seq=512, t4x64r, Zen 4, 2 threads: 1.87 ms against 1.25 for the static kernel;
+    1.35 vectorized). Right on both sides of a vector."""
+    values, mod = _probabilities_values(block[1], "t4x64r")
     script = mod["main"].script()
-    assert "if_then_else" not in script, script
-    updates = re.findall(r"(\w+)\[v_i0, v_i1, v_i2, v_i3\] = \1\[v_i0, v_i1, v_i2, v_i3\] \+ (.*)", script)
-    assert updates and all("T.min(v_i2, seq - T.int64(1))" in u and " / " not in u for _, u in updates), updates
-    assert re.search(r'T\.sblock\("div', script), script
-    _right_at((kg, ins, p), mod, 2, (1, 3, 4, 5, 33, 100))
+    div = re.search(r'for (\w+) in T\.vectorized\(T\.int64\(16\)\):\n\s+with T\.sblock\("div"\):', script)
+    assert div, script
+    assert re.search(r"if .*\+ T\.int64\(15\) < seq:", script), script  # whole vectors tested per vector
+    _right_at(values, mod, 2, (1, 15, 16, 17, 100))
 
 
 @pytest.mark.parametrize("tile", ["t4x64r", "t14x32r"])

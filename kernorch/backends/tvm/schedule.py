@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 42
+SCHEDULES_VERSION = 43
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -1696,10 +1696,14 @@ def _schedule_block(sch, blk, lanes: int) -> None:
         return
     if not symbolic_inner and _tile_transpose(sch, blk, lanes):
         return
-    outer = _vectorize_inner(sch, blk, lanes)  # (returns every loop when the innermost is symbolic)
-    if symbolic_inner and len(outer) > 1:
-        outer = outer[:-1]  # a symbolic innermost loop stays a plain loop inside the parallel ones
-    _parallel(sch, outer, min_work=lanes)
+    if symbolic_inner:
+        # whole vectors and a predicated one across the length (`_whole_vectors_unguarded`)
+        lo, li = _split(sch, loops[-1], lanes)
+        sch.vectorize(li)
+        if len(loops) > 1:  # the symbolic loop stays a plain loop inside the parallel ones
+            _parallel(sch, loops[:-1], min_work=lanes)
+        return
+    _parallel(sch, _vectorize_inner(sch, blk, lanes), min_work=lanes)
 
 
 def _tile_transpose(sch, blk, lanes: int) -> bool:
