@@ -373,12 +373,14 @@ def test_copies_of_a_kernel_hold_only_the_loops_some_length_reaches(block, monke
 
 def test_a_packed_tile_over_symbolic_rows_prefetches_the_next_weight_panel():
     """Over seq rows the number of row tiles sharing a weight panel is known at run time only: in
-    each copy of the tile (the 2-row one and the main one) the panel's last tiles fetch one line
-    of the next panel a step of their reduction loop, tile t from the last the lines t*K.., guarded
-    by the panel's line count; the other tiles run a reduction loop with no prefetch code in it (on
-    a Zen 3 the guard in every tile's loop made the GEMM 1.3x slower at seq=512). The one-row copy
-    (seq=1) fetches the next panel as a static kernel with one row tile does. The kernel stays
-    right at lengths that use one tile per panel, several, and many."""
+    each copy of the tile (the 2-row one and the main one) the panel's last tiles fetch two lines
+    of the next panel a step of their reduction loop (as many as the panel needs, up to
+    PREFETCH_PER_STEP), tile t from the last the lines 2*t*K.., guarded by the panel's line count;
+    the other tiles run a reduction loop with no prefetch code in it (on a Zen 3 the guard in every
+    tile's loop made the GEMM 1.3x slower at seq=512). At a line a step, a length of one tile per
+    panel fetched a quarter of each 64-column panel of a 384-deep weight. The one-row copy (seq=1)
+    fetches the next panel as a static kernel with one row tile does. The kernel stays right at
+    lengths that use one tile per panel, several, and many."""
     from kernorch.backends import tvm as tb
     from kernorch.executor import run as reference
     from kernorch.ir import Graph, TensorType, make_prim, SymDim
@@ -390,9 +392,13 @@ def test_a_packed_tile_over_symbolic_rows_prefetches_the_next_weight_panel():
     target = tb.make_target(1)
     mod = tb.schedule(tb.lower(g, g.prims, ["x", "w"], ["y"], "t6x64p"), target, "t6x64p", {"seq": 512})
     text = mod["main"].script()
-    # 96 x 64 floats a panel: 384 lines; tile t from the last fetches line t*96 + k at step k
-    fetching = re.findall(r"if \(.*\) \* T.int64\(96\) < T.int64\(384\):\n\s+for k in range\(T.int64\(96\)\):\n"
-                          r"\s+if \(.*\) \* T.int64\(96\) \+ k < T.int64\(384\):\n\s+T.prefetch", text)
+    # 96 x 64 floats a panel: 384 lines; tile t from the last fetches lines (t*96 + k)*2 + pf at step k
+    from kernorch.backends.tvm.schedule import PREFETCH_PER_STEP
+    assert PREFETCH_PER_STEP == 2
+    fetching = re.findall(r"if \(.*\) \* T.int64\(96\) \* T.int64\(2\) < T.int64\(384\):\n"
+                          r"\s+for k in range\(T.int64\(96\)\):\n\s+for pf in range\(T.int64\(2\)\):\n"
+                          r"\s+if \(\(.*\) \* T.int64\(96\) \+ k\) \* T.int64\(2\) \+ pf < T.int64\(384\):\n"
+                          r"\s+T.prefetch", text)
     assert len(fetching) == 2, text
     plain = re.findall(r"\n(\s+)else:\n\s+for k in range\(T.int64\(96\)\):\n((?:\1\s+.*\n)+)", text)
     assert len(plain) == 2 and not any("prefetch" in body for _, body in plain), text

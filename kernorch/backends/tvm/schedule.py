@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 43
+SCHEDULES_VERSION = 44
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -1187,6 +1187,12 @@ def _packed_weight(stmt, fits):
     return None
 
 
+# over symbolic rows, the lines of the next weight panel a tile fetches per step of its reduction at
+# most: the last tile alone fetching a 64-column panel (1536 lines over 384 steps) at four a step
+# ran a seq=7 x 384 x 1536 GEMM in 110 us against 64 at two (weights cold, Zen 4, 2 threads)
+PREFETCH_PER_STEP = 2
+
+
 def _prefetch_next_panel(sch, par, red_loop, weight, panels: int, tiles) -> bool:
     """While the tiles of one weight panel run, bring the next panel into L2 (prefetcht1).
 
@@ -1205,8 +1211,8 @@ def _prefetch_next_panel(sch, par, red_loop, weight, panels: int, tiles) -> bool
     450-470). LLVM keeps the accumulators in registers around a prefetch only because the tile is
     on the stack (passes.stack_small_buffers); in TVM's workspace it stored them to memory around
     every prefetch. `tiles` is an int, or over padded symbolic rows an expression of the length
-    (then each tile fetches a line a step, see below). Returns False (nothing changed) if `par`'s
-    body is not the sequence it expects."""
+    (then the panel's last tiles fetch it, PREFETCH_PER_STEP lines a step at most, see below).
+    Returns False (nothing changed) if `par`'s body is not the sequence it expects."""
     loop = sch.get(par)
     body = loop.body
     red = sch.get(red_loop)
@@ -1237,15 +1243,19 @@ def _prefetch_next_panel(sch, par, red_loop, weight, panels: int, tiles) -> bool
 
     plain = None  # over symbolic rows, (the condition for a tile to fetch, the loop of the others)
     if not static:  # the number of tiles per panel is known at run time only: the panel's last
-        # tiles fetch all of it, tile t (counted from the last) line t*steps + k at step k; the other
-        # tiles run the reduction loop as it was, without prefetch code. One loop for all, the fetch
-        # under its condition on k, took 1.3x as long hot on a Zen 3 (AVX2; a seq x 384 x 384 t6x16p
-        # GEMM at seq=512: 1260 against 960 us) where only one tile in 86 fetched. (A share computed
-        # at run time, several lines a step, made LLVM spill the accumulators: 2.3x slower.)
+        # tile fetches all of it, `per` lines at step k (k*per on); the other tiles run the
+        # reduction loop as it was, without prefetch code. One loop for all, the fetch under its
+        # condition on k, took 1.3x as long hot on a Zen 3 (AVX2; a seq x 384 x 384 t6x16p GEMM at
+        # seq=512: 1260 against 960 us) where only one tile in 86 fetched. (A share computed at run
+        # time made LLVM spill the accumulators: 2.3x slower.) Spread over the last tiles a line a
+        # step, a length of one tile per panel fetched only the first `steps` lines of each (seq=7,
+        # 384 x 1536, 8-row copy, weights cold, Zen 4: 77 us, 66 for the static 7-row tile).
+        per = min(PREFETCH_PER_STEP, -(-lines // steps))
         back = tiles - 1 - tirx.floormod(f, tiles)
-        line = back * steps + k
-        fetch = tirx.IfThenElse(line < lines, fetch_line(line), None)
-        plain = (back * steps < lines, red)
+        i = tirx.Var("pf", k.ty.dtype)
+        line = (back * steps + k) * per + i
+        fetch = tirx.For(i, 0, per, tirx.ForKind.SERIAL, tirx.IfThenElse(line < lines, fetch_line(line), None))
+        plain = (back * steps * per < lines, red)
     else:
         share = -(-lines // tiles)
 
