@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 44
+SCHEDULES_VERSION = 45
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -1697,21 +1697,16 @@ def _schedule_block(sch, blk, lanes: int) -> None:
         _parallel(sch, loops[:nsp], min_work=red_work)
         _init_outside(sch, blk)
         return
-    symbolic_inner = _extent(sch, loops[-1]) is None
-    if symbolic_inner and len(loops) > 1 and divisible(sch.get(loops[-1]).extent, lanes):
-        # a symbolic extent padded to a tile (an attention's keys copied into zero columns)
+    if _extent(sch, loops[-1]) is None:
+        # a symbolic innermost loop in vectors: whole ones where its extent is padded to them (an
+        # attention's keys copied into zero columns), else whole ones unguarded and the one across
+        # the length lane by lane (`_whole_vectors_unguarded`); the loop of vectors stays a plain
+        # loop inside the parallel ones (alone, it is the parallel one)
         lo, li = _split(sch, loops[-1], lanes)
         sch.vectorize(li)
-        _parallel(sch, loops[:-1], min_work=_span(sch, lo) * lanes)
+        _parallel(sch, loops[:-1] or [lo], min_work=_span(sch, lo) * lanes if len(loops) > 1 else lanes)
         return
-    if not symbolic_inner and _tile_transpose(sch, blk, lanes):
-        return
-    if symbolic_inner:
-        # whole vectors and a predicated one across the length (`_whole_vectors_unguarded`)
-        lo, li = _split(sch, loops[-1], lanes)
-        sch.vectorize(li)
-        if len(loops) > 1:  # the symbolic loop stays a plain loop inside the parallel ones
-            _parallel(sch, loops[:-1], min_work=lanes)
+    if _tile_transpose(sch, blk, lanes):
         return
     _parallel(sch, _vectorize_inner(sch, blk, lanes), min_work=lanes)
 
