@@ -1243,8 +1243,9 @@ def _prefetch_next_panel(sch, par, red_loop, weight, panels: int, tiles) -> bool
 
     plain = None  # over symbolic rows, (the condition for a tile to fetch, the loop of the others)
     if not static:  # the number of tiles per panel is known at run time only: the panel's last
-        # tile fetches all of it, `per` lines at step k (k*per on); the other tiles run the
-        # reduction loop as it was, without prefetch code. One loop for all, the fetch under its
+        # tiles fetch all of it, `per` lines a step, tile t (counted from the last) lines
+        # (t*steps + k)*per on at step k; the other tiles run the reduction loop as it was, without
+        # prefetch code. One loop for all, the fetch under its
         # condition on k, took 1.3x as long hot on a Zen 3 (AVX2; a seq x 384 x 384 t6x16p GEMM at
         # seq=512: 1260 against 960 us) where only one tile in 86 fetched. (A share computed at run
         # time made LLVM spill the accumulators: 2.3x slower.) Spread over the last tiles a line a
