@@ -371,7 +371,7 @@ def test_copies_of_a_kernel_hold_only_the_loops_some_length_reaches(block, monke
     _packed_gemm_right(kg, p, ins, "t6x64p", tvm.compile(mod, target=target), (1, 2, 3, 7, 64, 512))
 
 
-def test_a_packed_tile_over_symbolic_rows_prefetches_the_next_weight_panel():
+def test_a_packed_tile_over_symbolic_rows_prefetches_the_next_weight_panel(monkeypatch):
     """Over seq rows the number of row tiles sharing a weight panel is known at run time only: in
     each copy of the tile (the 2-row one and the main one) the panel's last tiles fetch two lines
     of the next panel a step of their reduction loop (as many as the panel needs, up to
@@ -380,7 +380,11 @@ def test_a_packed_tile_over_symbolic_rows_prefetches_the_next_weight_panel():
     tile's loop made the GEMM 1.3x slower at seq=512). At a line a step, a length of one tile per
     panel fetched a quarter of each 64-column panel of a 384-deep weight. The one-row copy (seq=1)
     fetches the next panel as a static kernel with one row tile does. The kernel stays right at
-    lengths that use one tile per panel, several, and many."""
+    lengths that use one tile per panel, several, and many. (Built without the exact last tiles,
+    whose copies of the reduction loop would repeat each pattern: they have a test of their own,
+    on a packed weight that prefetches.)"""
+    import importlib
+    monkeypatch.setattr(importlib.import_module("kernorch.backends.tvm.schedule"), "_exact_tail", lambda f, *a: f)
     from kernorch.backends import tvm as tb
     from kernorch.executor import run as reference
     from kernorch.ir import Graph, TensorType, make_prim, SymDim
@@ -539,6 +543,49 @@ def test_row_copies_are_each_in_the_kernel_and_each_computes_the_gemm(block, til
     changes = [n for n in range(2, 301) if ran[n - 1] != ran[n - 2]]
     assert {ran[n - 1] for n in range(1, 301)} == {c[0] for c in t.copies}   # every copy runs somewhere
     _packed_gemm_right(kg, p, ins, tile, ex, sorted({1, *(x for n in changes for x in (n - 1, n)), 300}))
+
+
+def test_a_last_row_tile_runs_exact_where_its_padded_rows_are_a_twentieth_of_the_work():
+    """The rule of `_exact_tail` against its definition: a length's last tile of r rows (of mr)
+    runs exact where its mr - r padded rows are at least 1/TAIL_SAVES of the rows the padded
+    kernel computes."""
+    import importlib
+    sched = importlib.import_module("kernorch.backends.tvm.schedule")
+    for mr in range(2, 17):
+        for n in range(1, 600):
+            padded = -(-n // mr) * mr
+            assert sched._tail_pays(n, mr) == (padded > n and (padded - n) * sched.TAIL_SAVES >= padded), (n, mr)
+
+
+@pytest.mark.parametrize("tile", ["t4x64p", "t6x32p~6:1@100,3@250~4:2@120,6@300~2:1@90~1:1@80"])
+def test_a_last_row_tile_runs_in_the_rows_it_holds(block, tile):
+    """Over seq rows a GEMM's last row tile runs a copy of the reduction loop cut to the rows it
+    holds, where its padded rows are a twentieth of the work or more: 7 rows in 4-row tiles
+    compute 7, not 8. A kernel built for lengths where none pays (a measurement at 1, 24 and 512)
+    holds no such copy. Right at lengths on both sides of every change, every copy's tails among
+    them."""
+    import tvm
+    from kernorch.backends.tvm.lower import lower
+    from kernorch.backends.tvm.schedule import schedule
+    from kernorch.backends.tvm.target import make_target
+    from kernorch.ir import kernel_graph
+    from kernorch.kernels import Tile
+    t = Tile.parse(tile)
+    p, ins = _weight_gemm(block[1], t.nb)
+    kg = kernel_graph(block[1], [p.name], ins, [p.name])
+    target = make_target(1)
+
+    def scheduled(at=None):
+        return schedule(lower(kg, kg.prims, ins, [p.name], tile), target, tile, bounds={"seq": 512}, at=at)
+    mod = scheduled()
+    script = mod["main"].script()
+    rows = [m for m, _ in t.copies if m > 2] if t.copies else [t.mr]
+    for r in range(1, max(rows)):
+        assert re.search(rf"for \w+ in T\.unroll\(T\.int64\({r}\)\):", script), (r, script)
+    assert not re.search(r"T\.unroll\(T\.int64\(3\)\)", scheduled(at=(1, 24, 512))["main"].script())
+    ex = tvm.compile(mod, target=target)
+    lengths = [n for m in rows for n in range(1, 2 * m + 2)] + [19, 20, 29, 30, 57, 58, 95, 96, 100, 512]
+    _packed_gemm_right(kg, p, ins, tile, ex, sorted(set(lengths)))
 
 
 def test_a_tile_over_symbolic_rows_reads_its_rows_in_place_without_a_padding_copy(block):
