@@ -381,10 +381,13 @@ def test_a_packed_tile_over_symbolic_rows_prefetches_the_next_weight_panel(monke
     panel fetched a quarter of each 64-column panel of a 384-deep weight. The one-row copy (seq=1)
     fetches the next panel as a static kernel with one row tile does. The kernel stays right at
     lengths that use one tile per panel, several, and many. (Built without the exact last tiles,
-    whose copies of the reduction loop would repeat each pattern: they have a test of their own,
-    on a packed weight that prefetches.)"""
+    whose copies of the reduction loop would repeat each pattern, and with the elementwise threshold
+    for threads, below whose multiply-adds threshold this small GEMM gets serial twins of its loops
+    that would too: both have tests of their own.)"""
     import importlib
-    monkeypatch.setattr(importlib.import_module("kernorch.backends.tvm.schedule"), "_exact_tail", lambda f, *a: f)
+    sched = importlib.import_module("kernorch.backends.tvm.schedule")
+    monkeypatch.setattr(sched, "_exact_tail", lambda f, *a: f)
+    monkeypatch.setattr(sched, "PARALLEL_MACS", sched.PARALLEL_MIN_WORK)
     from kernorch.backends import tvm as tb
     from kernorch.executor import run as reference
     from kernorch.ir import Graph, TensorType, make_prim, SymDim
@@ -652,6 +655,29 @@ def test_attention_scores_over_seq_columns_keep_the_column_operand_copy_and_comp
     assert re.search(r"T\.min\(v_i2, seq - T\.int64\(1\)\)", script), script   # rows clamped
     assert not re.search(r"T\.min\(v_i3, seq", script), script                     # columns not
     _right_at(scores, mod, 1, (1, 5, 8, 9, 31, 32, 33, 100))
+
+
+def test_a_contraction_over_seq_launches_threads_from_its_own_work_threshold(block):
+    """A loop whose work depends on the length gets a serial twin, run below a threshold of work.
+    For a loop holding a contraction that threshold is multiply-adds (PARALLEL_MACS: each of its
+    innermost iterations is one), not the elementwise PARALLEL_MIN_WORK: the scores over seq=7
+    (6 heads, t8x32r, Zen 4, alone) took 7.0-7.4 us on two threads and 5.3 on one, launching
+    threads from 16384 multiply-adds. The padding copy of the keys keeps the elementwise threshold.
+    Right on both sides of the thresholds."""
+    import importlib
+    import tvm
+    from kernorch.backends.tvm.tirwalk import rewrite
+    sched = importlib.import_module("kernorch.backends.tvm.schedule")
+    scores, mod = _attention_scores(block[1], "t8x32r", threads=2)
+    flags = re.findall(r"branch\w* = T\.Select\((.*) >= T\.int64\((\d+)\), 1, 0\)", mod["main"].script())
+    assert sorted(int(n) for _, n in flags) == [sched.PARALLEL_MIN_WORK, sched.PARALLEL_MACS], flags
+    stores: list = []
+    rewrite(mod["main"].body, lambda s: stores.append(s) if isinstance(s, tvm.tirx.BufferStore)
+            and f"T.int64({sched.PARALLEL_MACS})" in str(s.value) else None)
+    work = stores[0].value.condition.a
+    at7 = int(sched._at_lengths(work, "seq", np.array([7]))[0])
+    assert sched.PARALLEL_MIN_WORK <= at7 < sched.PARALLEL_MACS, at7   # threads before, none now
+    _right_at(scores, mod, 2, (1, 3, 7, 8, 9, 31, 33, 100))
 
 
 def test_probabilities_times_values_read_their_rows_clamped_and_divide_once(block):

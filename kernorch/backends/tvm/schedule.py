@@ -20,7 +20,7 @@ from tvm import s_tir
 
 from ...ir import KernorchError
 from ...kernels import Tile, Winograd, split
-from ...kernels.tiles import NARROW_KEYS, SMALL_ROWS, ran_copy, row_tile
+from ...kernels.tiles import NARROW_KEYS, SERIAL_MAX_MACS, SMALL_ROWS, ran_copy, row_tile
 from ...kernels.variants import CONVERSIONS
 from .lower import BOUNDS_ATTR, NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, ROWS_OUT, UNPACK, VIEW, bounds_of, divisible
 from .tirwalk import buffers_in, is_call, loads, map_expr, operands, rewrite, substitute_buffers, with_body
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 46
+SCHEDULES_VERSION = 47
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -62,6 +62,10 @@ PADDED_ATTR = "kernorch.padded_columns"  # a static contraction whose columns we
 # row mean over 32 rows took 3.0 us in parallel and 0.2 serial, its 32x64 LayerNorm 1.2 and 0.6,
 # its 32x256 GELU 5.6 and 3.7, its 4x32x32 softmax 5.7 and 5.5 (each with 2 threads, alone)
 PARALLEL_MIN_WORK = 16384
+# ... and for a loop holding a contraction, the multiply-adds below which it stays serial (its
+# innermost iterations are one each, a lane of a vector FMA): about what one core does in a launch's
+# time (kernorch.kernels.tiles.SERIAL_MAX_MACS, half of it)
+PARALLEL_MACS = SERIAL_MAX_MACS // 2
 
 
 def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default",
@@ -600,17 +604,30 @@ def _serial_when_small(func: tirx.PrimFunc) -> tirx.PrimFunc:
             work = st.extent * _iterations(st.body)
             _bind_symbols(ana, work, bounds)
             work = ana.simplify(work)
+            least = PARALLEL_MACS if _holds_contraction(st) else PARALLEL_MIN_WORK
             # (work that is enough at the shortest length stays parallel: the serial branch would be dead)
-            if not isinstance(work, tirx.IntImm) and ana.const_int_bound(work).min_value < PARALLEL_MIN_WORK:
+            if not isinstance(work, tirx.IntImm) and ana.const_int_bound(work).min_value < least:
                 serial, own = _with_own_buffers(st, [b for b in blk.alloc_buffers if only(b, i)])
                 serial = tirx.For(serial.loop_var, serial.min, serial.extent, tirx.ForKind.SERIAL, serial.body,
                                   serial.thread_binding, serial.annotations)
-                st, flag = _opaque_branch(work >= tirx.const(PARALLEL_MIN_WORK, "int64"), st, serial)
+                st, flag = _opaque_branch(work >= tirx.const(least, "int64"), st, serial)
                 allocs += [*own, flag]
         out.append(st)
     if not allocs:
         return func
     return _with_root_body(func, tirx.SeqStmt(out) if len(out) > 1 else out[0], list(blk.alloc_buffers) + allocs)
+
+
+def _holds_contraction(stmt) -> bool:
+    """Whether a multiply-add of two operands (a matmul's or a conv's update) runs under `stmt`."""
+    found: list = []
+
+    def visit(s):
+        if isinstance(s, s_tir.stmt.SBlockRealize) and _is_reduction(s.block) and _contraction_operands(s.block):
+            found.append(s)
+        return None
+    rewrite(stmt, visit)
+    return bool(found)
 
 
 def _with_own_buffers(stmt, buffers) -> tuple:
