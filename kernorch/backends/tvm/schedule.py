@@ -23,7 +23,7 @@ from ...kernels import Tile, Winograd, split
 from ...kernels.tiles import NARROW_KEYS, SERIAL_MAX_MACS, SMALL_ROWS, ran_copy, row_tile
 from ...kernels.variants import CONVERSIONS
 from .lower import BOUNDS_ATTR, NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, ROWS_OUT, UNPACK, VIEW, bounds_of, divisible
-from .tirwalk import buffers_in, is_call, loads, map_expr, operands, rewrite, substitute_buffers, with_body
+from .tirwalk import buffers_in, found, is_call, loads, map_expr, operands, rewrite, substitute_buffers, with_body
 from .target import vector_bits
 
 log = logging.getLogger(__name__)
@@ -306,11 +306,6 @@ def _exact_tail(func: tirx.PrimFunc, rows, mr: int, lengths: Sequence[int]) -> t
         return func
     kind = _dtype(rows)
 
-    def found(stmt, pred) -> list:
-        out: list = []
-        rewrite(stmt, lambda s: out.append(s) if pred(s) else None)
-        return out
-
     def is_update(s) -> bool:
         return isinstance(s, s_tir.stmt.SBlockRealize) and s.block.name_hint.endswith("_update")
 
@@ -364,7 +359,7 @@ def _exact_tail(func: tirx.PrimFunc, rows, mr: int, lengths: Sequence[int]) -> t
         out = s
         for n in reversed(counts):
             out = tirx.IfThenElse(left == c(n), cut(s, var, n), out)
-        return tirx.IfThenElse(tirx.Or(left >= c(mr), rows > c(TAIL_SAVES - 1) * (c(mr) - left)), s, out)
+        return tirx.IfThenElse(tirx.Or(left >= c(mr), rows > c(TAIL_SAVES - 1) * (c(mr) - left)), s, out)  # (_tail_max)
 
     body = rewrite(func.body, visit)
     if body.same_as(func.body):
@@ -620,14 +615,8 @@ def _serial_when_small(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
 def _holds_contraction(stmt) -> bool:
     """Whether a multiply-add of two operands (a matmul's or a conv's update) runs under `stmt`."""
-    found: list = []
-
-    def visit(s):
-        if isinstance(s, s_tir.stmt.SBlockRealize) and _is_reduction(s.block) and _contraction_operands(s.block):
-            found.append(s)
-        return None
-    rewrite(stmt, visit)
-    return bool(found)
+    return bool(found(stmt, lambda s: isinstance(s, s_tir.stmt.SBlockRealize)
+                      and _contraction_operands(s.block) is not None))
 
 
 def _with_own_buffers(stmt, buffers) -> tuple:

@@ -102,6 +102,14 @@ def rewrite(stmt, visit):
     return stmt
 
 
+def found(stmt, pred) -> list:
+    """Every statement under `stmt` (itself included) for which `pred` holds, top-down through what
+    `rewrite` walks."""
+    out: list = []
+    rewrite(stmt, lambda s: out.append(s) if pred(s) else None)
+    return out
+
+
 def with_body(block, body, allocs=None):
     """`block` with another body (and buffers, `allocs`), everything else kept."""
     return s_tir.stmt.SBlock(block.iter_vars, block.reads, block.writes, block.name_hint, body, block.init,
