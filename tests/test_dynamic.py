@@ -666,14 +666,13 @@ def test_a_contraction_over_seq_launches_threads_from_its_own_work_threshold(blo
     Right on both sides of the thresholds."""
     import importlib
     import tvm
-    from kernorch.backends.tvm.tirwalk import rewrite
+    from kernorch.backends.tvm.tirwalk import found
     sched = importlib.import_module("kernorch.backends.tvm.schedule")
     scores, mod = _attention_scores(block[1], "t8x32r", threads=2)
     flags = re.findall(r"branch\w* = T\.Select\((.*) >= T\.int64\((\d+)\), 1, 0\)", mod["main"].script())
     assert sorted(int(n) for _, n in flags) == [sched.PARALLEL_MIN_WORK, sched.PARALLEL_MACS], flags
-    stores: list = []
-    rewrite(mod["main"].body, lambda s: stores.append(s) if isinstance(s, tvm.tirx.BufferStore)
-            and f"T.int64({sched.PARALLEL_MACS})" in str(s.value) else None)
+    stores = found(mod["main"].body, lambda s: isinstance(s, tvm.tirx.BufferStore)
+                   and f"T.int64({sched.PARALLEL_MACS})" in str(s.value))
     work = stores[0].value.condition.a
     at7 = int(sched._at_lengths(work, "seq", np.array([7]))[0])
     assert sched.PARALLEL_MIN_WORK <= at7 < sched.PARALLEL_MACS, at7   # threads before, none now

@@ -167,8 +167,9 @@ def _tile_over_rows(func, lanes: int, tile: Tile, mode: str, threads: int = 1,
 
     base = replace(tile, copies=())
     rows = _symbolic_rows(func)
-    gemm = rows is not None and _count_contractions(func) == 1 and len(bounds_of(func)) == 1
-    lengths = (at if at is not None else range(1, next(iter(bounds_of(func).values())) + 1)) if gemm else ()
+    bounds = list(bounds_of(func).values())
+    gemm = rows is not None and _count_contractions(func) == 1 and len(bounds) == 1
+    lengths = (at if at is not None else range(1, bounds[0] + 1)) if gemm else ()
     try:
         if tile.copies and rows is None:
             raise _NotApplicable("row copies need one symbolic row extent")
@@ -277,9 +278,10 @@ def _symbolic_rows(func):
 TAIL_SAVES = 20
 
 
-def _tail_max(mr: int, r: int) -> int:
+def _tail_max(mr: int, r):
     """The most rows at which a last tile of `r` of `mr` rows runs exact (`TAIL_SAVES`): its
-    `mr - r` padded rows are at least 1/TAIL_SAVES of ceil(rows / mr) * mr."""
+    `mr - r` padded rows are at least 1/TAIL_SAVES of ceil(rows / mr) * mr. (`r` an int, or the
+    kernel's expression of the rows its tile holds.)"""
     return (TAIL_SAVES - 1) * (mr - r)
 
 
@@ -359,7 +361,7 @@ def _exact_tail(func: tirx.PrimFunc, rows, mr: int, lengths: Sequence[int]) -> t
         out = s
         for n in reversed(counts):
             out = tirx.IfThenElse(left == c(n), cut(s, var, n), out)
-        return tirx.IfThenElse(tirx.Or(left >= c(mr), rows > c(TAIL_SAVES - 1) * (c(mr) - left)), s, out)  # (_tail_max)
+        return tirx.IfThenElse(tirx.Or(left >= c(mr), rows > _tail_max(mr, left)), s, out)
 
     body = rewrite(func.body, visit)
     if body.same_as(func.body):
