@@ -131,6 +131,9 @@ def test_a_reoptimize_loads_the_executable_it_compiled_before(optimized, monkeyp
     d, model, db, opts, compiled, planned = optimized
     cache = opts.executable_cache()
     assert cache.parent == db.parent and len(list(cache.glob("*.so"))) == 1
+    # the fresh compile runs the library it kept (not its LLVM IR compiled again in memory)
+    assert [m.kind for m in compiled.executable.ex.imports] == ["library"]
+    assert compiled.executable.library == next(cache.glob("*.so"))
     feeds = executor.random_feeds(compiled.graph, seed=5)
     real_compile = tvm.compile
     def refuse(*a, **k):
