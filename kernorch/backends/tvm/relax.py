@@ -248,6 +248,11 @@ def executable_key(mod: tvm.IRModule, target, graph: Graph, params) -> str:
     return h.hexdigest()[:32]
 
 
+def compile_module(mod: tvm.IRModule, target):
+    """The plan's Relax module compiled in memory (its kernels as LLVM IR, `.mod.imports[0]`)."""
+    return tvm.compile(mod, target=target, relax_pipeline=_relax_pipeline(), tir_pipeline=passes.PIPELINE)
+
+
 def _compiled(mod: tvm.IRModule, target, graph: Graph, params, cache_dir) -> tuple[object, Path | None]:
     """`mod` compiled (LLVM: most of an emit, 45 of yolox_tiny's 79 s on a Zen 4), or the library
     `cache_dir` holds for its `executable_key`; with the file it is kept in (None: not kept). A
@@ -257,7 +262,7 @@ def _compiled(mod: tvm.IRModule, target, graph: Graph, params, cache_dir) -> tup
     which the first VM made of it compiles to machine code again, as exporting it did (the
     transformer block over seq=1..512, Zen 4: 1.6 s of a 7.7 s emit; loading the file: 3 ms)."""
     def compile_():
-        return tvm.compile(mod, target=target, relax_pipeline=_relax_pipeline(), tir_pipeline=passes.PIPELINE)
+        return compile_module(mod, target)
     if cache_dir is None:
         return compile_(), None
     import os
