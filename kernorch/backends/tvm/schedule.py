@@ -22,7 +22,7 @@ from ...ir import KernorchError
 from ...kernels import Tile, Winograd, split
 from ...kernels.tiles import NARROW_KEYS, SERIAL_MAX_MACS, SMALL_ROWS, ran_copy, row_tile
 from ...kernels.variants import CONVERSIONS
-from .lower import BOUNDS_ATTR, NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, ROWS_OUT, UNPACK, VIEW, bounds_of, divisible
+from .lower import AT_LENGTH_FUNC, AT_LENGTH_WHEN, BOUNDS_ATTR, NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, ROWS_OUT, UNPACK, VIEW, bounds_of, divisible
 from .tirwalk import buffers_in, found, is_call, loads, map_expr, operands, rewrite, substitute_buffers, with_body
 from .target import vector_bits
 
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 47
+SCHEDULES_VERSION = 48
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -117,7 +117,8 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
             narrow = mod[NARROW_KEYS_FUNC]
             out = _with_narrow_keys(out["main"], bounded(narrow), narrow.attrs[NARROW_KEYS_WHEN], lanes,
                                     replace(tile, nb=NARROW_KEYS), mode, threads, at)
-        return tvm.IRModule({"main": _without_dead_branches(out["main"], at)})
+        out = _with_static_lengths(out["main"], mod, target, at)
+        return tvm.IRModule({"main": _without_dead_branches(out, at)})
     if inner not in ("default", *CONVERSIONS):
         raise KernorchError(f"unknown schedule mode {mode!r} (expected 'none', 'default', a tile like 't14x32p', "
                             "optionally after a layout like 'b16/')")
@@ -208,6 +209,26 @@ def _with_narrow_keys(wide: tirx.PrimFunc, narrow: tirx.PrimFunc, when, lanes: i
         log.debug("no narrow-key copy for %s: %s", mode, e)
         return tvm.IRModule({"main": wide})
     return tvm.IRModule({"main": _either(when, n, wide).with_attr("kernorch.narrow_keys", tile.nb)})
+
+
+def _with_static_lengths(func: tirx.PrimFunc, mod: tvm.IRModule, target, at: Sequence[int] | None = None
+                         ) -> tirx.PrimFunc:
+    """`func` (scheduled over a symbolic length) behind the static copies `mod` holds at single
+    lengths (lower.AT_LENGTH_FUNC: an attention at the lengths of SMALL_ROWS), each scheduled by
+    the default rule and run where its condition on `func`'s length holds, the shortest length's
+    test outermost. A copy's parameters have the static shapes of its length: its body is made to
+    use `func`'s buffers (the same layout at that length). `at`: the only lengths the build runs
+    at; copies at other lengths are left out."""
+    copies = sorted(((int(gv.name_hint[len(AT_LENGTH_FUNC):]), mod[gv]) for gv in mod.get_global_vars()
+                     if gv.name_hint.startswith(AT_LENGTH_FUNC)), reverse=True)
+    for n, static in copies:
+        if at is not None and n not in at:
+            continue
+        when = static.attrs[AT_LENGTH_WHEN]
+        done = schedule(tvm.IRModule({"main": static.without_attr(AT_LENGTH_WHEN)}), target, "default")["main"]
+        body = substitute_buffers(done.body, list(zip(done.params, func.params)))
+        func = _either(when, tirx.PrimFunc(func.params, body, func.ret_type, func.attrs), func)
+    return func
 
 
 def _holds_at(cond, func, at: Sequence[int]) -> bool:
