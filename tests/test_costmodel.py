@@ -404,3 +404,35 @@ def test_a_second_run_starts_where_the_first_ended(tmp_path, monkeypatch):
     assert fresh.estimates == {i: max(b, int(50.0 * fresh.rows[i][0].base_ns * math.exp(-spread)))
                                for i, b in fresh.bounds.items()}
     assert fresh.estimates != again.estimates
+
+
+def test_the_stored_rows_are_evaluated_leaving_each_model_out(tmp_path, monkeypatch):
+    """benchmarks/costmodel.py --stored: per machine file and model, a model fitted on every other
+    model's rows (of every machine, never the held-out one's) ranks the held-out fusions within
+    their prim covers, beside the members alone; a file of other features is skipped."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location(
+        "bench_costmodel", Path(__file__).resolve().parents[1] / "benchmarks" / "costmodel.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def rows(source, seed):  # prims shared in threes, so every cover holds several fusions
+        return [replace(r, prims=(f"p{i % 3}", f"q{i % 4}"), source=source, base_ns=1000.0 + i)
+                for i, r in enumerate(synthetic_rows(60, seed))]
+    cm.save_rows(rows("a", 1) + rows("b", 2), MACHINE, 2, tmp_path / "one.json.gz")
+    cm.save_rows(rows("a", 3) + rows("c", 4), replace(MACHINE, name="other cpu"), 2, tmp_path / "two.json.gz")
+    (tmp_path / "stale.json.gz").write_bytes(b"not gzip")
+    fitted = []
+    real_fit = cm.CostModel.fit
+    monkeypatch.setattr(cm.CostModel, "fit", staticmethod(lambda rs, *a, **k: fitted.append({r.source for r in rs})
+                                                           or real_fit(rs, *a, rounds=30)))
+    result = bench.stored_evaluation(tmp_path)
+    assert set(result) == {"one.json.gz", "two.json.gz"}
+    assert set(result["one.json.gz"]["models"]) == {"a", "b"} and set(result["two.json.gz"]["models"]) == {"a", "c"}
+    assert fitted == [{"b", "c"}, {"a", "c"}, {"b", "c"}, {"a", "b"}]   # never the held-out model
+    e = result["one.json.gz"]["models"]["a"]
+    assert e["learned"]["rows"] == 60 and e["learned"]["covers"] > 0 and -1 <= e["learned"]["rho_time"] <= 1
+    assert -1 <= e["members alone"]["rho_time"] <= 1 and e["members alone"]["rows"] == 60
+    text = bench.stored_markdown(result)
+    assert "| test cpu (one) | 256-bit | a | 60 |" in text and "Mean over" in text
