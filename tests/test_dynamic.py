@@ -621,9 +621,10 @@ def _attention_scores(generic, tile: str, threads: int):
     return (kg, ins, p), mod
 
 
-def _right_at(scores, mod, threads: int, lengths) -> None:
-    """The scheduled scores kernel, compiled with kernorch's TIR pipeline as the executable's
-    kernels are, against the reference evaluator at each of `lengths`."""
+def _right_at(scores, mod, threads: int, lengths, atol: float = 1e-4) -> None:
+    """The scheduled kernel (of the scores, or any kernel over seq: (kernel graph, inputs, the prim
+    it outputs)), compiled with kernorch's TIR pipeline as the executable's kernels are, against
+    the reference evaluator at each of `lengths` (its constants as they are, the rest random)."""
     from kernorch.backends.tvm.build import build
     from kernorch.backends.tvm.target import make_target
     from kernorch.executor import run as reference
@@ -631,10 +632,11 @@ def _right_at(scores, mod, threads: int, lengths) -> None:
     kernel = build(mod, make_target(threads))
     for s in lengths:
         b = dynamic.bind(kg, {"seq": s})
-        xs = [np.random.default_rng(s).standard_normal(b.type_of(i).shape).astype(np.float32) for i in ins]
+        xs = [np.asarray(b.constants[i]) if i in b.constants else
+              np.random.default_rng(s).standard_normal(b.type_of(i).shape).astype(np.float32) for i in ins]
         got = kernel(*xs, out_shapes=[b.type_of(p.name).shape])[0]
-        np.testing.assert_allclose(got, reference(b, dict(zip(ins, xs)))[p.name], rtol=1e-4, atol=1e-4,
-                                   err_msg=f"seq={s}")
+        feeds = {i: x for i, x in zip(ins, xs) if i not in b.constants}
+        np.testing.assert_allclose(got, reference(b, feeds)[p.name], rtol=1e-4, atol=atol, err_msg=f"seq={s}")
 
 
 def test_attention_scores_over_seq_columns_keep_the_column_operand_copy_and_compute_right(block):
@@ -1585,13 +1587,11 @@ def test_an_attention_over_seq_runs_row_tile_by_row_tile_on_a_padded_domain_and_
     Select (a vector blend; no lazily evaluated if_then_else, which computes lane by lane), and
     whose rows past the length are never written. Right at lengths on both sides of the row and
     column tiles."""
-    import tvm
     from kernorch.backends.tvm.lower import lower
     from kernorch.backends.tvm.schedule import schedule
     from kernorch.backends.tvm.target import make_target
     from kernorch.candidates import attention_parts, kernel_io
     from kernorch.ir import kernel_graph
-    from kernorch.executor import run as reference
     g = block[1]
     names = [q.name for q in g.prims]
     mm = [q.name for q in g.prims if q.op == "matmul" and q.inputs[1] not in g.constants]
@@ -1619,14 +1619,8 @@ def test_an_attention_over_seq_runs_row_tile_by_row_tile_on_a_padded_domain_and_
     # LLVM kept all 16 of a 4 x 64 tile on the stack (seq=512, one thread: 7.2 -> 5.4 ms)
     assert re.search(r'for \w+ in T\.unroll\(T\.int64\(\d+\)\):\n\s+for \w+ in T\.vectorized\(T\.int64\(\d+\)\):'
                      r'\n\s+with T\.sblock\("matmul_local"\)', script), script
-    ex = tvm.compile(mod, target=target)
-    for s in (1, 3, 4, 5, 16, 17, 31, 32, 33, 48, 49, 63, 64, 65, 100):  # (both sides of the narrow keys' range)
-        b = dynamic.bind(kg, {"seq": s})
-        feeds = {n: np.random.default_rng(s).standard_normal(t.shape).astype(np.float32) for n, t in b.inputs}
-        want = reference(b, feeds)[outs[0]]
-        got = tvm.runtime.empty(want.shape, "float32", tvm.cpu())
-        ex["main"](*[tvm.runtime.tensor(feeds[n] if n in feeds else np.asarray(b.constants[n])) for n in ins], got)
-        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5, err_msg=f"seq={s}")
+    # (both sides of the narrow keys' range)
+    _right_at((kg, ins, kg.by_name[outs[0]]), mod, 1, (1, 3, 4, 5, 16, 17, 31, 32, 33, 48, 49, 63, 64, 65, 100), 1e-5)
 
 
 def _attention_kernel(g):
@@ -1693,7 +1687,6 @@ def test_an_attention_over_seq_runs_a_static_copy_in_the_default_schedule_at_eac
     from kernorch.backends.tvm.lower import AT_LENGTH_FUNC, AT_LENGTH_WHEN, lower
     from kernorch.backends.tvm.schedule import schedule
     from kernorch.backends.tvm.target import make_target
-    from kernorch.executor import run as reference
     from kernorch.kernels.tiles import SMALL_ROWS
     kg, ins, outs = _attention_kernel(block[1])
     mod = lower(kg, kg.prims, ins, outs, "t8x32r")
@@ -1719,14 +1712,8 @@ def test_an_attention_over_seq_runs_a_static_copy_in_the_default_schedule_at_eac
             shapes = [re.search(r"alloc_buffer\(\(([^)]*)\)", line).group(1).split(", ") for line in _static_allocs(script)]
             assert ["1", "1"] in [d[2:] for d in shapes if len(d) == 4], shapes
             assert all(d[2] == "1" for d in shapes if len(d) == 4), shapes
-    ex = tvm.compile(schedule(mod, target, "t8x32r", bounds={"seq": 512}), target=target)
-    for s in (1, 2, 3, 8, 33):
-        b = dynamic.bind(kg, {"seq": s})
-        feeds = {n: np.random.default_rng(s).standard_normal(t.shape).astype(np.float32) for n, t in b.inputs}
-        want = reference(b, feeds)[outs[0]]
-        got = tvm.runtime.empty(want.shape, "float32", tvm.cpu())
-        ex["main"](*[tvm.runtime.tensor(feeds[n] if n in feeds else np.asarray(b.constants[n])) for n in ins], got)
-        np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-5, err_msg=f"seq={s}")
+    _right_at((kg, ins, kg.by_name[outs[0]]), schedule(mod, target, "t8x32r", bounds={"seq": 512}), 2,
+              (1, 2, 3, 8, 33), 1e-5)
 
 
 def test_an_extent_is_proven_whole_over_one_period():
