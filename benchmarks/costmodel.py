@@ -126,6 +126,10 @@ def metrics(rows, predicted_ns) -> dict:
             "bias": statistics.mean(errors), "sigma": statistics.pstdev(errors)}
 
 
+def _f(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def markdown(result: dict) -> str:
     m = result["machine"]
     lines = ["# Learned cost model: leave one model out", "",
@@ -136,13 +140,11 @@ def markdown(result: dict) -> str:
              "| held out | rows | predictor | rho time | rho ratio | pairwise | top-3 recall | bias | sigma |",
              "|---|---|---|---|---|---|---|---|---|"]
 
-    def f(x):
-        return "-" if x is None else f"{x:.2f}"
     for name, by in result["held_out"].items():
         for pred in ("learned", "analytic", "members alone"):
             e = by[pred]
-            lines.append(f"| {name} | {e['rows']} | {pred} | {f(e['rho_time'])} | {f(e['rho_ratio'])} | "
-                         f"{f(e['pairwise'])} | {f(e['top3_recall'])} | {f(e['bias'])} | {f(e['sigma'])} |")
+            lines.append(f"| {name} | {e['rows']} | {pred} | {_f(e['rho_time'])} | {_f(e['rho_ratio'])} | "
+                         f"{_f(e['pairwise'])} | {_f(e['top3_recall'])} | {_f(e['bias'])} | {_f(e['sigma'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -201,8 +203,6 @@ def transfer_markdown(result: dict) -> str:
     if not t.get("models"):
         return ""
 
-    def f(x):
-        return "-" if x is None else f"{x:.2f}"
     lines = ["", "## Transfer to this machine", "",
              f"The shipped model (trained on {', '.join(t['trained_on']) or 'unknown'}) predicts this machine's "
              f"fusions as shipped, and corrected with {t['n']} of the model's own measurements (a few shallow trees "
@@ -214,8 +214,8 @@ def transfer_markdown(result: dict) -> str:
         for pred in ("shipped", "corrected", "local"):
             e = by.get(pred)
             if e:
-                lines.append(f"| {name} | {e['rows']} | {pred} | {f(e['rho_time'])} | {f(e['pairwise'])} | "
-                             f"{f(e['top3_recall'])} | {f(e['bias'])} | {f(e['sigma'])} |")
+                lines.append(f"| {name} | {e['rows']} | {pred} | {_f(e['rho_time'])} | {_f(e['pairwise'])} | "
+                             f"{_f(e['top3_recall'])} | {_f(e['bias'])} | {_f(e['sigma'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -245,8 +245,6 @@ def stored_evaluation(directory: Path) -> dict:
 
 
 def stored_markdown(result: dict) -> str:
-    def f(x):
-        return "-" if x is None else f"{x:.2f}"
     lines = ["# Learned cost model: leave one model out on the stored rows", "",
              "Every machine's measured fusions kept in results/costmodel-rows/ (no database, nothing measured "
              "again). For each machine and held-out model the model is fitted on every other model's rows, of "
@@ -259,8 +257,8 @@ def stored_markdown(result: dict) -> str:
         for model, e in by["models"].items():
             a, b = e["learned"], e["members alone"]
             lines.append(f"| {m['name']} ({name.rsplit('-', 1)[-1].split('.')[0]}) | {m['simd_bits']}-bit | {model} | "
-                         f"{a['rows']} | {f(a['rho_time'])} | {f(b['rho_time'])} | {f(a['pairwise'])} | "
-                         f"{f(b['pairwise'])} |")
+                         f"{a['rows']} | {_f(a['rho_time'])} | {_f(b['rho_time'])} | {_f(a['pairwise'])} | "
+                         f"{_f(b['pairwise'])} |")
     means = [(e["learned"]["rho_time"], e["members alone"]["rho_time"]) for by in result.values()
              for e in by["models"].values()
              if e["learned"]["rho_time"] is not None and e["members alone"]["rho_time"] is not None]

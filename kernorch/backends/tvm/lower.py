@@ -149,7 +149,8 @@ def _at_lengths(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], ou
     for n in SMALL_ROWS:
         bound = bind(graph, {padded.rdim.name: n})
         func, _ = _lowered(bound, [bound.by_name[p.name] for p in members], inputs, outputs, "default")
-        out[f"{AT_LENGTH_FUNC}{n}"] = func.with_attr(AT_LENGTH_WHEN, padded.rows == tirx.IntImm(padded.rows.ty.dtype, n))
+        when = padded.rows == tirx.IntImm(padded.rows.ty.dtype, n)
+        out[f"{AT_LENGTH_FUNC}{n}"] = func.with_attr(AT_LENGTH_WHEN, when)
     return out
 
 

@@ -22,7 +22,8 @@ from ...ir import KernorchError
 from ...kernels import Tile, Winograd, split
 from ...kernels.tiles import NARROW_KEYS, SERIAL_MAX_MACS, SMALL_ROWS, ran_copy, row_tile
 from ...kernels.variants import CONVERSIONS
-from .lower import AT_LENGTH_FUNC, AT_LENGTH_WHEN, BOUNDS_ATTR, NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, ROWS_OUT, UNPACK, VIEW, bounds_of, divisible
+from .lower import (AT_LENGTH_FUNC, AT_LENGTH_WHEN, BOUNDS_ATTR, NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, ROWS_OUT,
+                    UNPACK, VIEW, bounds_of, divisible)
 from .tirwalk import buffers_in, found, is_call, loads, map_expr, operands, rewrite, substitute_buffers, with_body
 from .target import vector_bits
 
