@@ -812,12 +812,13 @@ def test_a_predicate_is_trusted_between_its_lanes_only_where_its_ends_imply_it()
 
 
 def test_twin_loops_over_a_range_keep_their_register_tiles_apart(block):
-    """An attention's scores over seq run one-row and 2-row copies of their tile at seq=1 and 2, and
-    the main copy runs its rows serially where the length gives too little work for threads: three loop
-    nests that each hold a register tile (the one-row copy in parallel is run by no length it serves:
-    schedule._without_dead_branches). Each keeps tile buffers of its own, so TVM shrinks every one to
-    its tile: sharing one, the copies left it at the root, seq x seq floats in memory, and the
-    accumulators went to memory with it. Right at lengths each copy serves."""
+    """An attention's scores over seq run static copies in the default schedule at seq=1 and 2
+    (lower.AT_LENGTH_FUNC: their tile's one-row and 2-row copies are run by no length and dropped,
+    schedule._without_dead_branches), and the main copy runs its rows serially where the length
+    gives too little work for threads: two loop nests that each hold a register tile. Each keeps
+    tile buffers of its own, so TVM shrinks every one to its tile: sharing one, the copies left it
+    at the root, seq x seq floats in memory, and the accumulators went to memory with it. Right at
+    lengths each copy serves."""
     import tvm
     from tvm import s_tir, tirx
     scores, mod = _attention_scores(block[1], "t4x16r", threads=2)
@@ -830,8 +831,8 @@ def test_twin_loops_over_a_range_keep_their_register_tiles_apart(block):
         lowered = lowering(mod)["main"].script()
     tiles = [(n, shape) for n, shape in re.findall(r"(\w+) = T\.alloc_local\(\((.*?),\)", lowered)
              if not n.startswith("branch")]   # (the copies' one-flag buffers)
-    assert len(tiles) >= 3, lowered
-    assert all(re.fullmatch(r"T\.int64\((16|32|64)\)", shape) for _, shape in tiles), tiles  # 1, 2 or 4 x 16
+    assert len(tiles) == 2, lowered
+    assert all(re.fullmatch(r"T\.int64\(64\)", shape) for _, shape in tiles), tiles  # 4 x 16
     _right_at(scores, mod, 2, (1, 2, 3, 7, 40, 130))
 
 
@@ -1687,6 +1688,7 @@ def test_an_attention_over_seq_runs_a_static_copy_in_the_default_schedule_at_eac
     from kernorch.backends.tvm.lower import AT_LENGTH_FUNC, AT_LENGTH_WHEN, lower
     from kernorch.backends.tvm.schedule import schedule
     from kernorch.backends.tvm.target import make_target
+    from kernorch.ir import kernel_graph
     from kernorch.kernels.tiles import SMALL_ROWS
     kg, ins, outs = _attention_kernel(block[1])
     mod = lower(kg, kg.prims, ins, outs, "t8x32r")
@@ -1703,6 +1705,16 @@ def test_an_attention_over_seq_runs_a_static_copy_in_the_default_schedule_at_eac
             with ana.constraint_scope(seq == length):
                 holds.append(int(ana.simplify(tvm.tirx.Select(when, 1, 0))))
         assert holds == [int(length == n) for length in range(1, 513)], n
+    # the scores alone (their keys are the columns the tile pads) get them too; probabilities x
+    # values (the length only their depth) and a weight GEMM over seq rows do not
+    scores, _ = _attention_scores(block[1], "t4x16r", threads=2)
+    values, _ = _probabilities_values(block[1], "t4x16r")
+    for (g, gins, p), want in ((scores, True), (values, False)):
+        names = [gv.name_hint for gv in lower(g, g.prims, gins, [p.name], "t4x16r").get_global_vars()]
+        assert any(n.startswith(AT_LENGTH_FUNC) for n in names) == want, (p.name, names)
+    p, wins = _weight_gemm(block[1], 32)
+    wg = kernel_graph(block[1], [p.name], wins, [p.name])
+    assert [gv.name_hint for gv in lower(wg, wg.prims, wins, [p.name], "t8x32r").get_global_vars()] == ["main"]
     target = make_target(2)
     for at, copies in ((None, len(SMALL_ROWS)), ((23, 512), 0), ((1, 23, 512), 1)):
         script = schedule(mod, target, "t8x32r", bounds={"seq": 512}, at=at)["main"].script()

@@ -128,29 +128,39 @@ def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs:
         narrow, _ = _lowered(graph, members, inputs, outputs,
                              narrow_name if layout is None else blocked(layout, narrow_name))
         funcs[NARROW_KEYS_FUNC] = narrow.with_attr(NARROW_KEYS_WHEN, padded.narrow_when())
-    if padded is not None:
-        funcs.update(_at_lengths(graph, members, inputs, outputs, schedule, padded))
+    if Tile.parse(split(schedule)[1]) is not None:
+        funcs.update(_at_lengths(graph, members, inputs, outputs, schedule, func))
     return tvm.IRModule(funcs)
 
 
 def _at_lengths(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs: Sequence[str],
-                schedule: str, padded: "_PaddedAttention") -> dict[str, tirx.PrimFunc]:
-    """The static copies of an attention over one symbolic length (its queries' rows, a length of
-    its own) at each length of SMALL_ROWS: {AT_LENGTH_FUNC + n: the members lowered on the graph
-    bound to n, with AT_LENGTH_WHEN}; none when the kernel takes an operand in another layout (the
-    copies read the plain ones). The tiles' padded domain costs a short length as much as 7 rows
-    and 16 keys: the transformer block's attention over seq (t8x32r, Zen 4, 2 threads) took 9 us
-    at seq=1, 2 and 4, where the static kernel in the default schedule takes 0.3, 1.8 and 5.7."""
+                schedule: str, main: tirx.PrimFunc) -> dict[str, tirx.PrimFunc]:
+    """The static copies of a tiled kernel over one symbolic length whose contraction's columns are
+    that length (an attention, its scores: the tile pads the keys as well as the rows) at each
+    length of SMALL_ROWS: {AT_LENGTH_FUNC + n: the members lowered on the graph bound to n, with
+    AT_LENGTH_WHEN, a condition on `main`'s length}; none when the kernel takes an operand in
+    another layout (the copies read the plain ones). The tiles' padded domain costs a short length
+    as much as 7 rows and 16 keys: the transformer block's attention over seq (t8x32r, Zen 4, 2
+    threads) took 9 us at seq=1, 2 and 4, where the static kernel in the default schedule takes
+    0.3, 1.8 and 5.7; its scores alone 3.4 and 3.6 us at seq=1 and 2, static 0.1 and 0.5 (inside
+    the executable at seq=1, 3 -> 2 us). Not probabilities x values (a symbolic depth): there the
+    default schedule's copy took 4 us inside the executable at seq=1, the tile's 1."""
     from ...dynamic import bind, symbols
-    if not isinstance(padded.rdim, SymDim) or not isinstance(padded.rows, tirx.Var) or len(symbols(graph)) != 1 \
-            or variant_packs(graph, inputs, schedule) or variant_out_packs(graph, outputs, schedule):
+    names = symbols(graph)
+    if len(names) != 1 or variant_packs(graph, inputs, schedule) or variant_out_packs(graph, outputs, schedule):
+        return {}
+    (name,) = names
+
+    def wide(p: Prim) -> bool:  # a matmul whose columns are symbolic
+        return p.op == "matmul" and isinstance(p.type.shape[-1], SymDim)
+    length = next((d for b in main.params for d in b.shape if isinstance(d, tirx.Var) and d.name == name), None)
+    if length is None or not any(wide(p) for p in members):
         return {}
     out = {}
     for n in SMALL_ROWS:
-        bound = bind(graph, {padded.rdim.name: n})
+        bound = bind(graph, {name: n})
         func, _ = _lowered(bound, [bound.by_name[p.name] for p in members], inputs, outputs, "default")
-        when = padded.rows == tirx.IntImm(padded.rows.ty.dtype, n)
-        out[f"{AT_LENGTH_FUNC}{n}"] = func.with_attr(AT_LENGTH_WHEN, when)
+        out[f"{AT_LENGTH_FUNC}{n}"] = func.with_attr(AT_LENGTH_WHEN, length == tirx.IntImm(length.ty.dtype, n))
     return out
 
 
