@@ -87,6 +87,12 @@ BLOCK = "block"    # TE stages that write a kernel output in a blocked layout
 ROWS_OUT = "rows_out"  # the TE stage that copies a padded attention's real rows out
 
 
+def symbol_vars(func) -> dict[str, tirx.Var]:
+    """A kernel's symbolic dimensions (kernorch.dynamic) as the variables its parameters' shapes use,
+    by name ({} for a static kernel)."""
+    return {d.name: d for buf in func.params for d in buf.shape if isinstance(d, tirx.Var)}
+
+
 def bounds_of(func) -> dict[str, int]:
     """A kernel's BOUNDS_ATTR: {symbol: the largest value it serves}, {} for a static kernel."""
     attrs = func.attrs
@@ -95,7 +101,7 @@ def bounds_of(func) -> dict[str, int]:
 
 NARROW_KEYS_FUNC = "narrow_keys"  # the module's copy of an attention in narrow key tiles
 NARROW_KEYS_WHEN = "kernorch.narrow_keys_when"  # its attribute: the length condition it runs under
-AT_LENGTH_FUNC = "at_length_"  # + n: the module's static copy of an attention at length n ...
+AT_LENGTH_FUNC = "at_length_"  # + n: the module's static copy of a kernel at length n ...
 AT_LENGTH_WHEN = "kernorch.at_length_when"  # ... and its attribute: the condition on main's length
 
 
@@ -115,10 +121,10 @@ def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs:
     condition on `main`'s length under which it runs (attribute `NARROW_KEYS_WHEN`,
     kernorch.kernels.tiles.narrow_keys); `schedule` joins the two.
 
-    An attention over a symbolic length also gets a static copy at each length of SMALL_ROWS
-    (`AT_LENGTH_FUNC` + n, lowered on the graph bound to that length, unpadded, with the condition
-    `AT_LENGTH_WHEN` on `main`'s length), which `schedule` runs under the default rule there
-    (`_at_lengths`).
+    A tiled kernel over a symbolic length whose matmul's columns are that length (an attention, its
+    scores) also gets a static copy at each length of SMALL_ROWS (`AT_LENGTH_FUNC` + n, lowered on
+    the graph bound to that length, unpadded, with the condition `AT_LENGTH_WHEN` on `main`'s
+    length), which `schedule` runs under the default rule there (`_static_copies`).
     """
     func, padded = _lowered(graph, members, inputs, outputs, schedule)
     funcs = {"main": func}
@@ -129,12 +135,12 @@ def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs:
                              narrow_name if layout is None else blocked(layout, narrow_name))
         funcs[NARROW_KEYS_FUNC] = narrow.with_attr(NARROW_KEYS_WHEN, padded.narrow_when())
     if Tile.parse(split(schedule)[1]) is not None:
-        funcs.update(_at_lengths(graph, members, inputs, outputs, schedule, func))
+        funcs.update(_static_copies(graph, members, inputs, outputs, schedule, func))
     return tvm.IRModule(funcs)
 
 
-def _at_lengths(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs: Sequence[str],
-                schedule: str, main: tirx.PrimFunc) -> dict[str, tirx.PrimFunc]:
+def _static_copies(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs: Sequence[str],
+                   schedule: str, main: tirx.PrimFunc) -> dict[str, tirx.PrimFunc]:
     """The static copies of a tiled kernel over one symbolic length whose contraction's columns are
     that length (an attention, its scores: the tile pads the keys as well as the rows) at each
     length of SMALL_ROWS: {AT_LENGTH_FUNC + n: the members lowered on the graph bound to n, with
@@ -153,7 +159,7 @@ def _at_lengths(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], ou
 
     def wide(p: Prim) -> bool:  # a matmul whose columns are symbolic
         return p.op == "matmul" and isinstance(p.type.shape[-1], SymDim)
-    length = next((d for b in main.params for d in b.shape if isinstance(d, tirx.Var) and d.name == name), None)
+    length = symbol_vars(main).get(name)
     if length is None or not any(wide(p) for p in members):
         return {}
     out = {}

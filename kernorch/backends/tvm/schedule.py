@@ -215,7 +215,7 @@ def _with_narrow_keys(wide: tirx.PrimFunc, narrow: tirx.PrimFunc, when, lanes: i
 def _with_static_lengths(func: tirx.PrimFunc, mod: tvm.IRModule, target, at: Sequence[int] | None = None
                          ) -> tirx.PrimFunc:
     """`func` (scheduled over a symbolic length) behind the static copies `mod` holds at single
-    lengths (lower.AT_LENGTH_FUNC: an attention at the lengths of SMALL_ROWS), each scheduled by
+    lengths (lower.AT_LENGTH_FUNC: an attention or its scores at the lengths of SMALL_ROWS), each scheduled by
     the default rule and run where its condition on `func`'s length holds, the shortest length's
     test outermost. A copy's parameters have the static shapes of its length: its body is made to
     use `func`'s buffers (the same layout at that length). `at`: the only lengths the build runs
