@@ -229,6 +229,8 @@ def stored_evaluation(directory: Path) -> dict:
             files[path.name] = cm.load_rows(path)
         except Exception as e:  # noqa: BLE001 - a stale file is skipped, said once
             print(f"skipping {path.name}: {e}", flush=True)
+    every = [r for _, rs in files.values() for r in rs]
+    fitted: dict[str, cm.CostModel] = {}   # per held-out model: the same rows on every machine, fitted once
     out = {}
     for name, (machine, rows) in files.items():
         by_model: dict[str, list] = {}
@@ -236,8 +238,9 @@ def stored_evaluation(directory: Path) -> dict:
             by_model.setdefault(r.source, []).append(r)
         out[name] = {"machine": machine, "models": {}}
         for model, held in by_model.items():
-            train = [r for rs in (rs for _, rs in files.values()) for r in rs if r.source != model]
-            learned = metrics(held, cm.CostModel.fit(train).predict_ns(held))
+            if model not in fitted:
+                fitted[model] = cm.CostModel.fit([r for r in every if r.source != model])
+            learned = metrics(held, fitted[model].predict_ns(held))
             alone = metrics(held, [r.base_ns for r in held])
             out[name]["models"][model] = {"learned": learned, "members alone": alone}
             print(f"{name} {model}: learned rho {learned['rho_time']}, members alone {alone['rho_time']}", flush=True)
