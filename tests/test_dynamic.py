@@ -1677,7 +1677,7 @@ def _static_allocs(script: str) -> list[str]:
             if "sblock_alloc_buffer((" in line and "seq" not in line and '"int32"' not in line]
 
 
-def test_an_attention_over_seq_runs_a_static_copy_in_the_default_schedule_at_each_small_length(block):
+def test_an_attention_over_seq_runs_a_static_copy_in_the_default_schedule_at_each_small_length(block, monkeypatch):
     """Over a symbolic length, an attention's tiles compute a padded domain: at seq=1 a tile of 8
     rows and 16 keys, 9 us where the static kernel in the default schedule takes 0.3 (Zen 4). It
     is lowered once more at each length of SMALL_ROWS on the graph bound to that length (static
@@ -1686,6 +1686,8 @@ def test_an_attention_over_seq_runs_a_static_copy_in_the_default_schedule_at_eac
     none. Right at the copies' lengths and past them."""
     import tvm
     from kernorch.backends.tvm.lower import AT_LENGTH_FUNC, AT_LENGTH_WHEN, lower
+    import importlib
+    sched = importlib.import_module("kernorch.backends.tvm.schedule")
     from kernorch.backends.tvm.schedule import schedule
     from kernorch.backends.tvm.target import make_target
     from kernorch.ir import kernel_graph
@@ -1716,7 +1718,7 @@ def test_an_attention_over_seq_runs_a_static_copy_in_the_default_schedule_at_eac
     wg = kernel_graph(block[1], [p.name], wins, [p.name])
     assert [gv.name_hint for gv in lower(wg, wg.prims, wins, [p.name], "t8x32r").get_global_vars()] == ["main"]
     target = make_target(2)
-    for at, copies in ((None, len(SMALL_ROWS)), ((23, 512), 0), ((1, 23, 512), 1)):
+    for at, copies in ((None, len(SMALL_ROWS)), ((23, 512), 0), ((1, 23, 512), 1), ((1, 2, 23), 2)):
         script = schedule(mod, target, "t8x32r", bounds={"seq": 512}, at=at)["main"].script()
         # (each copy holds the scores, their max and sum, the probabilities and the output at its length)
         assert bool(_static_allocs(script)) == bool(copies), (at, _static_allocs(script))
@@ -1726,6 +1728,18 @@ def test_an_attention_over_seq_runs_a_static_copy_in_the_default_schedule_at_eac
             assert all(d[2] == "1" for d in shapes if len(d) == 4), shapes
     _right_at((kg, ins, kg.by_name[outs[0]]), schedule(mod, target, "t8x32r", bounds={"seq": 512}), 2,
               (1, 2, 3, 8, 33), 1e-5)
+    # no tile copy of the scores is scheduled for the rows of a length only a static copy runs at
+    # (without static copies, the tile's one-row and two-row copies are)
+    tiled, rows = sched._tiled, []
+    monkeypatch.setattr(sched, "_tiled", lambda func, lanes, tile, *a: rows.append(tile.mr) or tiled(func, lanes, tile, *a))
+    skg, sins, sp = scores
+    smod = lower(skg, skg.prims, sins, [sp.name], "t4x16r")
+    for m, at, want in ((smod, None, {4}), (smod, (1, 23, 512), {4}), (smod, (2, 3), {4}),
+                        (tvm.IRModule({"main": smod["main"]}), None, {1, 2, 4}),
+                        (tvm.IRModule({"main": smod["main"]}), (2, 3), {2, 4})):
+        rows.clear()
+        schedule(m, target, "t4x16r", bounds={"seq": 512}, at=at)
+        assert set(rows) == want, (at, rows)
 
 
 def test_an_extent_is_proven_whole_over_one_period():

@@ -113,12 +113,13 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
         return _scheduled(sch, f"winograd {mode}")
     tile = Tile.parse(inner)
     if tile is not None:  # a micro-kernel variant: exactly this tile, or a refusal (never another rule)
-        out = _tile_over_rows(func, lanes, tile, mode, threads, at)
+        statics = {n: f for n, f in _at_length_copies(mod).items() if at is None or n in at}
+        out = _tile_over_rows(func, lanes, tile, mode, threads, at, tuple(statics))
         if any(gv.name_hint == NARROW_KEYS_FUNC for gv in mod.get_global_vars()):
             narrow = mod[NARROW_KEYS_FUNC]
             out = _with_narrow_keys(out["main"], bounded(narrow), narrow.attrs[NARROW_KEYS_WHEN], lanes,
-                                    replace(tile, nb=NARROW_KEYS), mode, threads, at)
-        out = _with_static_lengths(out["main"], mod, target, at)
+                                    replace(tile, nb=NARROW_KEYS), mode, threads, at, tuple(statics))
+        out = _with_static_lengths(out["main"], statics, target)
         return tvm.IRModule({"main": _without_dead_branches(out, at)})
     if inner not in ("default", *CONVERSIONS):
         raise KernorchError(f"unknown schedule mode {mode!r} (expected 'none', 'default', a tile like 't14x32p', "
@@ -152,14 +153,18 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
 
 
 def _tile_over_rows(func, lanes: int, tile: Tile, mode: str, threads: int = 1,
-                    at: Sequence[int] | None = None) -> tvm.IRModule:
+                    at: Sequence[int] | None = None, static: Sequence[int] = ()) -> tvm.IRModule:
     """The micro-kernel `tile` on `func`; over a symbolic row extent, a copy per row count of
     `tile.copies` picked at run time by their fitted costs at the length (`_cheapest`), or without
     copies the tile and a copy of each SMALL_ROWS row count below its own for those lengths
     (`_by_rows`). `at` (the only lengths the build runs at): only the copies they pick are
     scheduled, and among those the same one runs at each of them (the cheapest of a set is the
     cheapest of any subset holding it; the tile itself always stays). A GEMM's copy runs its last
-    row tile exact at the lengths that reach it (`_exact_tail`)."""
+    row tile exact at the lengths that reach it (`_exact_tail`). `static`: lengths a static copy of
+    the kernel serves (`_with_static_lengths`): no row copy is scheduled for them alone. (The
+    attention's scores and softmax over 1..512, Zen 4: scheduled for a measurement at 1, 23 and 512
+    in 0.10-0.13 s with a one-row copy no length ran, 0.06-0.08 without; for an executable in
+    0.16-0.22 and 0.07-0.09 s; the code compiled the same.)"""
     def copy(t: Tile) -> tirx.PrimFunc:
         out = _scheduled(_tiled(func, lanes, t, mode, threads), f"contraction {mode}")["main"]
         return _exact_tail(out, rows, t.mr, [n for n in lengths if runs(n) == t.mr]) if gemm and t.mr > 1 else out
@@ -184,7 +189,7 @@ def _tile_over_rows(func, lanes: int, tile: Tile, mode: str, threads: int = 1,
         raise KernorchError(f"tile {mode} does not apply: {type(e).__name__}: {_first_line(e)}") from None
     if rows is not None:
         small = []
-        ran = {ran_copy(base.mr, n) for n in at} if at is not None else set(SMALL_ROWS)
+        ran = {ran_copy(base.mr, n) for n in (at if at is not None else SMALL_ROWS) if n not in static}
         for mr in (m for m in SMALL_ROWS if m < base.mr and m in ran):
             try:
                 small.append((mr, copy(replace(base, mr=mr))))
@@ -195,7 +200,7 @@ def _tile_over_rows(func, lanes: int, tile: Tile, mode: str, threads: int = 1,
 
 
 def _with_narrow_keys(wide: tirx.PrimFunc, narrow: tirx.PrimFunc, when, lanes: int, tile: Tile, mode: str,
-                      threads: int, at: Sequence[int] | None = None) -> tvm.IRModule:
+                      threads: int, at: Sequence[int] | None = None, static: Sequence[int] = ()) -> tvm.IRModule:
     """One kernel of an attention over a symbolic length scheduled twice: `wide` (scheduled) in
     its own key tile, `narrow` (lowered with its keys padded to the narrow tile's columns) in
     `tile`; the narrow copy runs where `when` (an expression of `wide`'s length) holds
@@ -205,26 +210,27 @@ def _with_narrow_keys(wide: tirx.PrimFunc, narrow: tirx.PrimFunc, when, lanes: i
     if at is not None and not _holds_at(when, narrow, at):
         return tvm.IRModule({"main": wide})
     try:
-        n = _tile_over_rows(narrow, lanes, tile, mode, threads, at)["main"]
+        n = _tile_over_rows(narrow, lanes, tile, mode, threads, at, static)["main"]
     except KernorchError as e:
         log.debug("no narrow-key copy for %s: %s", mode, e)
         return tvm.IRModule({"main": wide})
     return tvm.IRModule({"main": _either(when, n, wide).with_attr("kernorch.narrow_keys", tile.nb)})
 
 
-def _with_static_lengths(func: tirx.PrimFunc, mod: tvm.IRModule, target, at: Sequence[int] | None = None
-                         ) -> tirx.PrimFunc:
-    """`func` (scheduled over a symbolic length) behind the static copies `mod` holds at single
-    lengths (lower.AT_LENGTH_FUNC: an attention or its scores at the lengths of SMALL_ROWS), each scheduled by
-    the default rule and run where its condition on `func`'s length holds, the shortest length's
-    test outermost. A copy's parameters have the static shapes of its length: its body is made to
-    use `func`'s buffers (the same layout at that length). `at`: the only lengths the build runs
-    at; copies at other lengths are left out."""
-    copies = sorted(((int(gv.name_hint[len(AT_LENGTH_FUNC):]), mod[gv]) for gv in mod.get_global_vars()
-                     if gv.name_hint.startswith(AT_LENGTH_FUNC)), reverse=True)
-    for n, static in copies:
-        if at is not None and n not in at:
-            continue
+def _at_length_copies(mod: tvm.IRModule) -> dict[int, tirx.PrimFunc]:
+    """The static copies of its kernel `mod` holds, by length (lower.AT_LENGTH_FUNC: an attention or
+    its scores at the lengths of SMALL_ROWS)."""
+    return {int(gv.name_hint[len(AT_LENGTH_FUNC):]): mod[gv] for gv in mod.get_global_vars()
+            if gv.name_hint.startswith(AT_LENGTH_FUNC)}
+
+
+def _with_static_lengths(func: tirx.PrimFunc, statics: dict[int, tirx.PrimFunc], target) -> tirx.PrimFunc:
+    """`func` (scheduled over a symbolic length) behind its static copies (`_at_length_copies`; a
+    build's own: those at lengths it runs), each scheduled by the default rule and run where its
+    condition on `func`'s length holds, the shortest length's test outermost. A copy's parameters
+    have the static shapes of its length: its body is made to use `func`'s buffers (the same layout
+    at that length)."""
+    for n, static in sorted(statics.items(), reverse=True):
         when = static.attrs[AT_LENGTH_WHEN]
         done = schedule(tvm.IRModule({"main": static.without_attr(AT_LENGTH_WHEN)}), target, "default")["main"]
         body = substitute_buffers(done.body, list(zip(done.params, func.params)))
