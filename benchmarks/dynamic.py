@@ -4,14 +4,17 @@ Runtime.
     .venv/bin/python benchmarks/dynamic.py                       # transformer block, dim 384, seq=1..512
     .venv/bin/python benchmarks/dynamic.py --dim 64 --max-kernel-size 4 --lengths 1,7,32,128
 
-The model is kernorch's transformer block (pre-norm attention + GELU MLP) exported with a symbolic
-sequence axis (`examples.transformer_block(seq="seq")`). Built with the CLI, each on a cold profile
-database of its own, wall time recorded:
+The model (`--model`) is kernorch's transformer block (pre-norm attention + GELU MLP;
+`examples.transformer_block(seq="seq")`, the default), or its GPT-2- or BERT-architecture model
+(`examples.gpt_like`, `examples.bert_like`: token ids in, `--layers` layers over a `--vocab`
+embedding), each exported with a symbolic sequence axis. Built with the CLI, each on a cold
+profile database of its own, wall time recorded:
 
 * dynamic: `kernorch optimize --shape seq=LO..HI` (one executable, one plan);
 * dispatched: the same with `--buckets 8,64` (one executable, a plan per bucket, dispatch inside;
   `--dispatch samples`: a plan per length the range is timed at, from one measurement);
-* static: `kernorch optimize --shape x=1xSx{dim}` for every length S of the list;
+* static: `kernorch optimize --shape x=1xSx{dim}` (the token models: every input `=1xS`) for every
+  length S of the list;
 * pad-to-bucket: the static executables of the buckets (32, 128, 512 by default), each length
   running in the smallest bucket that holds it (the padding copy itself is not counted).
 
@@ -42,13 +45,39 @@ from kernorch.peers import Timer, load_state, round_ratios  # noqa: E402
 BLOCK = 3  # timed runs per system per round
 
 
-def optimize(model: Path, out: Path, shape: str, args, extra=()) -> float:
+def build_model(args):
+    """The ONNX model of `args.model` with a symbolic sequence axis."""
+    hidden = 4 * args.dim
+    if args.model == "block":
+        return examples.transformer_block(seq="seq", dim=args.dim, heads=args.heads, hidden=hidden)
+    build = {"gpt_like": examples.gpt_like, "bert_like": examples.bert_like}[args.model]
+    return build(seq="seq", vocab=args.vocab, dim=args.dim, heads=args.heads, hidden=hidden, layers=args.layers)
+
+
+def feeds(args, length: int, rng) -> dict[str, np.ndarray]:
+    """The model's inputs at `length`: a random activation, or random token ids (positions 0..length-1
+    and an attention mask of ones where the model takes them)."""
+    if args.model == "block":
+        return {"x": rng.standard_normal((1, length, args.dim)).astype(np.float32)}
+    out = {"input_ids": rng.integers(0, args.vocab, (1, length), dtype=np.int64)}
+    if args.model == "bert_like":
+        out["position_ids"] = np.arange(length, dtype=np.int64)[None]
+        out["attention_mask"] = np.ones((1, length), np.float32)
+    return out
+
+
+def static_shapes(args, length: int) -> list[str]:
+    """`--shape` arguments binding every input at `length`."""
+    return [f"{name}={'x'.join(str(d) for d in a.shape)}" for name, a in feeds(args, length, np.random.default_rng(0)).items()]
+
+
+def optimize(model: Path, out: Path, shapes: list[str], args, extra=()) -> float:
     """`kernorch optimize` on a cold database of its own; returns the wall seconds."""
     db = out.with_suffix(".sqlite")
     db.unlink(missing_ok=True)
     cmd = [sys.executable, "-c", "import sys; from kernorch.cli import main; sys.exit(main(sys.argv[1:]))",
            "optimize", str(model), "-o", str(out), "--force", "--threads", str(args.threads), "--db", str(db),
-           "--shape", shape, "--max-kernel-size", str(args.max_kernel_size), *extra]
+           *(a for shape in shapes for a in ("--shape", shape)), "--max-kernel-size", str(args.max_kernel_size), *extra]
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -56,7 +85,7 @@ def optimize(model: Path, out: Path, shape: str, args, extra=()) -> float:
     return time.perf_counter() - t0
 
 
-def timed(length: int, dim: int, systems: dict[str, tuple[Path, int]], model: Path, args) -> dict:
+def timed(length: int, systems: dict[str, tuple[Path, int]], model: Path, args) -> dict:
     """Every system at `length`, each in a process of its own, in turns with the same threads
     (kernorch.peers.Timer): the kernorch executables of `systems` ({label: (directory, the length
     it runs at)}: a padded one runs at its bucket), ONNX Runtime and OpenVINO (the dynamic model,
@@ -66,12 +95,11 @@ def timed(length: int, dim: int, systems: dict[str, tuple[Path, int]], model: Pa
     rng = np.random.default_rng(length)
     with Timer(args.threads) as t:
         for label, (directory, at) in systems.items():
-            x = rng.standard_normal((1, at, dim)).astype(np.float32)
-            if t.add(label, str(directory), {"x": x}, peer="kernorch")["status"] != "ok":
+            if t.add(label, str(directory), feeds(args, at, rng), peer="kernorch")["status"] != "ok":
                 raise SystemExit(f"{label}: {t.info[label]}")
-        feeds = {"x": rng.standard_normal((1, length, dim)).astype(np.float32)}
-        t.add("ort", str(model), feeds)
-        if t.add("openvino", str(model), feeds)["status"] != "ok":
+        inputs = feeds(args, length, rng)
+        t.add("ort", str(model), inputs)
+        if t.add("openvino", str(model), inputs)["status"] != "ok":
             print(f"OpenVINO: {t.info['openvino']}", flush=True)
         before = load_state()
         times = t.rounds(args.rounds, block=BLOCK)
@@ -83,6 +111,9 @@ def timed(length: int, dim: int, systems: dict[str, tuple[Path, int]], model: Pa
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", choices=("block", "gpt_like", "bert_like"), default="block")
+    ap.add_argument("--layers", type=int, default=4, help="gpt_like, bert_like: layers")
+    ap.add_argument("--vocab", type=int, default=512, help="gpt_like, bert_like: vocabulary")
     ap.add_argument("--dim", type=int, default=384)
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--range", default="1..512")
@@ -102,20 +133,20 @@ def main(argv=None) -> int:
     import onnx
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    model = work / "block_dyn.onnx"
-    onnx.save(examples.transformer_block(seq="seq", dim=args.dim, heads=args.heads, hidden=4 * args.dim), str(model))
+    model = work / f"{args.model}_dyn.onnx"
+    onnx.save(build_model(args), str(model))
     lengths = [int(x) for x in args.lengths.split(",")]
     buckets = [int(x) for x in args.buckets.split(",")]
     saved = work / "builds.json"  # optimize wall times, kept for --reuse
     builds = json.loads(saved.read_text()) if args.reuse and saved.exists() else {}
-    jobs = [("dynamic", f"seq={args.range}", ())]
+    jobs = [("dynamic", [f"seq={args.range}"], ())]
     if args.dispatch:
-        jobs.append(("dispatch", f"seq={args.range}", ("--buckets", args.dispatch)))
-    jobs += [(f"static{s}", f"x=1x{s}x{args.dim}", ()) for s in sorted(set(lengths) | set(buckets))]
-    for name, shape, extra in jobs:
+        jobs.append(("dispatch", [f"seq={args.range}"], ("--buckets", args.dispatch)))
+    jobs += [(f"static{s}", static_shapes(args, s), ()) for s in sorted(set(lengths) | set(buckets))]
+    for name, shapes, extra in jobs:
         if args.reuse and name in builds and (work / name / "model.so").exists():
             continue
-        builds[name] = optimize(model, work / name, shape, args, extra)
+        builds[name] = optimize(model, work / name, shapes, args, extra)
         saved.write_text(json.dumps(builds))
         print(f"{name}: optimized in {builds[name]:.0f} s", flush=True)
     rows = []
@@ -126,7 +157,7 @@ def main(argv=None) -> int:
             systems["dispatch"] = (work / "dispatch", s)
         if bucket:
             systems["padded"] = (work / f"static{bucket}", bucket)
-        row = {"length": s, "bucket": bucket, **timed(s, args.dim, systems, model, args)}
+        row = {"length": s, "bucket": bucket, **timed(s, systems, model, args)}
         ms = row["ms"]
         row["best_peer"] = min((p for p in ("ort", "openvino") if p in ms), key=ms.get)
         rows.append(row)
@@ -162,7 +193,8 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     names = ["dynamic", "dispatch", "static", "padded", "ort", "openvino"]
-    lines = [f"# One executable over seq={args.range} (transformer block, dim {args.dim}, {args.threads} threads, "
+    what = "transformer block" if args.model == "block" else f"{args.model}, {args.layers} layers, vocabulary {args.vocab}"
+    lines = [f"# One executable over seq={args.range} ({what}, dim {args.dim}, {args.threads} threads, "
              f"max kernel size {args.max_kernel_size})", "",
              f"Median ms; at each length every system runs in its own process, in turns ({args.rounds} rounds of "
              f"{BLOCK} runs). The ratios are medians of the per-round ratios (two systems compared within one round, "

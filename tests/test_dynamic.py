@@ -1757,3 +1757,31 @@ def test_an_extent_is_proven_whole_over_one_period():
     assert divisible(whole, 16) and divisible(whole, 8) and not divisible(whole, 32)
     assert not divisible(n, 16) and divisible((n + c(15)) // c(16) * c(16), 16) and divisible(48, 16)
     assert not divisible(whole + m, 16) and not divisible(n * n - n, 2)
+
+
+@pytest.mark.parametrize("name", ["block", "gpt_like", "bert_like"])
+def test_the_dynamic_benchmark_feeds_each_of_its_models_at_any_length(name):
+    """benchmarks/dynamic.py --model: the transformer block and the token models are fed inputs
+    ONNX Runtime runs at any length (token ids below the vocabulary, positions and a mask where
+    the model takes them), and a static optimize binds every input at the length."""
+    import argparse
+    import importlib.util
+    from pathlib import Path
+    import onnxruntime as ort
+    from kernorch.frontend.onnx import parse_shape
+    spec = importlib.util.spec_from_file_location(
+        "bench_dynamic", Path(__file__).resolve().parents[1] / "benchmarks" / "dynamic.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = argparse.Namespace(model=name, dim=32, heads=2, layers=1, vocab=64)
+    model = bench.build_model(args)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == list(bench.feeds(args, 3, np.random.default_rng(0)))
+    for length in (1, 5):
+        inputs = bench.feeds(args, length, np.random.default_rng(length))
+        outs = session.run(None, inputs)
+        assert outs[0].shape[:2] == (1, length) and np.isfinite(outs[0]).all()
+        if "input_ids" in inputs:
+            assert inputs["input_ids"].dtype == np.int64 and inputs["input_ids"].max() < args.vocab
+        assert dict(parse_shape(s) for s in bench.static_shapes(args, length)) == \
+            {k: v.shape for k, v in inputs.items()}
