@@ -17,6 +17,14 @@ Reported: fused kernels measured, solve-and-measure rounds, the plan's predicted
 of its measured kernels) against the plan of the unpruned run, and the replay's own seconds (its
 solves, which a cold run pays as well, on top of its measurements). Writes
 benchmarks/results/pruning.json and .md.
+
+One model file at given shapes (over a range as well), with the shipped model as a user gets it:
+
+    .venv/bin/python benchmarks/pruning.py --model-file block_dyn.onnx --shape seq=1..512 --db all.sqlite \
+        --estimators all,learned --confidence 1.0,0.5 --max-kernel-size 8
+
+Here each run also reports the builders' seconds stored with the kernels it measured (what its
+builds cost when the database was filled: a cold run's builds, without their timing).
 """
 from __future__ import annotations
 
@@ -45,7 +53,7 @@ TRAIN = "transformer_block,candy_like,gpt2_mini,yolox_tiny,candy"
 def replay(path: Path, options: Options, machine: Machine, db: ProfileDB, kernel_s: float = 1.0) -> tuple:
     """plan_model with the database as the oracle; returns (planned, fused kernels measured, all measured)."""
     real_stored = meas.stored
-    counts = {"all": 0, "fused": 0}
+    counts = {"all": 0, "fused": 0, "build_s": 0.0}
 
     def stored(jobs, _db, opts, mach):
         jobs = list(jobs)
@@ -60,11 +68,20 @@ def replay(path: Path, options: Options, machine: Machine, db: ProfileDB, kernel
                                                         "not in the database") for j in jobs}
         counts["all"] += len(jobs)
         counts["fused"] += sum(pl._deferrable(j) for j in jobs)
+        counts["build_s"] += sum(m.build_s or 0.0 for m in out.values())
         return out, meas.MeasureStats(jobs=len(jobs), measured=len(jobs), seconds=kernel_s * len(jobs))
 
     with mock.patch.object(meas, "stored", stored), mock.patch.object(meas, "measure", measure):
         planned = pl.plan_model(str(path), options, db=db, machine=machine)
-    return planned, counts["fused"], counts["all"]
+    return planned, counts["fused"], counts["all"], counts["build_s"]
+
+
+def shape_options(shapes) -> dict:
+    """Options' `ranges` and `shapes` from optimize-style --shape arguments."""
+    from kernorch.dynamic import parse_range
+    from kernorch.frontend.onnx import parse_shape
+    ranges = tuple((r.name, r.lo, r.hi) for r in map(parse_range, (s for s in shapes if ".." in s)))
+    return {"ranges": ranges, "shapes": tuple(parse_shape(s) for s in shapes if ".." not in s)}
 
 
 def main(argv=None) -> int:
@@ -79,11 +96,18 @@ def main(argv=None) -> int:
                     help="what a measurement is taken to cost (a round's fill-up is one solve's time of them)")
     ap.add_argument("--shipped", action="store_true",
                     help="use the shipped learned model as it is (instead of one fitted without the replayed model)")
+    ap.add_argument("--model-file", default=None,
+                    help="replay this ONNX file instead of --models, with the shipped model (no training rows)")
+    ap.add_argument("--shape", action="append", default=[],
+                    help="with --model-file: as optimize's --shape (seq=1..512 over a range, x=1x7x384 static)")
+    ap.add_argument("--max-kernel-size", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--db", default=None)
     ap.add_argument("--out", default=str(HERE / "results" / "pruning"))
     args = ap.parse_args(argv)
-    options = Options(threads=args.threads, db_path=args.db)
+    options = Options(threads=args.threads, db_path=args.db, **shape_options(args.shape))
+    if args.max_kernel_size:
+        options = options.with_(max_kernel_size=args.max_kernel_size)
     machine = Machine.host()
     calibration = calibrate(args.threads)
     results = []
@@ -91,12 +115,12 @@ def main(argv=None) -> int:
     sigma = shipped.sigma if shipped else 0.7
     with ProfileDB(options.resolved_db()) as db:
         rows = {}
-        for p in cmbench.model_paths(args.train.split(",")):
+        for p in ([] if args.model_file else cmbench.model_paths(args.train.split(","))):
             rs, _ = cmbench.stored_rows(p, db, options, machine, calibration)
             rows[p.stem] = [r for r in rs if r.measured_ns]
-        for path in cmbench.model_paths(args.models.split(",")):
+        for path in [Path(args.model_file)] if args.model_file else cmbench.model_paths(args.models.split(",")):
             train = [r for name, rs in rows.items() if name != path.stem for r in rs]
-            model = shipped if args.shipped else cm.CostModel.fit(train, {"sigma": sigma})
+            model = shipped if args.shipped or args.model_file else cm.CostModel.fit(train, {"sigma": sigma})
             wanted = set(args.estimators.split(","))
             runs = [("all", options.with_(prune=False), None)]
             runs += [("analytic", options.with_(cost_model="analytic"), None)] if "analytic" in wanted else []
@@ -108,26 +132,31 @@ def main(argv=None) -> int:
                 with mock.patch.object(cm, "shipped", lambda: model), \
                         mock.patch.object(pl, "CONFIDENCE", confidence if confidence is not None else pl.CONFIDENCE), \
                         mock.patch.object(pl, "FILL_AGAINST_PLAN", not label.startswith("learned-members")):
-                    planned, fused, total = replay(path, opts, machine, db, args.kernel_seconds)
+                    planned, fused, total, build_s = replay(path, opts, machine, db, args.kernel_seconds)
                 ns = planned.plan.predicted_ns
                 base = base or ns
-                r = {"model": path.stem, "estimator": label, "fused_measured": fused, "measured": total,
+                r = {"model": path.stem, "estimator": label, "fused_measured": fused, "measured": total, "build_s": build_s,
                      "rounds": planned.measured.stats.rounds, "solve_s": planned.seconds.get("orchestrate", 0.0),
                      "never_measured": planned.measured.stats.estimated,
                      "plan_ms": ns / 1e6, "plan_vs_all": ns / base, "replay_s": time.perf_counter() - t0}
                 results.append(r)
-                print(f"{path.stem} {label}: {fused} fused measured, {r['rounds']} rounds, plan {ns / 1e6:.3f} ms "
+                print(f"{path.stem} {label}: {fused} fused measured ({total} kernels, builds {build_s:.0f} s), "
+                      f"{r['rounds']} rounds, plan {ns / 1e6:.4f} ms "
                       f"({r['plan_vs_all']:.4f} of measuring all), solves {r['solve_s']:.0f} s, "
                       f"replayed in {r['replay_s']:.0f} s", flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"machine": machine.to_json(), "results": results}, indent=1))
     lines = ["# Pruned measurement replayed from the profile database", "",
-             f"Machine: {machine.name}, {args.threads} threads. Learned model fitted without the replayed model.", "",
-             "| model | estimator | fused measured | rounds | never measured | plan ms | plan / measuring all | replay s |",
-             "|---|---|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['estimator']} | {r['fused_measured']} | {r['rounds']} | {r['never_measured']} | "
-              f"{r['plan_ms']:.3f} | {r['plan_vs_all']:.4f} | {r['replay_s']:.0f} |" for r in results]
+             f"Machine: {machine.name}, {args.threads} threads. "
+             + (f"{args.model_file} at {', '.join(args.shape) or 'its shapes'}, the shipped learned model."
+                if args.model_file else "Learned model fitted without the replayed model."), "",
+             "| model | estimator | fused measured | kernels measured | their builds s | rounds | never measured | "
+             "plan ms | plan / measuring all | replay s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['estimator']} | {r['fused_measured']} | {r['measured']} | {r['build_s']:.0f} | "
+              f"{r['rounds']} | {r['never_measured']} | {r['plan_ms']:.4f} | {r['plan_vs_all']:.4f} | "
+              f"{r['replay_s']:.0f} |" for r in results]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return 0
 

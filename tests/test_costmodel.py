@@ -437,3 +437,20 @@ def test_the_stored_rows_are_evaluated_leaving_each_model_out(tmp_path, monkeypa
     assert -1 <= e["members alone"]["rho_time"] <= 1 and e["members alone"]["rows"] == 60
     text = bench.stored_markdown(result)
     assert "| test cpu (one) | 256-bit | a | 60 |" in text and "Mean over" in text
+
+
+def test_the_pruning_replay_takes_optimize_shapes():
+    """benchmarks/pruning.py --model-file --shape: optimize's --shape arguments become the options
+    a replay plans with (a range, or static bindings), and a bad one is refused by name."""
+    import importlib.util
+    from pathlib import Path
+    from kernorch.ir import KernorchError
+    spec = importlib.util.spec_from_file_location(
+        "bench_pruning", Path(__file__).resolve().parents[1] / "benchmarks" / "pruning.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.shape_options(["seq=1..512"]) == {"ranges": (("seq", 1, 512),), "shapes": ()}
+    assert bench.shape_options(["x=1x7x384", "m=1x7"]) == {"ranges": (), "shapes": (("x", (1, 7, 384)), ("m", (1, 7)))}
+    assert bench.shape_options([]) == {"ranges": (), "shapes": ()}
+    with pytest.raises(KernorchError, match="seq=1..x"):
+        bench.shape_options(["seq=1..x"])
