@@ -546,3 +546,27 @@ def test_cpus_a_vm_names_alike_keep_their_measurements_apart():
     assert not zen1.same_cpu(replace(zen1, cpu="AuthenticAMD 23/49/0"))
     host = Machine.host()
     assert host.cpu == "" or len(host.cpu.split()) == 2
+
+
+def test_random_conditions_never_send_an_index_out_of_range():
+    """A kernel that takes a Gather's `index < 0` as an input (fission normalizes a negative index
+    as where(index < 0, index + n, index)) gets conditions that keep its zero indices in range,
+    so the reference and the kernel never gather row n of n (such kernels were refused as broken);
+    a condition with no index behind it stays random (a mask keeps some of each)."""
+    from kernorch import measure
+    from kernorch.ir import Graph, TensorType, make_prim
+    b, i = TensorType((64,), "bool"), TensorType((64,), "int64")
+    out = TensorType((64, 2), "float32")
+    g = Graph((("neg", b), ("ids", i)), ("rows",),
+              (make_prim("shifted", "add", ["ids", "n"], i), make_prim("index", "where", ["neg", "shifted", "ids"], i),
+               make_prim("rows", "gather", ["table", "index"], out, axis=0)),
+              constants={"n": np.array(3, np.int64), "table": np.ones((3, 2), np.float32)})
+    job = measure.KernelJob("gather-key", "tvm", "default", g, ("neg", "ids", "table", "n"), ("rows",))
+    neg, ids, *_ = measure.make_inputs(job)
+    assert not neg.any() and not ids.any()
+    np.testing.assert_array_equal(measure.reference(job, measure.make_inputs(job))[0], np.ones((64, 2)))
+    x = TensorType((64,), "float32")
+    masked = Graph((("keep", b), ("x", x)), ("y",), (make_prim("y", "where", ["keep", "x", "low"], x),),
+                   constants={"low": np.array(-1e4, np.float32)})
+    keep = measure.make_inputs(measure.KernelJob("mask-key", "tvm", "default", masked, ("keep", "x", "low"), ("y",)))[0]
+    assert keep.any() and not keep.all()
