@@ -1785,3 +1785,23 @@ def test_the_dynamic_benchmark_feeds_each_of_its_models_at_any_length(name):
             assert inputs["input_ids"].dtype == np.int64 and inputs["input_ids"].max() < args.vocab
         assert dict(parse_shape(s) for s in bench.static_shapes(args, length)) == \
             {k: v.shape for k, v in inputs.items()}
+
+
+@pytest.mark.parametrize("name", ["bert_like", "gpt_like"])
+def test_a_masked_attention_over_seq_reads_its_mask_on_the_padded_domain(name):
+    """BERT's key mask (1 x 1 x 1 x seq) and GPT's causal mask (seq x seq), added to the scores, are
+    read on the padded attention's domain copied with zeros past the length: the fused attention
+    over seq (refused before) lowers, static copies and all, and is right at lengths on both sides
+    of its tiles."""
+    from kernorch.backends.tvm.lower import lower
+    from kernorch.backends.tvm.schedule import schedule
+    from kernorch.backends.tvm.target import make_target
+    model = getattr(examples, name)(seq="seq", vocab=64, dim=32, heads=2, hidden=64, layers=1)
+    generic = dynamic.generic_graph(model, dynamic.parse_range("seq=1..64"))
+    kg, ins, outs = _attention_kernel(generic)
+    masks = [t for t in ins if t not in kg.constants and any(d != 1 for d in kg.type_of(t).shape[-2:])
+             and kg.type_of(t).shape[-1] == kg.type_of(outs[0]).shape[-2]]
+    assert any(p.op == "add" for p in kg.prims), [p.op for p in kg.prims]
+    mod = lower(kg, kg.prims, ins, outs, "t4x16r")
+    done = schedule(mod, make_target(2), "t4x16r", bounds={"seq": 64})
+    _right_at((kg, ins, kg.by_name[outs[0]]), done, 2, (1, 2, 3, 5, 17, 64), 1e-5)

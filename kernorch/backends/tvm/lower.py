@@ -281,8 +281,9 @@ class _PaddedAttention:
       static kernel 4.34);
     * the output's rows are copied out of the padded result (the schedule does it per row tile).
 
-    A member between the two matmuls that reads another tensor along the scores' rows or columns
-    (a mask of the length) is refused, as is a reduction other than a max or a sum."""
+    A member that reads another tensor along the scores' rows or columns (a mask or a bias of the
+    length) reads it copied with zeros past the length (`_padded_operand`); a reduction other than
+    a max or a sum over the padded keys is refused."""
 
     IDENTITY = {"reduce_max": lambda dtype: tirx.min_value(dtype), "reduce_sum": lambda dtype: tirx.const(0, dtype)}
 
@@ -348,8 +349,7 @@ class _PaddedAttention:
             if t != self.scores and t not in self.chain:
                 shape = graph.type_of(t).shape
                 if any(d != 1 for d in shape[-2:]):
-                    raise KernorchError(f"padded attention: {p.name} ({p.op}) reads {t} of shape "
-                                        f"{list(shape)} along the scores' rows or columns")
+                    x = self._padded_operand(p, t, shape, x)
             elif p.op.startswith("reduce") and self.pad_cols:
                 if p.op not in self.IDENTITY:
                     raise KernorchError(f"padded attention: {p.name} is a {p.op} over the "
@@ -357,6 +357,20 @@ class _PaddedAttention:
                 x = self._masked(x, self.IDENTITY[p.op](x.dtype))
             out.append(x)
         return out
+
+    def _padded_operand(self, p: Prim, t: str, shape, x):
+        """A tensor read along the scores' rows or columns (a mask or a bias of the length: BERT's
+        key mask, GPT's causal mask) on the padded domain: copied with zeros past the length
+        (the columns past it are the reductions' identities and zero probabilities whatever they
+        hold, the rows past it are never written out). Any other shape is refused."""
+        if len(shape) < 2 or shape[-1] not in (1, self.cdim) or shape[-2] not in (1, self.rdim):
+            raise KernorchError(f"padded attention: {p.name} ({p.op}) reads {t} of shape "
+                                f"{list(shape)} along the scores' rows or columns")
+        if shape[-1] != 1 and self.pad_cols:
+            x = _zero_padded(x, -1, self.cols, self.pcols, "operand_padded_keys")
+        if shape[-2] != 1 and self.pad_rows:
+            x = _zero_padded(x, -2, self.rows, self.prows, "operand_padded_rows")
+        return x
 
     def result(self, p: Prim, out):
         """A member's result: the probabilities the values' contraction reads, with the columns past

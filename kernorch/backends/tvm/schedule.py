@@ -31,7 +31,10 @@ log = logging.getLogger(__name__)
 
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
-SCHEDULES_VERSION = 49
+#: 50: a masked attention over a range lowers (it was refused), and kernels refused for inputs
+#: that sent an index out of range or for a branch no length reaches are built: those stored
+#: refusals must not stand.
+SCHEDULES_VERSION = 50
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
