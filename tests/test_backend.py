@@ -131,27 +131,6 @@ def test_a_kernel_over_a_symbolic_length_is_checked_where_a_select_may_read_out_
             np.testing.assert_array_equal(k(x0, x1, out_shapes=[(n,)])[0], want(x0, x1))
 
 
-def test_a_branch_no_length_reaches_is_not_judged_there(target):
-    """A `where` over seq, scheduled by the default rule: a loop split by the vector width, its
-    full vectors in one branch and the predicated tail in the other. Below the width the full-vector
-    branch runs at no length, and under its condition (false there) no load can be proven inside:
-    the kernel was refused at seq=1, 2 and 7. It builds and is right at lengths on both sides."""
-    from tvm import te, tirx
-    import tvm
-    seq = tirx.Var("seq", "int64")
-    c = te.placeholder((seq,), name="c", dtype="bool")
-    a, b = te.placeholder((seq,), name="a"), te.placeholder((seq,), name="b")
-    y = te.compute((seq,), lambda i: tirx.Select(c[i], a[i], b[i]), name="y")
-    mod = tvm.IRModule({"main": te.create_prim_func([c, a, b, y]).with_attr("kernorch.num_inputs", 3)})
-    done = kt.schedule(mod, target, "default", bounds={"seq": 64})
-    assert "T.vectorized" in done["main"].script() and "else:" in done["main"].script(), done["main"].script()
-    k = kt.build(done, target)
-    for n in (1, 2, 7, 33, 64):
-        rng = np.random.default_rng(n)
-        c0, a0, b0 = rng.random(n) < 0.5, rng.random(n).astype(np.float32), rng.random(n).astype(np.float32)
-        np.testing.assert_array_equal(k(c0, a0, b0, out_shapes=[(n,)])[0], np.where(c0, a0, b0))
-
-
 def test_guarded_tail_loads_are_not_refused(target):
     """A nearest-resize gather (26 outputs split by the vector width) reads its index table under a
     Select, guarded by the split's tail condition: in bounds, so it builds (yolox's upsampling)."""

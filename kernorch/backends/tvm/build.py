@@ -250,14 +250,11 @@ def _loads_under_select(mod: tvm.IRModule, analyzers) -> list[str]:
     """The loads under a `Select` that some analyzer of `analyzers` cannot prove inside their
     buffers (each analyzer holds its own facts: one per length a symbolic kernel is checked at);
     with None, every load under a `Select` whose indices are not opaque (a quick first look: a
-    kernel without any needs no bounds check at any length). A branch is judged only by the
-    analyzers under which its condition may hold: below 16, the full-vector branch of a loop split
-    by 16 over seq runs at no length, and under its condition, false there, no load could be
-    proven inside (a `where` over seq=1..512 was refused at seq=1, 2 and 7)."""
+    kernel without any needs no bounds check at any length)."""
     low = tvm.ir.transform.Sequential([s_tir.transform.LowerInitBlock(), s_tir.transform.ConvertBlocksToOpaque(),
                                        s_tir.transform.LowerOpaqueBlock()])(mod)
     bad: list[str] = []
-    anas = list(analyzers or [])   # the analyzers under which the statement being walked may run
+    anas = analyzers or []
 
     def opaque(e) -> bool:
         """An index built from selects, loads or calls (reflect padding, gathered positions): its
@@ -293,17 +290,6 @@ def _loads_under_select(mod: tvm.IRModule, analyzers) -> list[str]:
             stack.enter_context(ana.constraint_scope(condition))
         return stack
 
-    def branch(condition, body) -> None:
-        nonlocal anas
-        outer = anas
-        anas = [ana for ana in outer if not ana.can_prove(tirx.Not(condition))]
-        try:
-            if anas or analyzers is None:
-                with scope(condition):
-                    stmt(body)
-        finally:
-            anas = outer
-
     def stmt(st) -> None:
         if isinstance(st, tirx.For):
             for ana in anas:
@@ -315,9 +301,11 @@ def _loads_under_select(mod: tvm.IRModule, analyzers) -> list[str]:
         elif isinstance(st, tirx.BufferStore):
             expr(st.value, False)
         elif isinstance(st, tirx.IfThenElse):  # e.g. the tail guard of a non-dividing split
-            branch(st.condition, st.then_case)
+            with scope(st.condition):
+                stmt(st.then_case)
             if st.else_case is not None:
-                branch(tirx.Not(st.condition), st.else_case)
+                with scope(tirx.Not(st.condition)):
+                    stmt(st.else_case)
         elif isinstance(st, (tirx.LetStmt, tirx.Bind)):
             for ana in anas:
                 ana.bind(st.var, st.value)
