@@ -32,9 +32,10 @@ log = logging.getLogger(__name__)
 #: Bumped whenever a rule or template generates other code: measurements of older schedules are
 #: then not reused (the profile database keys every measurement by it, see measure.versions).
 #: 50: a masked attention over a range lowers (it was refused), and kernels refused for inputs
-#: that sent an index out of range or for a branch no length reaches are built: those stored
-#: refusals must not stand.
-SCHEDULES_VERSION = 50
+#: that sent an index out of range are built: those stored refusals must not stand. 51: version 50
+#: also judged a branch only at the lengths that reach it, which passed kernels measured over the
+#: whole range that fail the check at a bucket's end (seq=108) when the executable is built.
+SCHEDULES_VERSION = 51
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
