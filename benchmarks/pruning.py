@@ -51,7 +51,8 @@ TRAIN = "transformer_block,candy_like,gpt2_mini,yolox_tiny,candy"
 
 
 def replay(path: Path, options: Options, machine: Machine, db: ProfileDB, kernel_s: float = 1.0) -> tuple:
-    """plan_model with the database as the oracle; returns (planned, fused kernels measured, all measured)."""
+    """plan_model with the database as the oracle; returns (planned, fused kernels measured, all
+    measured, the builders' seconds stored with them)."""
     real_stored = meas.stored
     counts = {"all": 0, "fused": 0, "build_s": 0.0}
 
