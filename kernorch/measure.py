@@ -160,11 +160,13 @@ def _consistent(job: KernelJob, inputs: list[np.ndarray]) -> list[np.ndarray]:
     where(index < 0, index + n, index): a kernel that takes `index < 0` as an input drew it at random
     beside zero indices, gathered row n of n, and was refused as broken (gpt_like's token
     embedding, every fusion of where and gather: 9 kernels over seq=1..512, 6 at seq=7). Random
-    conditions stay wherever they are valid (an attention's mask must keep some keys)."""
-    if not any(a.dtype == np.bool_ for a in inputs) or _reference_runs(job, inputs):
+    conditions stay wherever they are valid (an attention's mask must keep some keys); constant ones
+    are the kernel's own."""
+    drawn = [a.dtype == np.bool_ and t not in job.graph.constants for t, a in zip(job.inputs, inputs)]
+    if not any(drawn) or _reference_runs(job, inputs):
         return inputs
     for fill in (False, True):
-        alt = [np.full(a.shape, fill) if a.dtype == np.bool_ else a for a in inputs]
+        alt = [np.full(a.shape, fill) if d else a for a, d in zip(inputs, drawn)]
         if _reference_runs(job, alt):
             return alt
     return inputs

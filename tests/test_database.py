@@ -570,3 +570,8 @@ def test_random_conditions_never_send_an_index_out_of_range():
                    constants={"low": np.array(-1e4, np.float32)})
     keep = measure.make_inputs(measure.KernelJob("mask-key", "tvm", "default", masked, ("keep", "x", "low"), ("y",)))[0]
     assert keep.any() and not keep.all()
+    fixed = np.arange(64) % 3 == 0   # a constant condition is the kernel's own: never replaced
+    const = Graph((("x", x),), ("y",), (make_prim("y", "where", ["keep", "x", "low"], x),),
+                  constants={"keep": fixed, "low": np.array(-1e4, np.float32)})
+    got = measure.make_inputs(measure.KernelJob("const-key", "tvm", "default", const, ("keep", "x", "low"), ("y",)))[0]
+    np.testing.assert_array_equal(got, fixed)
