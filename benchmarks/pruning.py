@@ -44,6 +44,7 @@ from kernorch import costmodel as cm  # noqa: E402
 from kernorch import measure as meas  # noqa: E402
 from kernorch import pipeline as pl  # noqa: E402
 from kernorch.calibrate import calibrate  # noqa: E402
+from kernorch.cli import options_from  # noqa: E402
 from kernorch.database import Measurement, ProfileDB  # noqa: E402
 from kernorch.options import Machine, Options  # noqa: E402
 
@@ -78,11 +79,10 @@ def replay(path: Path, options: Options, machine: Machine, db: ProfileDB, kernel
 
 
 def shape_options(shapes) -> dict:
-    """Options' `ranges` and `shapes` from optimize-style --shape arguments."""
-    from kernorch.dynamic import parse_range
-    from kernorch.frontend.onnx import parse_shape
-    ranges = tuple((r.name, r.lo, r.hi) for r in map(parse_range, (s for s in shapes if ".." in s)))
-    return {"ranges": ranges, "shapes": tuple(parse_shape(s) for s in shapes if ".." not in s)}
+    """Options' `ranges` and `shapes` from optimize-style --shape arguments, parsed and checked as
+    optimize does (kernorch.cli.options_from)."""
+    o = options_from(argparse.Namespace(shape=list(shapes), threads=None, db=None))
+    return {"ranges": o.ranges, "shapes": o.shapes}
 
 
 def main(argv=None) -> int:
