@@ -35,3 +35,17 @@ def shared_model(shared_models, request) -> Path:
     if not p.exists():
         pytest.skip(f"{p} not found")
     return p
+
+
+@pytest.fixture
+def benchmark_script():
+    """A script of benchmarks/ loaded as a module, by its stem (the scripts are not a package)."""
+    import importlib.util
+
+    def load(name: str):
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    return load

@@ -406,17 +406,12 @@ def test_a_second_run_starts_where_the_first_ended(tmp_path, monkeypatch):
     assert fresh.estimates != again.estimates
 
 
-def test_the_stored_rows_are_evaluated_leaving_each_model_out(tmp_path, monkeypatch):
+def test_the_stored_rows_are_evaluated_leaving_each_model_out(tmp_path, monkeypatch, benchmark_script):
     """benchmarks/costmodel.py --stored: per machine file and model, a model fitted on every other
     model's rows (of every machine, never the held-out one's; fitted once per held-out model, the
     same rows for every machine) ranks the held-out fusions within their prim covers, beside the
     members alone; a file of other features is skipped."""
-    import importlib.util
-    from pathlib import Path
-    spec = importlib.util.spec_from_file_location(
-        "bench_costmodel", Path(__file__).resolve().parents[1] / "benchmarks" / "costmodel.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_script("costmodel")
 
     def rows(source, seed):  # prims shared in threes, so every cover holds several fusions
         return [replace(r, prims=(f"p{i % 3}", f"q{i % 4}"), source=source, base_ns=1000.0 + i)
@@ -439,16 +434,11 @@ def test_the_stored_rows_are_evaluated_leaving_each_model_out(tmp_path, monkeypa
     assert "| test cpu (one) | 256-bit | a | 60 |" in text and "Mean over" in text
 
 
-def test_the_pruning_replay_takes_optimize_shapes():
+def test_the_pruning_replay_takes_optimize_shapes(benchmark_script):
     """benchmarks/pruning.py --model-file --shape: optimize's --shape arguments become the options
     a replay plans with (a range, or static bindings), and a bad one is refused by name."""
-    import importlib.util
-    from pathlib import Path
     from kernorch.ir import KernorchError
-    spec = importlib.util.spec_from_file_location(
-        "bench_pruning", Path(__file__).resolve().parents[1] / "benchmarks" / "pruning.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_script("pruning")
     assert bench.shape_options(["seq=1..512"]) == {"ranges": (("seq", 1, 512),), "shapes": ()}
     assert bench.shape_options(["x=1x7x384", "m=1x7"]) == {"ranges": (), "shapes": (("x", (1, 7, 384)), ("m", (1, 7)))}
     assert bench.shape_options([]) == {"ranges": (), "shapes": ()}

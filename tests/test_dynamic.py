@@ -1760,19 +1760,14 @@ def test_an_extent_is_proven_whole_over_one_period():
 
 
 @pytest.mark.parametrize("name", ["block", "gpt_like", "bert_like"])
-def test_the_dynamic_benchmark_feeds_each_of_its_models_at_any_length(name):
+def test_the_dynamic_benchmark_feeds_each_of_its_models_at_any_length(name, benchmark_script):
     """benchmarks/dynamic.py --model: the transformer block and the token models are fed inputs
     ONNX Runtime runs at any length (token ids below the vocabulary, positions and a mask where
     the model takes them), and a static optimize binds every input at the length."""
     import argparse
-    import importlib.util
-    from pathlib import Path
     import onnxruntime as ort
     from kernorch.frontend.onnx import parse_shape
-    spec = importlib.util.spec_from_file_location(
-        "bench_dynamic", Path(__file__).resolve().parents[1] / "benchmarks" / "dynamic.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_script("dynamic")
     args = argparse.Namespace(model=name, dim=32, heads=2, layers=1, vocab=64)
     model = bench.build_model(args)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
