@@ -4,6 +4,7 @@ the package ships.
     .venv/bin/python benchmarks/costmodel.py                  # evaluate (leave one model out), then train and save
     .venv/bin/python benchmarks/costmodel.py --no-save        # evaluate only
     .venv/bin/python benchmarks/costmodel.py --stored         # leave one model out on every machine's stored rows
+    .venv/bin/python benchmarks/costmodel.py --no-save --retest 800   # also: each fusion timed again, the noise ceiling
 
 Data: the profile database (the user's cache unless --db) holds every kernel measured on this
 machine; for each model, the candidates are enumerated again (no measuring) and joined with the
@@ -25,6 +26,10 @@ Transfer (--transfer N, default 50): the shipped model, trained on other machine
 machine's rows per model as shipped and after `CostModel.corrected` with N of the model's own
 measurements (at random, as a run's first measurements), beside a model fitted on this machine.
 
+Retest (--retest N): up to N measured fusions per model built and timed again in a fresh database,
+the second timing scored as a predictor of the first: the ceiling the measurement's own noise puts
+on the rank correlation of any model.
+
 This machine's measured rows are written to results/costmodel-rows/ (JSON, one file per machine and
 thread count; no pickle); rows kept there from other machines join the training, so the shipped
 model spans every CPU the project has been measured on.
@@ -41,6 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -65,9 +71,19 @@ def model_paths(names) -> list[Path]:
     return out
 
 
-def stored_rows(path: Path, db: ProfileDB, options: Options, machine: Machine, calibration: dict):
-    """(rows of every fused job of the model, with times where the database has them; analytic
-    estimates by ident)."""
+@dataclass(frozen=True)
+class Stored:
+    """A model's fused jobs as the database holds them: one row per job (with its time where it was
+    measured), the analytic estimate by ident, the jobs by ident, and the options its optimize
+    measured with (its namespace)."""
+    rows: list
+    analytic: dict
+    jobs: dict
+    options: Options
+
+
+def stored_rows(path: Path, db: ProfileDB, options: Options, machine: Machine, calibration: dict) -> Stored:
+    """Every fused job of the model, joined with the database (see `Stored`)."""
     loaded = pl.load(str(path), options)
     options = pl.model_options(loaded.graph, options, machine)  # the namespace its optimize measured in
     en = pl.enumerate_candidates(loaded.graph, options)
@@ -81,7 +97,7 @@ def stored_rows(path: Path, db: ProfileDB, options: Options, machine: Machine, c
     rows = cm.rows_for(fused, prim_alone, cheapest, machine, calibration, options.threads, stored, source=path.stem)
     analytic = {j.ident: fused_estimate_ns(j.graph, calibration["peak_gflops"], calibration["bandwidth_gbs"],
                                            prim_alone, cheapest) for j in fused}
-    return rows, analytic
+    return Stored(rows, analytic, {j.ident: j for j in fused}, options)
 
 
 def _spearman(a, b) -> float | None:
@@ -198,6 +214,54 @@ def transfer(rows_by_model: dict, n: int, seed: int = 0) -> dict:
     return out
 
 
+def retest(stored_by_model: dict, n: int, machine: Machine, seed: int = 0) -> dict:
+    """How far any predictor can rank this machine's fusions: up to `n` measured fused kernels per
+    model (all of them when they are fewer; else a random sample) built and timed once more, in a
+    fresh database and fresh workers, and that second timing scored as if it were a predictor of
+    the first (the label every cost model is scored against), beside the members alone on the same
+    rows. Its rho is the ceiling the measurement's own noise puts on any model's."""
+    import random
+    out = {"n": n, "models": {}}
+    for name, st in stored_by_model.items():
+        rows = [r for r in st.rows if r.measured_ns]
+        if len(rows) > n:
+            rows = random.Random(seed).sample(rows, n)
+        with tempfile.TemporaryDirectory(prefix="kernorch-retest-") as tmp, ProfileDB(Path(tmp) / "db.sqlite") as db:
+            t0 = time.perf_counter()
+            again, _ = meas.measure([st.jobs[r.ident] for r in rows], db, st.options, machine, label=f"retest {name}")
+            seconds = time.perf_counter() - t0
+        rows = [r for r in rows if again.get(r.ident) is not None and again[r.ident].ok]
+        second = [float(again[r.ident].median_ns) for r in rows]
+        drift = [math.log(t / r.measured_ns) for r, t in zip(rows, second)]
+        out["models"][name] = {"retimed": metrics(rows, second), "members alone": metrics(rows, [r.base_ns for r in rows]),
+                               "seconds": seconds,
+                               "ratio_quantiles": [math.exp(q) for q in statistics.quantiles(drift, n=10)]
+                               if len(drift) > 1 else []}
+        e = out["models"][name]
+        print(f"{name}: {len(rows)} fusions timed again in {seconds:.0f} s: rho of one timing against the other "
+              f"{_f(e['retimed']['rho_time'])}, members alone {_f(e['members alone']['rho_time'])}", flush=True)
+    return out
+
+
+def retest_markdown(result: dict) -> str:
+    t = result.get("retest") or {}
+    if not t.get("models"):
+        return ""
+    lines = ["", "## The measurement against itself", "",
+             f"Up to {t['n']} measured fusions per model built and timed again in a fresh database and fresh workers; "
+             "the second timing ranks the first within prim covers as a predictor would (the ceiling that the "
+             "measurement's own noise puts on any cost model), beside the members alone on the same rows. "
+             "second / first: the 10th, 50th and 90th percentiles of the ratio of the two timings.", "",
+             "| model | rows | rho second timing | pairwise | top-3 recall | rho members alone | second / first p10, p50, p90 "
+             "| seconds |", "|---|---|---|---|---|---|---|---|"]
+    for name, e in t["models"].items():
+        a, b, q = e["retimed"], e["members alone"], e["ratio_quantiles"]
+        qs = ", ".join(f"{q[i]:.2f}" for i in (0, 4, 8)) if len(q) == 9 else "-"
+        lines.append(f"| {name} | {a['rows']} | {_f(a['rho_time'])} | {_f(a['pairwise'])} | {_f(a['top3_recall'])} | "
+                     f"{_f(b['rho_time'])} | {qs} | {e['seconds']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
 def transfer_markdown(result: dict) -> str:
     t = result.get("transfer") or {}
     if not t.get("models"):
@@ -279,6 +343,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-save", action="store_true", help="do not replace the shipped model")
     ap.add_argument("--transfer", type=int, default=50,
                     help="score the shipped model here as shipped and corrected with this many measurements (0: skip)")
+    ap.add_argument("--retest", type=int, default=0,
+                    help="time up to this many measured fusions per model again and score the second timing as a "
+                         "predictor of the first: the noise ceiling of the ranking (0: skip)")
     ap.add_argument("--rows-dir", default=str(HERE / "results" / "costmodel-rows"),
                     help="measured rows per machine: this machine's are written here, the others' join the training")
     ap.add_argument("--out", default=str(HERE / "results" / "costmodel"))
@@ -296,16 +363,17 @@ def main(argv=None) -> int:
     options = Options(threads=args.threads, db_path=args.db)
     machine = Machine.host()
     calibration = calibrate(args.threads)
-    rows_by_model = {}
+    rows_by_model, stored_by_model = {}, {}
     with ProfileDB(options.resolved_db()) as db:
         for path in model_paths(args.models.split(",")):
             t0 = time.perf_counter()
-            rows, analytic = stored_rows(path, db, options, machine, calibration)
-            measured = [r for r in rows if r.measured_ns]
-            print(f"{path.stem}: {len(rows)} fused kernels, {len(measured)} measured ({time.perf_counter() - t0:.1f} s)",
-                  flush=True)
+            st = stored_rows(path, db, options, machine, calibration)
+            measured = [r for r in st.rows if r.measured_ns]
+            print(f"{path.stem}: {len(st.rows)} fused kernels, {len(measured)} measured "
+                  f"({time.perf_counter() - t0:.1f} s)", flush=True)
             if measured:
-                rows_by_model[path.stem] = (measured, analytic)
+                rows_by_model[path.stem] = (measured, st.analytic)
+                stored_by_model[path.stem] = st
     mine = rows_file(Path(args.rows_dir), machine, args.threads)
     if rows_by_model:
         cm.save_rows([r for rs, _ in rows_by_model.values() for r in rs], machine, args.threads, mine)
@@ -317,6 +385,8 @@ def main(argv=None) -> int:
                                  for k, (m, rs) in others.items()}}
     if args.transfer:
         result["transfer"] = transfer(rows_by_model, args.transfer)
+    if args.retest:
+        result["retest"] = retest(stored_by_model, args.retest, machine)
     sigmas = []
     for name, (rows, analytic) in rows_by_model.items():
         train = [r for other, (rs, _) in rows_by_model.items() if other != name for r in rs]
@@ -333,7 +403,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    text = markdown(result) + transfer_markdown(result)
+    text = markdown(result) + transfer_markdown(result) + retest_markdown(result)
     out.with_suffix(".md").write_text(text)
     print(text)
     if not args.no_save and rows_by_model:

@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     with ProfileDB(options.resolved_db()) as db:
         rows = {}
         for p in ([] if args.model_file else cmbench.model_paths(args.train.split(","))):
-            rs, _ = cmbench.stored_rows(p, db, options, machine, calibration)
+            rs = cmbench.stored_rows(p, db, options, machine, calibration).rows
             rows[p.stem] = [r for r in rs if r.measured_ns]
         for path in [Path(args.model_file)] if args.model_file else cmbench.model_paths(args.models.split(",")):
             train = [r for name, rs in rows.items() if name != path.stem for r in rs]

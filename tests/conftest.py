@@ -46,6 +46,7 @@ def benchmark_script():
         path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
         spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # (a dataclass of the script looks its module up there)
         spec.loader.exec_module(module)
         return module
     return load

@@ -444,3 +444,36 @@ def test_the_pruning_replay_takes_optimize_shapes(benchmark_script):
     assert bench.shape_options([]) == {"ranges": (), "shapes": ()}
     with pytest.raises(KernorchError, match="seq=1..x"):
         bench.shape_options(["seq=1..x"])
+
+
+def test_the_retest_scores_a_second_timing_of_the_same_fusions_as_a_predictor(monkeypatch, benchmark_script):
+    """benchmarks/costmodel.py --retest: the measured fusions of each model (up to n, sampled) are
+    timed again in a fresh database, with the options the model was measured with, and that second
+    timing is ranked against the first within prim covers. A second timing that keeps the order
+    ranks perfectly (rho 1, its ratio to the first reported); a fusion whose second timing fails
+    is left out, not counted as a time."""
+    from kernorch.database import Measurement
+    bench = benchmark_script("costmodel")
+    rows = [replace(r, prims=(f"p{i % 3}", f"q{i % 4}"), base_ns=1000.0 + i) for i, r in enumerate(synthetic_rows(40))]
+    opts = pipeline.Options(threads=2).with_(weights_cached=True)
+    st = bench.Stored(rows, {}, {r.ident: ("job", r.ident) for r in rows}, opts)
+    seen = {}
+
+    def measure(jobs, db, options, machine, label=""):
+        seen.update(options=options, db=str(db.path), jobs=list(jobs))
+        out = {}
+        for _, ident in jobs:
+            r = next(r for r in rows if r.ident == ident)
+            status = "failed" if ident == rows[0].ident else "ok"
+            out[ident] = Measurement("t", ident[0], ident[1], ident[2], "", status, 2 * r.measured_ns)
+        return out, None
+    monkeypatch.setattr(bench.meas, "measure", measure)
+    result = bench.retest({"m": st}, 100, MACHINE)
+    e = result["models"]["m"]
+    assert seen["options"] is opts and "kernorch-retest-" in seen["db"] and len(seen["jobs"]) == 40
+    assert e["retimed"]["rows"] == 39 and e["retimed"]["rho_time"] == pytest.approx(1.0)
+    assert e["ratio_quantiles"][4] == pytest.approx(2.0, rel=1e-3)
+    assert e["members alone"]["rows"] == 39
+    assert "| m | 39 | 1.00 |" in bench.retest_markdown({"retest": result})
+    sampled = bench.retest({"m": st}, 10, MACHINE)
+    assert len(seen["jobs"]) == 10 and sampled["models"]["m"]["retimed"]["rows"] <= 10
