@@ -214,19 +214,20 @@ def transfer(rows_by_model: dict, n: int, seed: int = 0) -> dict:
     return out
 
 
-def retest(stored_by_model: dict, n: int, machine: Machine, seed: int = 0) -> dict:
+def retest(stored_by_model: dict, n: int, machine: Machine, seed: int = 0, keep: str | None = None) -> dict:
     """How far any predictor can rank this machine's fusions: up to `n` measured fused kernels per
     model (all of them when they are fewer; else a random sample) built and timed once more, in a
     fresh database and fresh workers, and that second timing scored as if it were a predictor of
     the first (the label every cost model is scored against), beside the members alone on the same
-    rows. Its rho is the ceiling the measurement's own noise puts on any model's."""
+    rows. Its rho is the ceiling the measurement's own noise puts on any model's. `keep`: the second
+    timings' database is kept there (else a temporary one)."""
     import random
     out = {"n": n, "models": {}}
     for name, st in stored_by_model.items():
         rows = [r for r in st.rows if r.measured_ns]
         if len(rows) > n:
             rows = random.Random(seed).sample(rows, n)
-        with tempfile.TemporaryDirectory(prefix="kernorch-retest-") as tmp, ProfileDB(Path(tmp) / "db.sqlite") as db:
+        with tempfile.TemporaryDirectory(prefix="kernorch-retest-") as tmp, ProfileDB(keep or Path(tmp) / "db.sqlite") as db:
             t0 = time.perf_counter()
             again, _ = meas.measure([st.jobs[r.ident] for r in rows], db, st.options, machine, label=f"retest {name}")
             seconds = time.perf_counter() - t0
@@ -346,6 +347,7 @@ def main(argv=None) -> int:
     ap.add_argument("--retest", type=int, default=0,
                     help="time up to this many measured fusions per model again and score the second timing as a "
                          "predictor of the first: the noise ceiling of the ranking (0: skip)")
+    ap.add_argument("--retest-db", default=None, help="keep the second timings in this database")
     ap.add_argument("--rows-dir", default=str(HERE / "results" / "costmodel-rows"),
                     help="measured rows per machine: this machine's are written here, the others' join the training")
     ap.add_argument("--out", default=str(HERE / "results" / "costmodel"))
@@ -386,7 +388,7 @@ def main(argv=None) -> int:
     if args.transfer:
         result["transfer"] = transfer(rows_by_model, args.transfer)
     if args.retest:
-        result["retest"] = retest(stored_by_model, args.retest, machine)
+        result["retest"] = retest(stored_by_model, args.retest, machine, keep=args.retest_db)
     sigmas = []
     for name, (rows, analytic) in rows_by_model.items():
         train = [r for other, (rs, _) in rows_by_model.items() if other != name for r in rs]
