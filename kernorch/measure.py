@@ -46,6 +46,7 @@ DOMINATED = 4.0  # a generated kernel this many times slower than the key's best
 REMEASURE_TRIES = 3
 RTOL, ATOL_SCALE = 1e-3, 1e-4
 TIMING_PROTOCOL = "cold-weights-big-outputs-unpinned-spin10k"  # in the versions: how a kernel was timed (see _timed; threads: thread_env)
+COLD_MAX_CALLS = 200  # calls of a kernel timed with its weights or large outputs flushed (one call per repeat)
 
 
 @dataclass(frozen=True)
@@ -313,14 +314,11 @@ def _measurement(target: str, j: KernelJob, value: dict, build_s: float) -> Meas
 
 
 def _faster(first: Measurement, second: Measurement) -> Measurement:
-    """Two timings of one kernel over a range: at each length the faster one, and the runs of the
-    faster overall."""
+    """Two timings of one kernel: the runs of the faster, and over a range at each length the
+    faster one."""
     again = dict(second.samples_ns)
     runs = min(first, second, key=lambda m: m.median_ns)
     return replace(runs, samples_ns=tuple((v, min(t, again.get(v, t))) for v, t in first.samples_ns))
-
-
-COLD_MAX_CALLS = 200  # calls of a kernel timed with its weights or large outputs flushed (one call per repeat)
 
 
 def cold_args(job: KernelJob, big_bytes: int | None = None, cached: bool = False) -> list[int]:
@@ -428,14 +426,54 @@ def worker_env(threads: int) -> dict[str, str]:
     return thread_env(threads)
 
 
+@dataclass(frozen=True)
+class _Timed:
+    """A kernel this run built and timed: what timing it again takes, and its measurement so far."""
+    job: KernelJob
+    path: str | None
+    first: Measurement
+
+
 class Workers:
     """The build and timing worker processes of a series of `measure` calls, started once (each
-    worker imports TVM: about a second) and closed with the context."""
+    worker imports TVM: about a second) and closed with the context; with them the run's directory
+    of built kernels, the kernels it timed (`timed`) and those to time once more (`again`, queued
+    by `time_later`): the next `measure` call times them after its builds, or `time_again` does."""
 
     def __init__(self, options: Options):
         self.options = options
         self._builders: WorkerPool | None = None
         self._timer: WorkerPool | None = None
+        self._dir: tempfile.TemporaryDirectory | None = None
+        self.timed: dict[tuple[str, str, str], tuple[KernelJob, str | None]] = {}
+        self.again: dict[tuple[str, str, str], _Timed] = {}
+        self.retimed: dict[tuple[str, str, str], Measurement] = {}  # timed again by a later `measure` call
+
+    def build_dir(self) -> str:
+        """The run's directory of built kernels (removed with the workers; one a killed run left
+        behind is removed by the next run on the host, `sweep_build_dirs`)."""
+        if self._dir is None:
+            sweep_build_dirs()
+            self._dir = tempfile.TemporaryDirectory(prefix=f"{_host_build_dirs()}{os.getpid()}-",
+                                                    ignore_cleanup_errors=True)
+        return self._dir.name
+
+    def time_later(self, measurements: dict) -> None:
+        """Time these kernels (ident -> their measurement so far) once more, later in the run
+        (those it timed since the last call); the libraries of the others are removed."""
+        for i, (job, path) in self.timed.items():
+            if i in measurements:
+                self.again.setdefault(i, _Timed(job, path, measurements[i]))
+            elif path is not None and i not in self.again:
+                for f in (path, path + ".json"):
+                    Path(f).unlink(missing_ok=True)
+        self.timed = {}
+
+    def take_retimed(self) -> dict[tuple[str, str, str], Measurement]:
+        """The measurements of the kernels a later `measure` call timed again (the faster timing
+        of each), once: the run folds them into what it knows."""
+        out, self.retimed = self.retimed, {}
+        return out
 
     def builders(self) -> WorkerPool:
         if self._builders is None:
@@ -454,6 +492,12 @@ class Workers:
             if p is not None:
                 p.close()
         self._builders = self._timer = None
+        if self._dir is not None:  # (after the workers: an interrupted builder may still be writing into it)
+            self._dir.cleanup()
+            self._dir = None
+        self.timed.clear()
+        self.again.clear()
+        self.retimed.clear()
 
     def __enter__(self) -> "Workers":
         return self
@@ -570,6 +614,16 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
             ) -> tuple[dict[tuple[str, str, str], Measurement], MeasureStats]:
     """Measure every job not already in the database; return the measurement of every job.
 
+    A kernel over a range timed between its samples too (`KernelJob.probes`: a contraction's tile,
+    whose times become its row copies' cost curves) is timed once more after all the others, and
+    keeps the faster timing at each length (`_faster`): a disturbance of the machine can last a
+    whole job (a 1536 x 384 GEMM's 8-row tile stored at 252-1463 us where it takes 49-108, all five
+    lengths, Xeon model 207); noise only ever slows. With the run's `workers`, a kernel the caller
+    queued with `Workers.time_later` is timed again by the next call, after its builds and before
+    its own kernels (seconds after its first timing: a slow phase of this VM lasts seconds to a
+    minute), its measurement kept in `workers.retimed` for the run to take; `time_again` times
+    what is left.
+
     Verdicts: a kernel whose build raises, or whose result differs from the reference, is refused
     (a property of the kernel, stored and never retried unless `db clear --refused`). A kernel whose
     worker crashes or times out is tried once more in a fresh worker; failing again, it is stored
@@ -631,12 +685,10 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
 
     own = workers is None
     workers = workers or Workers(options)
-    # (an interrupted run removes it while a worker may still be writing a kernel into it)
-    sweep_build_dirs()
-    with tempfile.TemporaryDirectory(prefix=f"{_host_build_dirs()}{os.getpid()}-", ignore_cleanup_errors=True) as tmp, \
-            contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack:
         if own:
             stack.callback(workers.close)
+        tmp = workers.build_dir()
         built: dict[tuple[str, str, str], dict] = {}
         tvm_jobs = [j for j in todo if registry.native(j.impl)]
         if tvm_jobs:
@@ -663,20 +715,15 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
             b = best.get(j.key)
             return DOMINATED * b / 1e9 if (b is not None and registry.native(j.impl)) else None
 
-        pool = workers.timer()
-        big = big_output_bytes(machine, options.threads)
-        evict = evict_bytes(machine) if options.weights_cached else 0
-        over_range = []  # timed again below
-
-        def args(j: KernelJob) -> tuple:
-            return (j, built.get(j.ident, {}).get("path"), options.repeats, options.min_repeat_ms,
-                    options.verify, cutoff(j), big, evict)
-
+        if workers.again:  # queued by the run earlier, this call's builds apart from their first timing
+            workers.retimed.update(time_again(db, options, machine, workers, label=label))
         with progress.bar(f"{label}: time", len(timed)) as bar:
             groups = ([j for j in timed if not registry.native(j.impl)],
                       sorted((j for j in timed if registry.native(j.impl)), key=_likely_slower))
             for group in groups:  # the cutoffs of the second group come from the first
-                for j, r in _run_with_retry(pool, _time_task, group, args, options.run_timeout):
+                for j, r in _run_with_retry(workers.timer(), _time_task, group,
+                                            lambda j: _timing_args(j, built.get(j.ident, {}).get("path"), options,
+                                                                   machine, cutoff(j)), options.run_timeout):
                     if not r.ok:
                         fail(j, "run failed", r)
                     else:
@@ -686,29 +733,58 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
                         stats.measured += 1
                         if j.schedule != "none":
                             best[j.key] = min(best.get(j.key, m.median_ns), m.median_ns)
-                        if j.probes:
-                            over_range.append(j)
+                        if not r.value.get("cut"):  # (a kernel cut after one call is dominated: once is enough)
+                            workers.timed[j.ident] = (j, built.get(j.ident, {}).get("path"))
                     bar.advance()
-        # a contraction's tiles over a range (timed between the samples too, `KernelJob.probes`),
-        # timed once more after all the others: their times at the lengths become the row copies'
-        # cost curves (kernorch.pipeline.row_copies), and a disturbance of the machine can last a
-        # whole job (a 1536 x 384 GEMM's 8-row tile stored at 252-1463 us where it takes 49-108,
-        # all five lengths, Xeon model 207); noise only ever slows, so each length keeps the faster.
-        # (Every kernel over a range timed twice: a range optimize 208 -> 276 s.)
-        with progress.bar(f"{label}: time again", len(over_range)) if over_range else contextlib.nullcontext() as bar:
-            for j, r in _run_with_retry(pool, _time_task, over_range, args, options.run_timeout):
-                if r.ok:  # (a failure here leaves the first timing standing)
-                    m = _faster(results[j.ident], _measurement(target, j, r.value, results[j.ident].build_s))
-                    db.add(m)
-                    results[j.ident] = m
-                bar.advance()
-    healthy = stats.measured > 0
-    for j, reason, secs in pending:
-        if healthy and j.ident in failed_before:
-            record(j, "refused", f"{reason} (again: it failed this way in an earlier run too)", secs)
-        else:
-            record(j, "failed", reason, secs)
-    for ident, old in previous.items():  # the fastest measurement counts (see database.best)
-        results[ident] = best_of([old, results[ident]])
+        healthy = stats.measured > 0
+        for j, reason, secs in pending:
+            if healthy and j.ident in failed_before:
+                record(j, "refused", f"{reason} (again: it failed this way in an earlier run too)", secs)
+            else:
+                record(j, "failed", reason, secs)
+        for ident, old in previous.items():  # the fastest measurement counts (see database.best)
+            results[ident] = best_of([old, results[ident]])
+        over_range = [_Timed(*workers.timed[j.ident], results[j.ident]) for j in timed
+                      if j.probes and j.ident in workers.timed]
+        results.update(_timed_again(over_range, db, options, machine, workers, label))
     stats.seconds = time.perf_counter() - t_start
     return results, stats
+
+
+def _timing_args(job: KernelJob, path: str | None, options: Options, machine: Machine,
+                 cutoff_s: float | None = None) -> tuple:
+    """`_time_task`'s arguments."""
+    return (job, path, options.repeats, options.min_repeat_ms, options.verify, cutoff_s,
+            big_output_bytes(machine, options.threads), evict_bytes(machine) if options.weights_cached else 0)
+
+
+def time_again(db: ProfileDB, options: Options, machine: Machine, workers: Workers,
+               label: str = "measure") -> dict[tuple[str, str, str], Measurement]:
+    """Time once more the kernels waiting in `workers.again` (see `_timed_again`)."""
+    todo, workers.again = list(workers.again.values()), {}
+    return _timed_again(todo, db, options, machine, workers, label)
+
+
+def _timed_again(todo: Sequence[_Timed], db: ProfileDB, options: Options, machine: Machine, workers: Workers,
+                 label: str) -> dict[tuple[str, str, str], Measurement]:
+    """Time these kernels once more, latest first, so that a kernel's timings are as far apart as
+    the run allows; each keeps the faster (`_faster`: noise only ever slows), which is stored where
+    it is. Returns their measurements; a kernel whose second timing fails keeps its first."""
+    if not todo:
+        return {}
+    target = target_of(machine, options)
+    by_ident = {t.job.ident: t for t in todo}
+    out: dict[tuple[str, str, str], Measurement] = {}
+    with progress.bar(f"{label}: time again", len(todo)) as bar:
+        for j, r in _run_with_retry(workers.timer(), _time_task, [t.job for t in reversed(todo)],
+                                    lambda j: _timing_args(j, by_ident[j.ident].path, options, machine),
+                                    options.run_timeout):
+            first = by_ident[j.ident].first
+            m = first
+            if r.ok:
+                m = _faster(first, _measurement(target, j, r.value, first.build_s))
+                if m != first:
+                    db.add(m)
+            out[j.ident] = m
+            bar.advance()
+    return out

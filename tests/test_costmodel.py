@@ -260,6 +260,42 @@ def test_refine_corrects_the_model_with_the_fusions_the_run_measured(monkeypatch
     assert m.predicted == {i: 4000.0 for i in ids[4:]}
 
 
+def test_refine_times_again_later_the_fusions_timed_far_slower_than_their_members(monkeypatch):
+    """A fusion measured more than SUSPECT_ABOVE times its members alone is queued for a second
+    timing (the run's workers time it after their next builds); what the workers timed again since
+    replaces the measurements it is faster than, and nothing the run does not hold is added."""
+    from kernorch.database import Measurement
+    from kernorch.measure import MeasureStats
+    ids = [(f"k{i}", "tvm", "default") for i in range(3)]
+    ns = {ids[0]: 1100, ids[1]: 1300, ids[2]: 5000}
+
+    def fake_measure(jobs, *args):
+        return {j: Measurement("", j[0], j[1], j[2], "", "ok", ns[j], (), "") for j in jobs}, MeasureStats()
+    monkeypatch.setattr(pipeline, "_measure_with_fallback", fake_measure)
+
+    class Queue:
+        queued: dict = {}
+        retimed: dict = {}
+
+        def time_later(self, ms):
+            self.queued = dict(ms)
+
+        def take_retimed(self):
+            out, self.retimed = self.retimed, {}
+            return out
+    workers = Queue()
+    m = pipeline.Measured({}, MeasureStats(), pending={i: i for i in ids}, bounds={i: 10 for i in ids},
+                          members_ns={i: 1000.0 for i in ids})
+    m = pipeline.refine(m, ids[:2], None, None, None, workers)
+    assert set(workers.queued) == {ids[1]}                       # 1.3x its members; not 1.1x
+    workers.retimed = {ids[1]: Measurement("", "k1", "tvm", "default", "", "ok", 1050, (), ""),
+                       ("elsewhere", "tvm", "default"): Measurement("", "elsewhere", "tvm", "default", "", "ok", 1, (), "")}
+    m = pipeline.refine(m, ids[2:], None, None, None, workers)  # (timed again after this round's builds)
+    assert set(workers.queued) == {ids[2]}                       # 5x
+    assert m.measurements[ids[1]].median_ns == 1050 and m.measurements[ids[0]].median_ns == 1100
+    assert ("elsewhere", "tvm", "default") not in m.measurements
+
+
 def test_estimates_stay_put_between_corrections(monkeypatch):
     """After the first correction the model is corrected again only once the measured fusions grew
     by REFIT_GROWTH; in between, the pending fusions keep their estimates exactly (so the solver's

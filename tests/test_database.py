@@ -5,6 +5,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 from dataclasses import replace
 
 import numpy as np
@@ -531,6 +532,57 @@ def test_a_kernel_over_a_range_keeps_the_faster_of_two_timings_at_each_length(tm
         assert (tmp_path / "flag").read_text() == "x" and res[j.ident].runs_ns == (1000000, 1000000)
 
 
+def fast_then_slow(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None, evict=0):
+    """A kernel at one shape: 1 ms the first time the flag file is missing, 2 ms after (a character
+    per call)."""
+    import pathlib
+    flag = pathlib.Path(os.environ["KERNORCH_TEST_FLAG"])
+    calls = flag.read_text() if flag.exists() else ""
+    flag.write_text(calls + "x")
+    return {"runs": [1e-3, 1e-3] if not calls else [2e-3, 2e-3], "error": None}
+
+
+def test_a_queued_kernel_is_timed_again_by_the_runs_next_measurement(tmp_path, monkeypatch):
+    """With the run's workers, a kernel queued for a second timing (Workers.time_later: one the
+    run timed since the last such call; the others are forgotten) waits until the next measure
+    call has built its kernels, so that its
+    two timings are apart; that call times it before its own kernels and keeps the faster in
+    Workers.retimed for the run (its own results are its jobs'). time_again times what is left;
+    pipeline.settled folds both into a Measured (its kernels only), and returns it unchanged when
+    no time changed."""
+    from kernorch import measure, pipeline
+    from kernorch.ir import Graph, TensorType, make_prim
+    from kernorch.options import Machine, Options
+    t = TensorType((8, 8), "float32")
+    g = Graph((("x", t), ("w", t)), ("y",), (make_prim("y", "matmul", ["x", "w"], t),))
+    a, b, c = (measure.KernelJob(k, "reference", "default", g, ("x", "w"), ("y",)) for k in ("k-a", "k-b", "k-c"))
+    flag = tmp_path / "flag"
+    monkeypatch.setenv("KERNORCH_TEST_FLAG", str(flag))
+    monkeypatch.setattr(measure, "_time_task", fast_then_slow)
+    opts = Options(threads=1, repeats=2, min_repeat_ms=0.1, python_kernels=True)
+    machine = Machine.host()
+    with ProfileDB(tmp_path / "db.sqlite") as db, measure.Workers(opts) as workers:
+        first, _ = measure.measure([a], db, opts, machine, workers=workers)
+        assert flag.read_text() == "x" and set(workers.timed) == {a.ident} and not workers.again
+        workers.time_later({a.ident: first[a.ident], ("k-unknown", "tvm", "default"): first[a.ident]})
+        assert set(workers.again) == {a.ident}
+        second, _ = measure.measure([b], db, opts, machine, workers=workers)
+        assert set(second) == {b.ident} and not workers.again and flag.read_text() == "xxx"
+        assert workers.retimed == {a.ident: first[a.ident]}   # 2 ms the second time: the first stands
+        measured = pipeline.Measured({**first, **second}, measure.MeasureStats(), {}, {})
+        assert pipeline.settled(measured, db, opts, machine, workers) is measured   # nothing left, nothing faster
+        assert not workers.retimed
+        slow = replace(second[b.ident], median_ns=9_000_000, runs_ns=(9_000_000,))
+        measured = replace(measured, measurements={**measured.measurements, b.ident: slow})
+        measure.measure([c], db, opts, machine, workers=workers)
+        workers.time_later({b.ident: slow})
+        workers.time_later({c.ident: second[b.ident]})   # c was timed before the last call: forgotten
+        assert set(workers.again) == {b.ident} and not workers.timed
+        out = pipeline.settled(measured, db, opts, machine, workers)
+        assert out.measurements[b.ident].median_ns == 2_000_000 and c.ident not in out.measurements
+        assert not workers.again
+
+
 def test_cpus_a_vm_names_alike_keep_their_measurements_apart():
     """A Zen 1 and a Zen 3 VM both say "AMD EPYC" with the same AVX2 flags: the family/model and the
     caches tell them apart, so one's timings never serve the other."""
@@ -575,3 +627,25 @@ def test_random_conditions_never_send_an_index_out_of_range():
                   constants={"keep": fixed, "low": np.array(-1e4, np.float32)})
     got = measure.make_inputs(measure.KernelJob("const-key", "tvm", "default", const, ("keep", "x", "low"), ("y",)))[0]
     np.testing.assert_array_equal(got, fixed)
+
+
+def test_the_libraries_of_kernels_not_queued_again_are_removed(tmp_path):
+    """Workers.time_later keeps the built library of a kernel it queues and removes the others'
+    (a run keeps only what it may time again), and a run's directory of built kernels goes with
+    its workers."""
+    from kernorch import measure
+    from kernorch.options import Options
+    with measure.Workers(Options(threads=1)) as workers:
+        d = Path(workers.build_dir())
+        paths = {}
+        for k in ("k-keep", "k-drop"):
+            paths[k] = d / f"{k}.so"
+            paths[k].write_bytes(b"so")
+            Path(str(paths[k]) + ".json").write_text("{}")
+            workers.timed[(k, "tvm", "default")] = (None, str(paths[k]))
+        m = Measurement("t", "k-keep", "tvm", "default", "", "ok", 1, (1,), "")
+        workers.time_later({("k-keep", "tvm", "default"): m})
+        assert paths["k-keep"].exists() and not paths["k-drop"].exists()
+        assert not Path(str(paths["k-drop"]) + ".json").exists()
+        assert workers.again[("k-keep", "tvm", "default")].first == m
+    assert not d.exists()
