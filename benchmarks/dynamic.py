@@ -122,6 +122,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dispatch", default="8,64",
                     help="bucket edges of the dispatching executable (kernorch optimize --buckets), or 'samples'; "
                          "'' to skip it")
+    ap.add_argument("--samples", type=int, default=None,
+                    help="the lengths the dynamic and dispatching executables time the range at (kernorch optimize "
+                         "--samples; default its own, 3)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--max-kernel-size", type=int, default=8)
@@ -139,9 +142,10 @@ def main(argv=None) -> int:
     buckets = [int(x) for x in args.buckets.split(",")]
     saved = work / "builds.json"  # optimize wall times, kept for --reuse
     builds = json.loads(saved.read_text()) if args.reuse and saved.exists() else {}
-    jobs = [("dynamic", [f"seq={args.range}"], ())]
+    over = ("--samples", str(args.samples)) if args.samples else ()
+    jobs = [("dynamic", [f"seq={args.range}"], over)]
     if args.dispatch:
-        jobs.append(("dispatch", [f"seq={args.range}"], ("--buckets", args.dispatch)))
+        jobs.append(("dispatch", [f"seq={args.range}"], ("--buckets", args.dispatch, *over)))
     jobs += [(f"static{s}", static_shapes(args, s), ()) for s in sorted(set(lengths) | set(buckets))]
     for name, shapes, extra in jobs:
         if args.reuse and name in builds and (work / name / "model.so").exists():
@@ -198,7 +202,8 @@ def main(argv=None) -> int:
              f"max kernel size {args.max_kernel_size})", "",
              f"Median ms; at each length every system runs in its own process, in turns ({args.rounds} rounds of "
              f"{BLOCK} runs). The ratios are medians of the per-round ratios (two systems compared within one round, "
-             "seconds apart: kernorch.peers.round_ratios). dynamic: one plan over the range; dispatch: a plan per bucket "
+             "seconds apart: kernorch.peers.round_ratios). dynamic: one plan over the range"
+             + (f" (timed at {args.samples} lengths)" if args.samples else "") + "; dispatch: a plan per bucket "
              f"({args.dispatch or 'none'}) chosen inside the executable; static: a plan made for that length; "
              "padded: the static plan of the smallest bucket that holds the length (the padding copy not "
              "counted); ONNX Runtime and OpenVINO run the same dynamic model.", "",

@@ -105,6 +105,10 @@ def _tuning_args(p: argparse.ArgumentParser) -> None:
                         "bucket gets its own plan and the executable dispatches on the length at run time; "
                         "'samples': a plan per length the range is timed at (1, 23, 512), each refined there from "
                         "the kernels measured over the range, each serving the lengths nearest it")
+    p.add_argument("--samples", type=int, default=None, metavar="N",
+                   help="time every kernel over the --shape range at N lengths (default 3: its ends and geometric "
+                        "middle; 4 over 1..512: 1, 8, 64, 512), evenly spaced on a log scale; more follow the "
+                        "range more closely and take longer to measure")
     p.add_argument("--cost-model", choices=("learned", "analytic"), default=None,
                    help="what an unmeasured fusion is estimated at: the analytic bound raised by the shipped "
                         "learned model where it is confident the fusion loses (learned, default), or the bound alone")
@@ -140,6 +144,12 @@ def options_from(args) -> Options:
             raise KernorchError("--lengths weighs a range: give one with --shape NAME=LO..HI")
         from .dynamic import parse_lengths
         kw["lengths"] = parse_lengths(args.lengths)
+    if getattr(args, "samples", None) is not None:
+        if not kw.get("ranges"):
+            raise KernorchError("--samples times a range: give one with --shape NAME=LO..HI")
+        from .dynamic import points
+        points(kw["ranges"], kw.get("lengths", ()), args.samples)  # refuses a count below 3 now
+        kw["samples"] = args.samples
     if getattr(args, "buckets", None):
         if not kw.get("ranges"):
             raise KernorchError("--buckets cuts a range: give one with --shape NAME=LO..HI")

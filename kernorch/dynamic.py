@@ -61,32 +61,41 @@ class Range:
         return sorted(out)
 
 
-def points(ranges, lengths=()) -> tuple[dict[str, int], dict[str, int], dict[str, int]]:
-    """Three bindings that stand for a range (one symbol; `ranges`: (name, lo, hi) triples): its
-    ends and geometric middle, or with observed `lengths` (what users send) their 10th, 50th and
-    90th percentiles within the range."""
+SAMPLES = 3  # lengths a range is timed at, by default (Options.samples, --samples)
+
+
+def points(ranges, lengths=(), count: int = SAMPLES) -> tuple[dict[str, int], ...]:
+    """`count` (>= 3) bindings that stand for a range (one symbol; `ranges`: (name, lo, hi)
+    triples): its ends and, between them, values evenly spaced on a log scale (three over 1..512:
+    1, 23, 512; four: 1, 8, 64, 512), or with observed `lengths` (what users send) their
+    percentiles evenly spaced from the 10th to the 90th within the range."""
     if len(ranges) != 1:
         raise KernorchError(f"one symbolic dimension at a time, got {len(ranges)}")
+    if count < 3:
+        raise KernorchError(f"--samples {count}: a range is timed at 3 lengths or more")
     name, lo, hi = ranges[0]
+    steps = [i / (count - 1) for i in range(count)]
     if lengths:
         inside = sorted(v for v in lengths if lo <= v <= hi)
         if not inside:
             raise KernorchError(f"none of the observed lengths lies in {name}={lo}..{hi}")
-        pts = tuple(inside[min(len(inside) - 1, int(f * len(inside)))] for f in (0.1, 0.5, 0.9))
+        pts = tuple(inside[min(len(inside) - 1, int((0.1 + 0.8 * f) * len(inside) + 1e-9))] for f in steps)
     else:
-        pts = (lo, min(hi, max(lo, round(math.sqrt(lo * hi)))), hi)
+        pts = tuple(min(hi, max(lo, round(lo * (hi / lo) ** f))) for f in steps)
     return tuple({name: p} for p in pts)
 
 
-def samples(ranges, lengths=(), weights=()) -> tuple:
-    """Where a kernel over a range is timed, with weights: the three `points`, weighted 1/4, 1/2,
-    1/4 (without observed lengths, the trapezoid rule over a log-uniform length: each octave of the
-    range counts the same); a point met twice counts once with both weights. `weights` (one per
-    sample, from `relative_weights`) replace them."""
+def samples(ranges, lengths=(), weights=(), count: int = SAMPLES) -> tuple:
+    """Where a kernel over a range is timed, with weights: the `points`, weighted by the trapezoid
+    rule over a log-uniform length (each octave of the range counts the same: three points 1/4,
+    1/2, 1/4), with observed lengths over their percentiles; a point met twice counts once with
+    both weights. `weights` (one per sample, from `relative_weights`) replace them."""
     out: dict[tuple, float] = {}
-    for binding, w in zip(points(ranges, lengths), (0.25, 0.5, 0.25)):
+    pts = points(ranges, lengths, count)
+    inner = 1.0 / (len(pts) - 1)
+    for i, binding in enumerate(pts):
         key = tuple(sorted(binding.items()))
-        out[key] = out.get(key, 0.0) + w
+        out[key] = out.get(key, 0.0) + (inner / 2 if i in (0, len(pts) - 1) else inner)
     if weights:
         if len(weights) != len(out):
             raise KernorchError(f"{len(weights)} sample weights for {len(out)} samples")
@@ -94,7 +103,7 @@ def samples(ranges, lengths=(), weights=()) -> tuple:
     return tuple(out.items())
 
 
-def relative_weights(graph, ranges, lengths, floor_ns) -> tuple[float, ...]:
+def relative_weights(graph, ranges, lengths, floor_ns, count: int = SAMPLES) -> tuple[float, ...]:
     """The samples' weights when each length counts by its time *relative* to the model there: each
     share of `samples` divided by the model's floor at that length (`floor_ns(bound graph)`), then
     normalized; two significant digits, so a run's database namespace stays the same when the
@@ -102,18 +111,18 @@ def relative_weights(graph, ranges, lengths, floor_ns) -> tuple[float, ...]:
     decide every choice (seq=512 takes 150 times as long as seq=1: a tile that is 2x slower at
     seq=1 and 1 % faster at 512 wins); relative, each octave of lengths counts the same in the
     ratio to its own best, which is what a user of every length sees."""
-    raw = [w / max(float(floor_ns(bind(graph, dict(b)))), 1.0) for b, w in samples(ranges, lengths)]
+    raw = [w / max(float(floor_ns(bind(graph, dict(b)))), 1.0) for b, w in samples(ranges, lengths, (), count)]
     total = sum(raw)
     return tuple(float(f"{x / total:.2g}") for x in raw)
 
 
-def probe_points(ranges, lengths=()) -> tuple[dict[str, int], ...]:
-    """Bindings between the three `points`, each the geometric middle of two neighbours (seq=1..512:
-    5 and 108), and the lengths in the range a small row copy serves (kernorch.kernels.tiles.
+def probe_points(ranges, lengths=(), count: int = SAMPLES) -> tuple[dict[str, int], ...]:
+    """Bindings between the `points`, each the geometric middle of two neighbours (seq=1..512:
+    5 and 109), and the lengths in the range a small row copy serves (kernorch.kernels.tiles.
     SMALL_ROWS: seq=2; seq=1 is a point): where a kernel is timed to be seen, not counted
     (kernorch.pipeline.row_copies reads there which micro-kernel wins at which length)."""
     name, lo, hi = ranges[0]
-    values = sorted({b[name] for b in points(ranges, lengths)})
+    values = sorted({b[name] for b in points(ranges, lengths, count)})
     out = ({round(math.sqrt(a * b)) for a, b in zip(values, values[1:])}
            | {r for r in SMALL_ROWS if lo <= r <= hi}) - set(values)
     return tuple({name: v} for v in sorted(out))
@@ -129,8 +138,9 @@ def sample_edges(rng: tuple[str, int, int], values) -> tuple[int, ...]:
 
 
 def middle(ranges, lengths=()) -> dict[str, int]:
-    """The binding that stands for the range when one length must (tiles, estimates, timing)."""
-    return points(ranges, lengths)[1]
+    """The binding that stands for the range when one length must (tiles, estimates, timing): the
+    middle of its three `points`, whatever number of lengths it is timed at."""
+    return points(ranges, lengths, 3)[1]
 
 
 def parse_lengths(path) -> tuple[int, ...]:

@@ -586,8 +586,9 @@ def target_of(machine: Machine, options: Options) -> str:
     if not options.ranges:
         return fp
     from .dynamic import samples
-    at = ",".join(f"{dict(b)}:{w:g}" for b, w in samples(options.ranges, options.lengths, options.sample_weights)) \
-        if options.lengths or options.sample_weights else ""
+    at = ",".join(f"{dict(b)}:{w:g}" for b, w in samples(options.ranges, options.lengths, options.sample_weights,
+                                                          options.samples)) \
+        if options.lengths or options.sample_weights or options.samples != 3 else ""
     return fp + "".join(f"|{n}={lo}..{hi}" for n, lo, hi in options.ranges) + (f"@{at}" if at else "")
 
 
@@ -637,7 +638,7 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
     jobs = list({j.ident: j for j in jobs}.values())
     if options.ranges:
         from .dynamic import samples, symbols
-        at = samples(options.ranges, options.lengths, options.sample_weights)
+        at = samples(options.ranges, options.lengths, options.sample_weights, options.samples)
         bounds = tuple((n, hi) for n, _, hi in options.ranges)
         jobs = [replace(j, samples=at + tuple((b, 0.0) for b in j.probes if b not in dict(at)), bounds=bounds)
                 if symbols(j.graph) else j for j in jobs]

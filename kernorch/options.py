@@ -143,6 +143,7 @@ class Options:
     lengths: tuple[int, ...] = ()                     # observed values of that dimension (weights the range)
     bucket_edges: tuple[int, ...] = ()                # cut the range after these values: a plan per bucket
     sample_plans: bool = False                        # a plan per sample length of the range, its kernels measured over it
+    samples: int = 3                                  # lengths a range is timed at (dynamic.points)
     # the weights of the lengths a range is timed at (dynamic.samples), set by the pipeline from the
     # model: each length counts by its time relative to the model's floor there (dynamic.relative_weights)
     sample_weights: tuple[float, ...] = ()

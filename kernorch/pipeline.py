@@ -141,7 +141,7 @@ def model_options(graph: Graph, options: Options, machine: Machine) -> Options:
         cal = calibrate(options.threads)
         options = options.with_(sample_weights=relative_weights(
             graph, options.ranges, options.lengths,
-            lambda g: kernel_floor_ns(g, cal["peak_gflops"], cal["bandwidth_gbs"])))
+            lambda g: kernel_floor_ns(g, cal["peak_gflops"], cal["bandwidth_gbs"]), options.samples))
     return options
 
 
@@ -187,7 +187,7 @@ def tile_jobs(graph: Graph, candidates, options: Options, machine: Machine) -> d
         # reads a symbolic depth guarded, and the default schedule races its tiles
         from .dynamic import bind, probe_points
         at = bind(graph, {name: hi for name, _, hi in options.ranges})
-        probes = tuple(tuple(b.items()) for b in probe_points(options.ranges, options.lengths))
+        probes = tuple(tuple(b.items()) for b in probe_points(options.ranges, options.lengths, options.samples))
     for c in candidates:
         if len(c.members) == 1 and c.linear:
             prim = graph.by_name[c.linear]
@@ -632,7 +632,8 @@ def _lengths_at(options: Options) -> list[tuple[int, float, dict]]:
         return [(0, 1.0, {})]
     from .dynamic import samples
     return [(int(dict(b).popitem()[1]), w, dict(b)) for b, w in samples(options.ranges, options.lengths,
-                                                                         options.sample_weights) if w > 0]
+                                                                         options.sample_weights, options.samples)
+            if w > 0]
 
 
 def _predictions_at(model, rows: Mapping) -> dict:
@@ -1008,7 +1009,8 @@ def plan_meta(source: str, machine: Machine, options: Options) -> dict[str, str]
         if options.sample_weights:
             from .dynamic import samples
             meta["samples"] = ",".join(f"{'/'.join(f'{n}={v}' for n, v in b)}:{w:g}"
-                                       for b, w in samples(options.ranges, options.lengths, options.sample_weights))
+                                       for b, w in samples(options.ranges, options.lengths, options.sample_weights,
+                                                          options.samples))
     if options.budget:  # where the emitter finds the schedules of "tvm-tuned" kernels
         from .tune import tune_dir
         meta["tune_dir"] = str(tune_dir(options, machine))

@@ -1502,6 +1502,48 @@ def test_a_tile_whose_own_copies_are_cheapest_everywhere_or_without_lengths_stay
     assert row_copies(ms, by_prim, {("mm", None): "t8x32r"}, (1, 512)) == {("mm", None): "t8x32r"}
 
 
+def test_a_range_may_be_timed_at_more_lengths(tmp_path):
+    """--samples N: the range's ends and N - 2 lengths between them evenly spaced on a log scale,
+    weighted by the trapezoid rule over the log of the length (the ends half an inner length's
+    weight); observed lengths give N percentiles from the 10th to the 90th. The default stays
+    three, a count below three is refused, and each count keeps measurements of its own. Every
+    kernel over the range is timed at each of them."""
+    from kernorch import cli, pipeline
+    from kernorch.measure import target_of
+    from kernorch.options import Machine, Options
+    r = (("seq", 1, 512),)
+    assert dynamic.points(r) == dynamic.points(r, count=3) == ({"seq": 1}, {"seq": 23}, {"seq": 512})
+    assert dynamic.points(r, count=4) == ({"seq": 1}, {"seq": 8}, {"seq": 64}, {"seq": 512})
+    at = dynamic.samples(r, count=5)
+    assert [dict(b)["seq"] for b, _ in at] == [1, 5, 23, 108, 512]
+    assert [w for _, w in at] == pytest.approx([0.125, 0.25, 0.25, 0.25, 0.125]) and sum(w for _, w in at) == pytest.approx(1)
+    assert dynamic.middle(r) == {"seq": 23}  # whatever the count
+    assert dynamic.probe_points(r, count=4) == ({"seq": 2}, {"seq": 3}, {"seq": 23}, {"seq": 181})
+    assert dynamic.points(r, list(range(1, 101)), count=5) == tuple({"seq": v} for v in (11, 31, 51, 71, 91))
+    with pytest.raises(KernorchError, match="3 lengths or more"):
+        dynamic.points(r, count=2)
+    m = Machine.host()
+    assert target_of(m, Options(ranges=r)) != target_of(m, Options(ranges=r, samples=4))
+    assert target_of(m, Options(ranges=r, samples=4)) != target_of(m, Options(ranges=r, samples=5))
+    args = cli.parser().parse_args(["plan", "m.onnx", "--shape", "seq=1..512", "--samples", "4"])
+    assert cli.options_from(args).samples == 4
+    assert cli.options_from(cli.parser().parse_args(["plan", "m.onnx", "--shape", "seq=1..512"])).samples == 3
+    with pytest.raises(KernorchError, match="3 lengths or more"):
+        cli.options_from(cli.parser().parse_args(["plan", "m.onnx", "--shape", "seq=1..512", "--samples", "2"]))
+    with pytest.raises(KernorchError, match="--samples times a range"):
+        cli.options_from(cli.parser().parse_args(["plan", "m.onnx", "--samples", "4"]))
+    path = tmp_path / "block.onnx"
+    onnx.save(examples.transformer_block(seq="seq"), str(path))
+    options = Options(threads=1, max_kernel_size=1, repeats=3, min_repeat_ms=1.0, workers=2, compare_untuned=0,
+                      db_path=str(tmp_path / "db.sqlite"), ranges=(("seq", 1, 64),), samples=4)
+    assert [length for length, _, _ in pipeline._lengths_at(options)] == [1, 4, 16, 64]
+    planned = pipeline.plan_model(str(path), options)
+    assert [length for length, _ in planned.measured.at] == [1, 4, 16, 64]
+    timed = [m for m in planned.measured.measurements.values() if m.ok and m.samples_ns]
+    assert timed and all({1, 4, 16, 64} <= {n for n, _ in m.samples_ns} for m in timed)
+    assert planned.plan.meta["samples"].count("seq=") == 4
+
+
 def test_row_copies_are_named_and_parsed_back():
     from kernorch.kernels import Tile
     t = Tile(14, 32, True, copies=((14, ((2, 186000), (8, 504000))), (8, ((1, 104000),)), (2, ((1, 94000), (3, 122000)))))
