@@ -125,6 +125,8 @@ def main(argv=None) -> int:
     ap.add_argument("--samples", type=int, default=None,
                     help="the lengths the dynamic and dispatching executables time the range at (kernorch optimize "
                          "--samples; default its own, 3)")
+    ap.add_argument("--also-samples", type=int, default=None, metavar="N",
+                    help="also a one-plan executable timed at N lengths (system 'samplesN'), beside the others")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--max-kernel-size", type=int, default=8)
@@ -146,6 +148,9 @@ def main(argv=None) -> int:
     jobs = [("dynamic", [f"seq={args.range}"], over)]
     if args.dispatch:
         jobs.append(("dispatch", [f"seq={args.range}"], ("--buckets", args.dispatch, *over)))
+    also = f"samples{args.also_samples}" if args.also_samples else None
+    if also:
+        jobs.append((also, [f"seq={args.range}"], ("--samples", str(args.also_samples))))
     jobs += [(f"static{s}", static_shapes(args, s), ()) for s in sorted(set(lengths) | set(buckets))]
     for name, shapes, extra in jobs:
         if args.reuse and name in builds and (work / name / "model.so").exists():
@@ -159,6 +164,8 @@ def main(argv=None) -> int:
         systems = {"dynamic": (work / "dynamic", s), "static": (work / f"static{s}", s)}
         if args.dispatch:
             systems["dispatch"] = (work / "dispatch", s)
+        if also:
+            systems[also] = (work / also, s)
         if bucket:
             systems["padded"] = (work / f"static{bucket}", bucket)
         row = {"length": s, "bucket": bucket, **timed(s, systems, model, args)}
@@ -179,7 +186,7 @@ def main(argv=None) -> int:
     static_sum = sum(builds[f"static{s}"] for s in lengths)
     summary = {"optimize_dynamic_s": builds["dynamic"], "optimize_static_sum_s": static_sum,
                "optimize_ratio": builds["dynamic"] / static_sum}
-    for name in ("dynamic", "dispatch"):
+    for name in ("dynamic", "dispatch", *([also] if also else [])):
         if not any(name in r["ms"] for r in rows):
             continue
         vs_static, vs_pad = ratios(name, "static"), ratios("padded", name)
@@ -192,11 +199,14 @@ def main(argv=None) -> int:
     if args.dispatch:
         summary["optimize_dispatch_s"] = builds["dispatch"]
         summary["optimize_dispatch_ratio"] = builds["dispatch"] / static_sum
+    if also:
+        summary[f"optimize_{also}_s"] = builds[also]
     result = {"args": vars(args), "builds_s": {str(k): v for k, v in builds.items()}, "rows": rows, "summary": summary}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    names = ["dynamic", "dispatch", "static", "padded", "ort", "openvino"]
+    names = ["dynamic", "dispatch", *([also] if also else []), "static", "padded", "ort", "openvino"]
+    pairs = [("dynamic", "static"), ("dispatch", "static"), *([(also, "static")] if also else [])]
     what = "transformer block" if args.model == "block" else f"{args.model}, {args.layers} layers, vocabulary {args.vocab}"
     lines = [f"# One executable over seq={args.range} ({what}, dim {args.dim}, {args.threads} threads, "
              f"max kernel size {args.max_kernel_size})", "",
@@ -206,18 +216,20 @@ def main(argv=None) -> int:
              + (f" (timed at {args.samples} lengths)" if args.samples else "") + "; dispatch: a plan per bucket "
              f"({args.dispatch or 'none'}) chosen inside the executable; static: a plan made for that length; "
              "padded: the static plan of the smallest bucket that holds the length (the padding copy not "
-             "counted); ONNX Runtime and OpenVINO run the same dynamic model.", "",
-             "| seq | " + " | ".join(names) + " | dynamic / static | dispatch / static | dynamic / best peer |",
-             "|---|" + "---|" * (len(names) + 3)]
+             "counted); ONNX Runtime and OpenVINO run the same dynamic model."
+             + (f" {also}: one plan over the range timed at {args.also_samples} lengths." if also else ""), "",
+             "| seq | " + " | ".join(names) + " | " + " | ".join(f"{a} / {b}" for a, b in pairs)
+             + " | dynamic / best peer |",
+             "|---|" + "---|" * (len(names) + len(pairs) + 1)]
     for r in rows:
         ms = r["ms"]
         cells = [f"{ms[n]:.3f}" if n in ms else "-" for n in names]
         cells[names.index("padded")] += f" ({r['bucket']})" if "padded" in ms else ""
         rel = [f"{ratio(r, a, b):.2f}x" if a in ms and b in ms else "-"
-               for a, b in (("dynamic", "static"), ("dispatch", "static"), ("dynamic", r["best_peer"]))]
+               for a, b in (*pairs, ("dynamic", r["best_peer"]))]
         lines.append(f"| {r['length']} | " + " | ".join(cells + rel) + " |")
     sm = summary
-    for name in ("dynamic", "dispatch"):
+    for name in ("dynamic", "dispatch", *([also] if also else [])):
         if name in sm:
             d = sm[name]
             lines += ["", f"{name}: against the per-length static plans worst {d['vs_static_max']:.2f}x, geomean "
@@ -228,6 +240,7 @@ def main(argv=None) -> int:
               f"{sm['static']['vs_best_peer_geomean']:.2f}x.", "",
               f"Optimize time: dynamic {sm['optimize_dynamic_s']:.0f} s"
               + (f", dispatch {sm['optimize_dispatch_s']:.0f} s" if "optimize_dispatch_s" in sm else "")
+              + (f", {also} {sm[f'optimize_{also}_s']:.0f} s" if also else "")
               + f", the static lengths together {sm['optimize_static_sum_s']:.0f} s (dynamic / static "
               f"{sm['optimize_ratio']:.2f})."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")

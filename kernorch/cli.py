@@ -99,16 +99,17 @@ def _tuning_args(p: argparse.ArgumentParser) -> None:
                         "optimistic estimate (slower; the plan is the same unless an estimate was too high)")
     p.add_argument("--lengths", default=None, metavar="FILE",
                    help="observed values of the --shape range's dimension (integers in a text file): the range is "
-                        "timed at their 10th, 50th and 90th percentiles instead of its ends and middle")
+                        "timed at their percentiles evenly spaced from the 10th to the 90th (--samples of them) "
+                        "instead of its ends and the lengths between")
     p.add_argument("--buckets", default=None, metavar="E1,E2|samples",
                    help="cut the --shape range after these lengths (8,64 over 1..512: 1..8, 9..64, 65..512); each "
                         "bucket gets its own plan and the executable dispatches on the length at run time; "
-                        "'samples': a plan per length the range is timed at (1, 23, 512), each refined there from "
+                        "'samples': a plan per length the range is timed at (1, 8, 64, 512), each refined there from "
                         "the kernels measured over the range, each serving the lengths nearest it")
     p.add_argument("--samples", type=int, default=None, metavar="N",
-                   help="time every kernel over the --shape range at N lengths (default 3: its ends and geometric "
-                        "middle; 4 over 1..512: 1, 8, 64, 512), evenly spaced on a log scale; more follow the "
-                        "range more closely and take longer to measure")
+                   help="time every kernel over the --shape range at N lengths, its ends and N - 2 between them "
+                        "evenly spaced on a log scale (default 4: 1, 8, 64, 512 over 1..512; 3: 1, 23, 512); "
+                        "more follow the range more closely and take longer to measure")
     p.add_argument("--cost-model", choices=("learned", "analytic"), default=None,
                    help="what an unmeasured fusion is estimated at: the analytic bound raised by the shipped "
                         "learned model where it is confident the fusion loses (learned, default), or the bound alone")

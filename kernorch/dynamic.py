@@ -28,6 +28,7 @@ import numpy as np
 
 from .ir import Graph, KernorchError, Prim, SymDim, TensorType
 from .kernels.tiles import SMALL_ROWS
+from .options import Options
 
 PRIMES = (61, 67, 71, 73, 79, 83, 89, 97, 101, 103, 107, 109, 113, 127, 131, 137, 139, 149, 151, 157, 163,
           167, 173, 179, 181, 191, 193, 197, 199, 211, 223, 227, 229, 233, 239, 241, 251, 2, 3, 5, 7, 11, 13, 17,
@@ -61,7 +62,7 @@ class Range:
         return sorted(out)
 
 
-SAMPLES = 3  # lengths a range is timed at, by default (Options.samples, --samples)
+SAMPLES = Options.samples  # lengths a range is timed at, by default (--samples)
 
 
 def points(ranges, lengths=(), count: int = SAMPLES) -> tuple[dict[str, int], ...]:

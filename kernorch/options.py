@@ -143,7 +143,10 @@ class Options:
     lengths: tuple[int, ...] = ()                     # observed values of that dimension (weights the range)
     bucket_edges: tuple[int, ...] = ()                # cut the range after these values: a plan per bucket
     sample_plans: bool = False                        # a plan per sample length of the range, its kernels measured over it
-    samples: int = 3                                  # lengths a range is timed at (dynamic.points)
+    # lengths a range is timed at (dynamic.points: 1, 8, 64, 512 over 1..512). Three (1, 23, 512) left
+    # seq=7 to the plan of 23: a transformer block's one plan ran 1.21-1.30x the static plan there in
+    # three builds, with four 1.08-1.15x in two (Zen 5, 2 threads), the other lengths alike
+    samples: int = 4
     # the weights of the lengths a range is timed at (dynamic.samples), set by the pipeline from the
     # model: each length counts by its time relative to the model's floor there (dynamic.relative_weights)
     sample_weights: tuple[float, ...] = ()

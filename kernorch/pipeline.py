@@ -269,7 +269,7 @@ def family_copies(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob
                   tiles: Mapping[tuple, str], bounds: tuple[int, int]) -> dict[tuple, tuple[str, ...]]:
     """Per contraction over symbolic rows, the kernel with fitted row copies of each of its
     families (`row_copies` keeps one for the fusions around it): the contraction alone is timed in
-    each, since the solver sees a kernel only at the samples (seq=1, 23, 512), where a family's
+    each, since the solver sees a kernel only at the samples (seq=1, 8, 64, 512), where a family's
     tile without copies runs much as its copies do, and between them (7 and 32 rows: a 6-row tile
     computes 12 and 36) it does not (`superseded`)."""
     out = {}
@@ -1162,7 +1162,7 @@ def refine_samples(graph: Graph, enumeration, measured: Measured, options: Optio
 
 def sample_plans(graph: Graph, enumeration, measured: Measured, options: Options, meta: Mapping[str, str],
                  plan, db: ProfileDB | None = None):
-    """Over a range, a plan per length its kernels were timed at (`Measured.at`: 1, 23 and 512 over
+    """Over a range, a plan per length its kernels were timed at (`Measured.at`: 1, 8, 64 and 512 over
     1..512), each the optimum there among the kernels measured (their times at that length): no
     kernel is measured again, and each is at least as fast there as `plan`, the one plan over
     the range, whose kernels are among them. Each length of the range runs the plan of the sample

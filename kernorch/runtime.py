@@ -98,7 +98,7 @@ class CompiledModel:
             return [self.graph]
         from .dynamic import bind, points
         (name, (lo, hi)), = self.ranges.items()
-        first, middle, last = points(((name, lo, hi),))
+        first, middle, last = points(((name, lo, hi),), count=3)
         at = [middle, first, last] + [b for blo, bhi in plan_buckets(self.plan.meta) for b in points(((name, blo, bhi),))]
         return [bind(self.graph, b) for b in {tuple(b.items()): b for b in at}.values()]
 

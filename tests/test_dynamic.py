@@ -864,8 +864,8 @@ def test_over_a_range_a_fusion_is_estimated_at_each_length_it_is_timed_at(block,
     bias = next(q for q in g.prims if p.name in q.inputs and q.op == "add")
     inputs = ins + [t for t in bias.inputs if t != p.name]
     kg = kernel_graph(g, [p.name, bias.name], inputs, [bias.name])
-    options = Options(threads=1, ranges=(("seq", 1, 512),), sample_weights=(0.76, 0.24, 0.0043))
-    samples = dynamic.samples(options.ranges, (), options.sample_weights)
+    options = Options(threads=1, ranges=(("seq", 1, 512),), sample_weights=(0.76, 0.24, 0.0043), samples=3)
+    samples = dynamic.samples(options.ranges, (), options.sample_weights, count=3)
     job = KernelJob("fused", "tvm", "t8x32p", kg, tuple(inputs), (bias.name,), samples=samples)
     times = {p: ((1, 9_000), (23, 40_000), (512, 700_000)), bias: ((1, 400), (23, 900), (512, 20_000))}
     weights = dict(zip((1, 23, 512), options.sample_weights))
@@ -918,14 +918,14 @@ def test_one_executable_serves_the_whole_range(tmp_path):
     # weight GEMMs' (rows alone symbolic) probes, where their row copies are fitted (the tiles
     # timed there are kept in the database; the solver is offered their families' copies instead)
     lengths = {i: {v for v, _ in m.samples_ns} for i, m in tiles.items()}
-    assert all({1, 23, 512} <= v for v in lengths.values()), lengths
+    assert all({1, 8, 64, 512} <= v for v in lengths.values()), lengths
     import json
     import sqlite3
     from kernorch.kernels import Tile
     with sqlite3.connect(tmp_path / "db.sqlite") as db:
         stored = [{v for v, _ in json.loads(s)} for s, in db.execute(
             "SELECT samples_ns FROM measurements WHERE status = 'ok' AND schedule LIKE 't%p%'")]
-    assert any(v == {1, 2, 5, 23, 109, 512} for v in stored), stored
+    assert any(v == {1, 2, 3, 8, 23, 64, 181, 512} for v in stored), stored
     assert any(Tile.parse(i[2]).copies for i in tiles) and not pipeline.superseded(planned.measured.measurements)
     assert any("seq" in str(planned.loaded.graph.type_of(k.outputs[0])) for k in planned.plan.kernels)
     compiled = pipeline.emit(planned.loaded.graph, planned.plan, options, planned.machine)
@@ -986,17 +986,21 @@ def test_the_cli_optimizes_over_a_range_and_the_saved_model_serves_it(tmp_path, 
 
 
 def test_observed_lengths_choose_where_the_range_is_timed(tmp_path):
-    """Without observations: the ends and geometric middle, weighted 1/4, 1/2, 1/4. With observed
-    lengths: their 10th, 50th and 90th percentiles inside the range (a point met twice counts once
-    with both weights); the database namespace tells the two apart."""
+    """Without observations: the ends and two lengths between them, weighted 1/6, 1/3, 1/3, 1/6 (with
+    three samples the geometric middle, 1/4, 1/2, 1/4). With observed lengths: their percentiles
+    from the 10th to the 90th inside the range (a point met twice counts once with both weights);
+    the database namespace tells the two apart."""
     from kernorch import cli
     from kernorch.measure import target_of
     from kernorch.options import Machine, Options
     r = (("seq", 1, 512),)
-    assert dynamic.samples(r) == (((("seq", 1),), 0.25), ((("seq", 23),), 0.5), ((("seq", 512),), 0.25))
+    assert dynamic.samples(r, count=3) == (((("seq", 1),), 0.25), ((("seq", 23),), 0.5), ((("seq", 512),), 0.25))
+    assert dynamic.samples(r) == tuple(((("seq", v),), w) for v, w in ((1, 1 / 6), (8, 1 / 3), (64, 1 / 3), (512, 1 / 6)))
     observed = [100] * 80 + [300] * 20 + [9999]
-    assert dynamic.points(r, observed) == ({"seq": 100}, {"seq": 100}, {"seq": 300})
-    assert dynamic.samples(r, observed) == (((("seq", 100),), 0.75), ((("seq", 300),), 0.25))
+    assert dynamic.points(r, observed, 3) == ({"seq": 100}, {"seq": 100}, {"seq": 300})
+    assert dynamic.samples(r, observed, count=3) == (((("seq", 100),), 0.75), ((("seq", 300),), 0.25))
+    assert dynamic.points(r, observed) == ({"seq": 100}, {"seq": 100}, {"seq": 100}, {"seq": 300})
+    assert dynamic.samples(r, observed) == (((("seq", 100),), pytest.approx(5 / 6)), ((("seq", 300),), 1 / 6))
     assert dynamic.middle(r, observed) == {"seq": 100}
     with pytest.raises(KernorchError, match="none of the observed lengths"):
         dynamic.points(r, [600, 700])
@@ -1029,7 +1033,7 @@ def test_the_python_api_takes_a_range(tmp_path):
 
 
 def test_lengths_are_weighted_relative_to_the_model_there(block):
-    """Over a range, each sampled length weighs its share (1/4, 1/2, 1/4) divided by the model's floor
+    """Over a range, each sampled length weighs its share (1/6, 1/3, 1/3, 1/6) divided by the model's floor
     at that length: a transformer block's seq=1 weighs more than its seq=512 (a plain sum of times
     would let 512 decide every choice); the weights are normalized, rounded to two digits, used by
     `samples` and named in the database namespace."""
@@ -1039,17 +1043,17 @@ def test_lengths_are_weighted_relative_to_the_model_there(block):
     _, generic = block
     r = (("seq", 1, 512),)
     w = dynamic.relative_weights(generic, r, (), lambda g: kernel_floor_ns(g, 100.0, 10.0))
-    assert len(w) == 3 and abs(sum(w) - 1) < 0.02 and w[0] > w[1] > w[2] > 0
+    assert len(w) == 4 and abs(sum(w) - 1) < 0.02 and w[0] > w[2] > w[3] > 0 and w[1] > w[2]
     assert all(float(f"{x:.2g}") == x for x in w)
     assert [x for _, x in dynamic.samples(r, (), w)] == list(w)
     floors = [kernel_floor_ns(dynamic.bind(generic, dict(b)), 100.0, 10.0) for b, _ in dynamic.samples(r)]
-    assert floors[2] > 10 * floors[0]  # what the weights undo
-    with pytest.raises(KernorchError, match="2 sample weights for 3 samples"):
+    assert floors[3] > 10 * floors[0]  # what the weights undo
+    with pytest.raises(KernorchError, match="2 sample weights for 4 samples"):
         dynamic.samples(r, (), (0.5, 0.5))
     machine = Machine.host()
     plain = target_of(machine, Options(threads=1, ranges=r))
     weighted = target_of(machine, Options(threads=1, ranges=r, sample_weights=w))
-    assert weighted.startswith(plain) and weighted != plain and f"{w[2]:g}" in weighted
+    assert weighted.split("@")[0] == plain.split("@")[0] and weighted != plain and f"{w[3]:g}" in weighted
 
 
 def test_buckets_cut_a_range_and_weigh_it():
@@ -1160,7 +1164,7 @@ def test_a_plan_per_sample_from_one_measurement(tmp_path, capsys):
     planned = pipeline.plan_model(str(path), options)
     one, measured, graph = planned.plan, planned.measured, planned.loaded.graph
     lengths = [length for length, _, _ in pipeline._lengths_at(options)]
-    assert lengths == [1, 8, 64]
+    assert lengths == [1, 4, 16, 64]
     boundary = int(one.meta["boundary_ns"])
 
     def at(plan, length, ms):  # the plan's kernels timed at `length`, each plus the kernel boundary
@@ -1184,10 +1188,10 @@ def test_a_plan_per_sample_from_one_measurement(tmp_path, capsys):
     plan = pipeline.sample_plans(graph, planned.enumeration, replace(measured, measurements=slowed), options,
                                  one.meta, one)
     parts = check(plan, slowed)
-    assert parts and parts[0] == (1, 2) and parts[-1][1] == 64  # (the edge between 1 and 8: 2)
+    assert parts and parts[0] == (1, 1) and parts[-1][1] == 64  # (the edge between 1 and 4: 1)
     compiled = pipeline.emit(graph, plan, options, Machine.host())
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    for s in (1, 2, 3, 22, 23, 64):
+    for s in (1, 2, 7, 8, 31, 32, 64):
         x = np.random.default_rng(s).standard_normal((1, s, 64)).astype(np.float32)
         np.testing.assert_allclose(compiled.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=1e-4, atol=1e-4)
         ran = {plan.kernels[p["kernel"]].bucket for p in compiled.profile({"x": x}, runs=1) if p["kernel"] is not None}
@@ -1196,8 +1200,8 @@ def test_a_plan_per_sample_from_one_measurement(tmp_path, capsys):
               "--max-kernel-size", "2"]
     capsys.readouterr()
     assert cli.main(["optimize", *common, "--buckets", "samples", "-o", str(tmp_path / "cli")]) == 0  # measured already
-    assert runtime.load(tmp_path / "cli").plan.meta.get("buckets", "") in ("", "1..2,3..22,23..64", "1..2,3..64",
-                                                                          "1..22,23..64")
+    got = dynamic.plan_buckets(runtime.load(tmp_path / "cli").plan.meta)  # neighbours of the edges 1, 7, 31 merged
+    assert not got or (got[0][0] == 1 and got[-1][1] == 64 and {hi for _, hi in got[:-1]} <= {1, 7, 31})
     assert cli.main(["plan", *common, "--buckets", "samplez"]) == 2
     assert "or 'samples'" in capsys.readouterr().err
 
@@ -1216,13 +1220,13 @@ def test_each_sample_length_gets_the_fusions_its_plan_wants_measured(tmp_path):
                       db_path=str(tmp_path / "db.sqlite"), ranges=(("seq", 1, 64),))
     planned = pipeline.plan_model(str(path), options)
     measured, graph, meta = planned.measured, planned.loaded.graph, planned.plan.meta
-    assert measured.pending and [n for n, _ in measured.at] == [1, 8, 64]
+    assert measured.pending and [n for n, _ in measured.at] == [1, 4, 16, 64]
     weights = [w for _, w in measured.at]
     for i, b in measured.bounds.items():
         assert abs(b - sum(w * x for w, x in zip(weights, measured.bounds_at[i]))) <= 1
     for i, p in measured.predicted.items():
         assert np.isclose(p, sum(w * x for w, x in zip(weights, measured.predicted_at[i])))
-    view = pipeline.at_sample(measured, 2)
+    view = pipeline.at_sample(measured, 3)
     some = next(iter(measured.measurements.items()))
     assert view.measurements[some[0]] == pipeline._at_length(some[1], 64) and view.at == ((64, 1.0),)
     assert set(view.estimates) == set(measured.pending)
@@ -1230,12 +1234,12 @@ def test_each_sample_length_gets_the_fusions_its_plan_wants_measured(tmp_path):
     with ProfileDB(options.db_path) as db:
         after = pipeline.refine_samples(graph, planned.enumeration, measured, options, meta, db, Machine.host())
         assert set(after.measurements) >= set(measured.measurements)
-        for k in range(3):
+        for k in range(4):
             plan = pipeline.orchestrate(graph, planned.enumeration, pipeline.at_sample(after, k), options, meta,
                                         rel_gap=pipeline.REFINE_GAP)
             assert not plan.estimated
     new = set(after.measurements) - set(measured.measurements)
-    assert all(len(after.measurements[i].samples_ns) >= 3 for i in new if after.measurements[i].ok)
+    assert all(len(after.measurements[i].samples_ns) >= 4 for i in new if after.measurements[i].ok)
 
 
 def test_the_python_api_takes_buckets_as_edges_or_samples(monkeypatch):
@@ -1505,15 +1509,15 @@ def test_a_tile_whose_own_copies_are_cheapest_everywhere_or_without_lengths_stay
 def test_a_range_may_be_timed_at_more_lengths(tmp_path):
     """--samples N: the range's ends and N - 2 lengths between them evenly spaced on a log scale,
     weighted by the trapezoid rule over the log of the length (the ends half an inner length's
-    weight); observed lengths give N percentiles from the 10th to the 90th. The default stays
-    three, a count below three is refused, and each count keeps measurements of its own. Every
-    kernel over the range is timed at each of them."""
+    weight); observed lengths give N percentiles from the 10th to the 90th. The default is four, a
+    count below three is refused, and each count keeps measurements of its own. Every kernel over
+    the range is timed at each of them."""
     from kernorch import cli, pipeline
     from kernorch.measure import target_of
     from kernorch.options import Machine, Options
     r = (("seq", 1, 512),)
-    assert dynamic.points(r) == dynamic.points(r, count=3) == ({"seq": 1}, {"seq": 23}, {"seq": 512})
-    assert dynamic.points(r, count=4) == ({"seq": 1}, {"seq": 8}, {"seq": 64}, {"seq": 512})
+    assert dynamic.points(r, count=3) == ({"seq": 1}, {"seq": 23}, {"seq": 512})
+    assert dynamic.points(r) == dynamic.points(r, count=4) == ({"seq": 1}, {"seq": 8}, {"seq": 64}, {"seq": 512})
     at = dynamic.samples(r, count=5)
     assert [dict(b)["seq"] for b, _ in at] == [1, 5, 23, 108, 512]
     assert [w for _, w in at] == pytest.approx([0.125, 0.25, 0.25, 0.25, 0.125]) and sum(w for _, w in at) == pytest.approx(1)
@@ -1523,11 +1527,11 @@ def test_a_range_may_be_timed_at_more_lengths(tmp_path):
     with pytest.raises(KernorchError, match="3 lengths or more"):
         dynamic.points(r, count=2)
     m = Machine.host()
-    assert target_of(m, Options(ranges=r)) != target_of(m, Options(ranges=r, samples=4))
+    assert target_of(m, Options(ranges=r)) != target_of(m, Options(ranges=r, samples=3))
     assert target_of(m, Options(ranges=r, samples=4)) != target_of(m, Options(ranges=r, samples=5))
-    args = cli.parser().parse_args(["plan", "m.onnx", "--shape", "seq=1..512", "--samples", "4"])
-    assert cli.options_from(args).samples == 4
-    assert cli.options_from(cli.parser().parse_args(["plan", "m.onnx", "--shape", "seq=1..512"])).samples == 3
+    args = cli.parser().parse_args(["plan", "m.onnx", "--shape", "seq=1..512", "--samples", "5"])
+    assert cli.options_from(args).samples == 5
+    assert cli.options_from(cli.parser().parse_args(["plan", "m.onnx", "--shape", "seq=1..512"])).samples == 4
     with pytest.raises(KernorchError, match="3 lengths or more"):
         cli.options_from(cli.parser().parse_args(["plan", "m.onnx", "--shape", "seq=1..512", "--samples", "2"]))
     with pytest.raises(KernorchError, match="--samples times a range"):
@@ -1535,13 +1539,13 @@ def test_a_range_may_be_timed_at_more_lengths(tmp_path):
     path = tmp_path / "block.onnx"
     onnx.save(examples.transformer_block(seq="seq"), str(path))
     options = Options(threads=1, max_kernel_size=1, repeats=3, min_repeat_ms=1.0, workers=2, compare_untuned=0,
-                      db_path=str(tmp_path / "db.sqlite"), ranges=(("seq", 1, 64),), samples=4)
-    assert [length for length, _, _ in pipeline._lengths_at(options)] == [1, 4, 16, 64]
+                      db_path=str(tmp_path / "db.sqlite"), ranges=(("seq", 1, 64),), samples=5)
+    assert [length for length, _, _ in pipeline._lengths_at(options)] == [1, 3, 8, 23, 64]
     planned = pipeline.plan_model(str(path), options)
-    assert [length for length, _ in planned.measured.at] == [1, 4, 16, 64]
+    assert [length for length, _ in planned.measured.at] == [1, 3, 8, 23, 64]
     timed = [m for m in planned.measured.measurements.values() if m.ok and m.samples_ns]
-    assert timed and all({1, 4, 16, 64} <= {n for n, _ in m.samples_ns} for m in timed)
-    assert planned.plan.meta["samples"].count("seq=") == 4
+    assert timed and all({1, 3, 8, 23, 64} <= {n for n, _ in m.samples_ns} for m in timed)
+    assert planned.plan.meta["samples"].count("seq=") == 5
 
 
 def test_row_copies_are_named_and_parsed_back():
@@ -1553,15 +1557,18 @@ def test_row_copies_are_named_and_parsed_back():
 
 
 def test_tiles_over_symbolic_rows_are_timed_between_the_samples_too():
-    assert dynamic.probe_points((("seq", 1, 512),)) == ({"seq": 2}, {"seq": 5}, {"seq": 109})  # (2: a small copy's)
-    assert dynamic.probe_points((("seq", 64, 512),)) == ({"seq": 108}, {"seq": 304})  # around 181
+    assert dynamic.probe_points((("seq", 1, 512),), count=3) == ({"seq": 2}, {"seq": 5}, {"seq": 109})  # (2: a small copy's)
+    assert dynamic.probe_points((("seq", 64, 512),), count=3) == ({"seq": 108}, {"seq": 304})  # around 181
+    assert dynamic.probe_points((("seq", 1, 512),)) == ({"seq": 2}, {"seq": 3}, {"seq": 23}, {"seq": 181})
+    assert dynamic.probe_points((("seq", 64, 512),)) == ({"seq": 91}, {"seq": 181}, {"seq": 362})
     from kernorch import pipeline
     from kernorch.options import Machine, Options
     options = Options(threads=1, max_kernel_size=1, ranges=(("seq", 1, 512),))
     graph = dynamic.generic_graph(examples.transformer_block(seq="seq"), dynamic.parse_range("seq=1..512"))
     by_prim = pipeline.tile_jobs(graph, pipeline.enumerate_candidates(graph, options).candidates, options,
                                  Machine.host())
-    probed = {p for (p, _), js in by_prim.items() if all(j.probes == ((("seq", 2),), (("seq", 5),), (("seq", 109),)) for j in js)}
+    probed = {p for (p, _), js in by_prim.items()
+              if all(j.probes == ((("seq", 2),), (("seq", 3),), (("seq", 23),), (("seq", 181),)) for j in js)}
     weights = {p.name for p in graph.prims if p.op == "matmul" and p.inputs[1] in graph.constants}
     assert probed == weights and weights
 
