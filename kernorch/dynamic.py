@@ -104,6 +104,11 @@ def samples(ranges, lengths=(), weights=(), count: int = SAMPLES) -> tuple:
     return tuple(out.items())
 
 
+def samples_of(options: Options) -> tuple:
+    """The `samples` a run's options ask for: their range, observed lengths, weights and count."""
+    return samples(options.ranges, options.lengths, options.sample_weights, options.samples)
+
+
 def relative_weights(graph, ranges, lengths, floor_ns, count: int = SAMPLES) -> tuple[float, ...]:
     """The samples' weights when each length counts by its time *relative* to the model there: each
     share of `samples` divided by the model's floor at that length (`floor_ns(bound graph)`), then

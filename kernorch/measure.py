@@ -46,6 +46,9 @@ DOMINATED = 4.0  # a generated kernel this many times slower than the key's best
 REMEASURE_TRIES = 3
 RTOL, ATOL_SCALE = 1e-3, 1e-4
 TIMING_PROTOCOL = "cold-weights-big-outputs-unpinned-spin10k"  # in the versions: how a kernel was timed (see _timed; threads: thread_env)
+# the count of samples a range's namespace does not name (what ranges were timed at before
+# Options.samples): without observed lengths or weights, only other counts name their lengths
+UNNAMED_SAMPLES = 3
 COLD_MAX_CALLS = 200  # calls of a kernel timed with its weights or large outputs flushed (one call per repeat)
 
 
@@ -585,10 +588,9 @@ def target_of(machine: Machine, options: Options) -> str:
     fp = machine.fingerprint(options.threads) + ("|weights-cached" if options.weights_cached else "")
     if not options.ranges:
         return fp
-    from .dynamic import samples
-    at = ",".join(f"{dict(b)}:{w:g}" for b, w in samples(options.ranges, options.lengths, options.sample_weights,
-                                                          options.samples)) \
-        if options.lengths or options.sample_weights or options.samples != 3 else ""
+    from .dynamic import samples_of
+    at = ",".join(f"{dict(b)}:{w:g}" for b, w in samples_of(options)) \
+        if options.lengths or options.sample_weights or options.samples != UNNAMED_SAMPLES else ""
     return fp + "".join(f"|{n}={lo}..{hi}" for n, lo, hi in options.ranges) + (f"@{at}" if at else "")
 
 
@@ -637,8 +639,8 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
     target = target_of(machine, options)
     jobs = list({j.ident: j for j in jobs}.values())
     if options.ranges:
-        from .dynamic import samples, symbols
-        at = samples(options.ranges, options.lengths, options.sample_weights, options.samples)
+        from .dynamic import samples_of, symbols
+        at = samples_of(options)
         bounds = tuple((n, hi) for n, _, hi in options.ranges)
         jobs = [replace(j, samples=at + tuple((b, 0.0) for b in j.probes if b not in dict(at)), bounds=bounds)
                 if symbols(j.graph) else j for j in jobs]

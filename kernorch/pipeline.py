@@ -630,10 +630,8 @@ def _lengths_at(options: Options) -> list[tuple[int, float, dict]]:
     (kernorch.dynamic.samples); a static shape: [(0, 1.0, {})]."""
     if not options.ranges:
         return [(0, 1.0, {})]
-    from .dynamic import samples
-    return [(int(dict(b).popitem()[1]), w, dict(b)) for b, w in samples(options.ranges, options.lengths,
-                                                                         options.sample_weights, options.samples)
-            if w > 0]
+    from .dynamic import samples_of
+    return [(int(dict(b).popitem()[1]), w, dict(b)) for b, w in samples_of(options) if w > 0]
 
 
 def _predictions_at(model, rows: Mapping) -> dict:
@@ -1007,10 +1005,8 @@ def plan_meta(source: str, machine: Machine, options: Options) -> dict[str, str]
     if options.ranges:  # the emitter bounds the symbol, the runtime checks it
         meta["ranges"] = ",".join(f"{n}={lo}..{hi}" for n, lo, hi in options.ranges)
         if options.sample_weights:
-            from .dynamic import samples
-            meta["samples"] = ",".join(f"{'/'.join(f'{n}={v}' for n, v in b)}:{w:g}"
-                                       for b, w in samples(options.ranges, options.lengths, options.sample_weights,
-                                                          options.samples))
+            from .dynamic import samples_of
+            meta["samples"] = ",".join(f"{'/'.join(f'{n}={v}' for n, v in b)}:{w:g}" for b, w in samples_of(options))
     if options.budget:  # where the emitter finds the schedules of "tvm-tuned" kernels
         from .tune import tune_dir
         meta["tune_dir"] = str(tune_dir(options, machine))

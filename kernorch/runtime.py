@@ -99,7 +99,8 @@ class CompiledModel:
         from .dynamic import bind, points
         (name, (lo, hi)), = self.ranges.items()
         first, middle, last = points(((name, lo, hi),), count=3)
-        at = [middle, first, last] + [b for blo, bhi in plan_buckets(self.plan.meta) for b in points(((name, blo, bhi),))]
+        at = [middle, first, last] + [b for blo, bhi in plan_buckets(self.plan.meta)
+                                      for b in points(((name, blo, bhi),), count=3)]
         return [bind(self.graph, b) for b in {tuple(b.items()): b for b in at}.values()]
 
     @property

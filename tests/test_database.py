@@ -487,14 +487,19 @@ def test_a_fused_kernel_that_refuses_winograd_falls_back_to_the_direct_tile_then
     assert f"b{lanes}/default" not in by_schedule  # the direct tile applied: no second fallback
 
 
-def disturbed_then_quiet(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None, evict=0):
-    """A kernel over seq timed twice: the first time slowed at seq=512, the second at seq=1 (the
-    flag file gets a character per call)."""
+def first_call() -> bool:
+    """Whether no timing ran before this one (the flag file, KERNORCH_TEST_FLAG, gets a character
+    per call): the fake timings below run in worker processes."""
     import pathlib
     flag = pathlib.Path(os.environ["KERNORCH_TEST_FLAG"])
     calls = flag.read_text() if flag.exists() else ""
-    first = not calls
     flag.write_text(calls + "x")
+    return not calls
+
+
+def disturbed_then_quiet(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None, evict=0):
+    """A kernel over seq timed twice: the first time slowed at seq=512, the second at seq=1."""
+    first = first_call()
     at = [(1, 5e-6), (512, 9e-4)] if first else [(1, 8e-6), (512, 5e-4)]
     return {"runs": [1e-3, 1e-3] if first else [2e-3, 2e-3], "error": None, "at": at}
 
@@ -533,13 +538,8 @@ def test_a_kernel_over_a_range_keeps_the_faster_of_two_timings_at_each_length(tm
 
 
 def fast_then_slow(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None, evict=0):
-    """A kernel at one shape: 1 ms the first time the flag file is missing, 2 ms after (a character
-    per call)."""
-    import pathlib
-    flag = pathlib.Path(os.environ["KERNORCH_TEST_FLAG"])
-    calls = flag.read_text() if flag.exists() else ""
-    flag.write_text(calls + "x")
-    return {"runs": [1e-3, 1e-3] if not calls else [2e-3, 2e-3], "error": None}
+    """A kernel at one shape: 1 ms the first time, 2 ms after."""
+    return {"runs": [1e-3, 1e-3] if first_call() else [2e-3, 2e-3], "error": None}
 
 
 def test_a_queued_kernel_is_timed_again_by_the_runs_next_measurement(tmp_path, monkeypatch):
