@@ -124,7 +124,7 @@ def main(argv=None) -> int:
                          "'' to skip it")
     ap.add_argument("--samples", type=int, default=None,
                     help="the lengths the dynamic and dispatching executables time the range at (kernorch optimize "
-                         "--samples; default its own, 3)")
+                         "--samples; default its own, 4)")
     ap.add_argument("--also-samples", type=int, default=None, metavar="N",
                     help="also a one-plan executable timed at N lengths (system 'samplesN'), beside the others")
     ap.add_argument("--threads", type=int, default=2)

@@ -356,6 +356,30 @@ def test_pruned_measurement_ends_with_a_plan_of_measured_kernels(tmp_path, monke
         assert all(len(k.members) == 1 for k in pruned.plan.kernels)
 
 
+def test_refining_stops_once_the_measured_kernels_plan_is_within_reach_of_the_bound(tmp_path, monkeypatch):
+    """From the second round on, the loop ends when the best plan of measured kernels costs within
+    SETTLE_WITHIN of the bound on the program with the unmeasured fusions at their estimates: the
+    plan then holds only measured kernels, and the fusions left are counted as never measured.
+    With SETTLE_WITHIN 0 the loop goes on until the plan wants nothing unmeasured."""
+    import kernorch.estimate
+    monkeypatch.setattr(kernorch.estimate, "fused_estimate_ns", lambda *a: 1)  # every fusion looks free
+    monkeypatch.setattr(pipeline, "promising", lambda m, wanted, *a, **k: list(wanted)[:1])  # one a round
+    model = tmp_path / "chain.onnx"
+    chain_model(model)
+    base = Options().with_(**FAST).with_(max_kernel_size=3, cost_model="analytic")
+    monkeypatch.setattr(pipeline, "SETTLE_WITHIN", 0.0)
+    full = pipeline.plan_model(str(model), base.with_(db_path=str(tmp_path / "a.sqlite")))
+    monkeypatch.setattr(pipeline, "SETTLE_WITHIN", 1e9)   # any measured plan is close enough
+    early = pipeline.plan_model(str(model), base.with_(db_path=str(tmp_path / "b.sqlite")))
+    assert full.measured.stats.rounds > 1 and early.measured.stats.rounds == 1
+    for planned in (full, early):
+        ms = planned.measured.measurements
+        assert not planned.plan.estimated
+        assert all(ms[(k.key, k.impl, k.schedule)].ok for k in planned.plan.kernels)
+    assert early.measured.stats.estimated > full.measured.stats.estimated
+    assert early.measured.stats.estimated == len(early.measured.pending)
+
+
 def test_a_rerun_resumes_the_estimates_even_after_a_fusion_was_refused(tmp_path, monkeypatch):
     """A run keeps the estimates of what it never measured under a name for its set of fusions; the
     next run finds them by that name even when a fusion the first run measured was refused, which
