@@ -987,14 +987,17 @@ def uncovered(graph: Graph, enumeration, problem, measurements, options: Options
 
 def orchestrate(graph: Graph, enumeration, measured: Measured, options: Options,
                 meta: Mapping[str, str] | None = None, previous=None, rel_gap: float = 0.0,
-                block_time_limit: float | None = None, db: ProfileDB | None = None):
+                block_time_limit: float | None = None, db: ProfileDB | None = None, or_none: bool = False):
     """Solve the binary linear program over every measured candidate and make the plan (the proven
     solutions of its blocks kept in `db`, where a later run finds them). Every kernel is charged
-    the kernel boundary `meta` names (`plan_meta`)."""
+    the kernel boundary `meta` names (`plan_meta`). A prim no kernel computes is an error, or with
+    `or_none` gives None (a plan of the measured kernels alone while a prim waits for a pending one)."""
     from .plan import make_plan
     problem, by_id = problem_for(graph, enumeration.candidates, measured.measurements, options,
                                  estimates=_estimated(measured), boundary_ns=int((meta or {}).get("boundary_ns", 0)))
     why = uncovered(graph, enumeration, problem, measured.measurements, options)
+    if why and or_none:
+        return None
     if why:
         raise KernorchError(why)
     plan = make_plan(problem, options.solver_time_limit, previous, rel_gap, block_time_limit, baselines=rel_gap == 0.0,
@@ -1117,8 +1120,9 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
                 if SETTLE_WITHIN and m.stats.rounds:
                     with clock("orchestrate"):
                         best = orchestrate(loaded.graph, enumeration, measured_only(m), options, meta, None,
-                                           REFINE_GAP, REFINE_BLOCK_SECONDS, db)
-                    above = best.stats.objective_ns / max(1, plan.stats.bound_ns) - 1
+                                           REFINE_GAP, REFINE_BLOCK_SECONDS, db, or_none=True)
+                    # (None: a prim is computed only by fusions not measured yet, its own kernel refused)
+                    above = best.stats.objective_ns / max(1, plan.stats.bound_ns) - 1 if best else math.inf
                     if above <= SETTLE_WITHIN:
                         with clock("measure"):
                             again = settled(m, db, options, machine, workers)
@@ -1138,8 +1142,8 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
                 log.info("refine %d: measuring %d kernels the plan wants and %d promising ones (%d unmeasured%s%s)",
                          rounds, len(plan.estimated), len(batch) - len(plan.estimated), len(m.pending),
                          f"; learned model spread {_sigma(m):.2f}" if m.predicted else "",
-                         f"; the measured kernels' plan {above:.1%} above the bound" if SETTLE_WITHIN and m.stats.rounds
-                         else "")
+                         f"; the measured kernels' plan {above:.1%} above the bound"
+                         if SETTLE_WITHIN and m.stats.rounds and math.isfinite(above) else "")
                 with clock("measure"):
                     m = refine(m, batch, db, options, machine, workers)
                 m = replace(m, stats=replace(m.stats, rounds=rounds))

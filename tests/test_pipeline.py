@@ -380,6 +380,26 @@ def test_refining_stops_once_the_measured_kernels_plan_is_within_reach_of_the_bo
     assert early.measured.stats.estimated == len(early.measured.pending)
 
 
+def test_the_plan_of_measured_kernels_is_none_while_a_prim_waits_for_a_pending_fusion(tmp_path):
+    """A prim whose own kernels were all refused is computed only by fusions: while those are
+    pending there is no plan of measured kernels (None, with `or_none`; the refine loop goes on),
+    and without `or_none` the solve names the prim."""
+    model = tmp_path / "chain.onnx"
+    chain_model(model)
+    opts = Options().with_(**FAST).with_(max_kernel_size=3, cost_model="analytic", db_path=str(tmp_path / "a.sqlite"))
+    planned = pipeline.plan_model(str(model), opts)
+    graph, en, measured = planned.loaded.graph, planned.enumeration, planned.measured
+    prim = graph.prims[2].name
+    alone = {c.key for c in en.candidates if c.members == (prim,)}
+    kept = {i: m for i, m in measured.measurements.items() if i[0] not in alone and
+            not any(prim in c.members and c.key == i[0] for c in en.candidates if len(c.members) > 1)}
+    view = pipeline.measured_only(replace(measured, measurements=kept))
+    assert pipeline.orchestrate(graph, en, view, opts, or_none=True) is None
+    with pytest.raises(kernorch.KernorchError, match=prim):
+        pipeline.orchestrate(graph, en, view, opts)
+    assert pipeline.orchestrate(graph, en, pipeline.measured_only(measured), opts, or_none=True) is not None
+
+
 def test_a_rerun_resumes_the_estimates_even_after_a_fusion_was_refused(tmp_path, monkeypatch):
     """A run keeps the estimates of what it never measured under a name for its set of fusions; the
     next run finds them by that name even when a fusion the first run measured was refused, which
