@@ -171,6 +171,48 @@ def test_profile_attributes_every_call_to_its_kernel(optimized):
     assert all(p["ms"] >= 0 for p in prof)
 
 
+def two_layers_model(path):
+    """x[16,64] through two identical layers (MatMul by a 64x64 weight, then Relu): each layer's
+    kernels repeat the other's (same keys), with their own weights."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), f"w{i}") for i in range(2)]
+    nodes = []
+    for i in range(2):
+        nodes += [helper.make_node("MatMul", ["x" if i == 0 else "r0", f"w{i}"], [f"m{i}"], name=f"mm{i}"),
+                  helper.make_node("Relu", [f"m{i}"], ["y" if i == 1 else f"r{i}"], name=f"relu{i}")]
+    g = helper.make_graph(nodes, "layers", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16, 64])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.save(m, str(path))
+
+
+def test_a_repeated_kernel_is_compiled_once_and_profiled_at_each_call(tmp_path):
+    """Plan kernels with the same key, implementation and schedule (a model's repeated layers) call
+    one PrimFunc (relax.kernel_symbols): the module holds each once, the outputs stay right, and
+    the profile still attributes each call to its own plan kernel, in order."""
+    from tvm import tirx
+    from kernorch.backends.tvm import relax as rx
+    model = tmp_path / "layers.onnx"
+    two_layers_model(model)
+    opts = Options().with_(**FAST).with_(max_kernel_size=1, db_path=str(tmp_path / "db.sqlite"))
+    compiled, planned = pipeline.optimize(str(model), opts, runs=0)
+    plan = compiled.plan
+    idents = [(k.key, k.impl, k.schedule) for k in plan.kernels]
+    assert len(set(idents)) < len(idents)                       # the layers' kernels repeat
+    symbols = rx.kernel_symbols(plan)
+    assert [symbols[idents.index(i)] for i in idents] == symbols  # each repeat calls the first
+    mod = rx.build_module(planned.loaded.graph, plan, rx.make_target(opts.threads), rx.weights(planned.loaded.graph, plan))
+    prims = [gv.name_hint for gv, f in mod.functions.items() if isinstance(f, tirx.PrimFunc)
+             and gv.name_hint.startswith("k")]
+    assert sorted(prims) == sorted(set(symbols))
+    feeds = executor.random_feeds(compiled.graph, 0)
+    ref = executor.ort_session(str(model), 1).run(None, feeds)[0]
+    assert executor.max_error(ref, compiled.run(feeds)["y"])["rel"] < 1e-4
+    prof = compiled.profile(feeds, runs=1)
+    assert [p["kernel"] for p in prof if p["kernel"] is not None] == list(range(len(plan.kernels)))
+
+
 def test_save_load_in_fresh_process(optimized, tmp_path):
     d, model, db, opts, compiled, planned = optimized
     out = tmp_path / "saved"
