@@ -1098,6 +1098,10 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
             (and the most promising others) and solve again, within REFINE_GAP of the optimum,
             until it holds only measured kernels or the plan of measured kernels is within
             SETTLE_WITHIN of the bound; the last solve is exact. Returns (plan, measured)."""
+            def finished(plan, m: Measured) -> tuple:
+                _keep_estimates(m, db)
+                return plan, replace(m, stats=replace(m.stats, estimated=len(m.pending)))
+
             gap = REFINE_GAP if m.pending else 0.0
             while True:
                 t0 = time.perf_counter()
@@ -1113,16 +1117,17 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
                         m = again
                         continue
                     if gap == 0.0:
-                        _keep_estimates(m, db)
-                        return plan, replace(m, stats=replace(m.stats, estimated=len(m.pending)))
+                        return finished(plan, m)
                     gap = 0.0  # every kernel of the plan is measured: prove it optimal
                     continue
+                above = math.inf  # how far the plan of measured kernels is above the bound (none yet)
                 if SETTLE_WITHIN and m.stats.rounds:
                     with clock("orchestrate"):
                         best = orchestrate(loaded.graph, enumeration, measured_only(m), options, meta, None,
                                            REFINE_GAP, REFINE_BLOCK_SECONDS, db, or_none=True)
                     # (None: a prim is computed only by fusions not measured yet, its own kernel refused)
-                    above = best.stats.objective_ns / max(1, plan.stats.bound_ns) - 1 if best else math.inf
+                    if best is not None:
+                        above = best.stats.objective_ns / max(1, plan.stats.bound_ns) - 1
                     if above <= SETTLE_WITHIN:
                         with clock("measure"):
                             again = settled(m, db, options, machine, workers)
@@ -1135,15 +1140,13 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
                         with clock("orchestrate"):
                             plan = orchestrate(loaded.graph, enumeration, measured_only(m), options, meta, best,
                                                0.0, None, db)
-                        _keep_estimates(m, db)
-                        return plan, replace(m, stats=replace(m.stats, estimated=len(m.pending)))
+                        return finished(plan, m)
                 rounds = m.stats.rounds + 1
                 batch = promising(m, plan.estimated, solve_s, plan, near)
                 log.info("refine %d: measuring %d kernels the plan wants and %d promising ones (%d unmeasured%s%s)",
                          rounds, len(plan.estimated), len(batch) - len(plan.estimated), len(m.pending),
                          f"; learned model spread {_sigma(m):.2f}" if m.predicted else "",
-                         f"; the measured kernels' plan {above:.1%} above the bound"
-                         if SETTLE_WITHIN and m.stats.rounds and math.isfinite(above) else "")
+                         f"; the measured kernels' plan {above:.1%} above the bound" if math.isfinite(above) else "")
                 with clock("measure"):
                     m = refine(m, batch, db, options, machine, workers)
                 m = replace(m, stats=replace(m.stats, rounds=rounds))
@@ -1211,7 +1214,7 @@ def sample_plans(graph: Graph, enumeration, measured: Measured, options: Options
     else one plan that dispatches on the length (Plan.dispatch, as with `bucket_edges`)."""
     from .dynamic import cut, sample_edges
     lengths = [length for length, _ in measured.at]
-    done = replace(measured, pending={}, bounds_at={}, predicted_at={})  # the kernels measured, nothing estimated
+    done = measured_only(measured)
     at = [orchestrate(graph, enumeration, at_sample(done, k), options, meta, db=db) for k in range(len(lengths))]
     plans, edges = [at[0]], []
     for e, p in zip(sample_edges(options.ranges[0], lengths), at[1:]):
