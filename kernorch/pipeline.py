@@ -100,6 +100,10 @@ class Measured:
     # t4x64r 1.00-1.13x; raised by the least ratio of all, the slow tiles of every attention were
     # still wanted (82 attention builds, 94 s of builders)
     unlearned: Mapping[str, float] = field(default_factory=dict)
+    # the fusions around one contraction this run measured: ident -> ((the contraction, schedule),
+    # their bound at each length of `at`, their weighted bound under 0), the others of the same
+    # contraction and schedule raised by them (`_contraction_raises`)
+    around: Mapping[tuple[str, str, str], tuple[tuple[str, str], Mapping[int, int]]] = field(default_factory=dict)
     # over a range, each pending job's bound and learned prediction at each length of `at` (`bounds`
     # and `predicted` are their weighted sums): a plan for one sample length solves on these (`at_sample`)
     bounds_at: Mapping[tuple[str, str, str], tuple[int, ...]] = field(default_factory=dict)
@@ -673,17 +677,58 @@ def _sigma(measured: Measured) -> float:
 
 def _estimates(measured: Measured) -> dict:
     """Each pending job's estimate: its bound, or the learned prediction corrected by this run's
-    residual and lowered by CONFIDENCE of its sigmas (`_sigma`) when that is higher. A fusion the
-    learned model does not estimate (`_learnable`) while it estimates the others: its bound raised
-    by the least ratio of time to bound among such fusions measured in this run in its schedule, or
-    in any schedule when none was measured in its own yet (`Measured.unlearned`)."""
+    residual and lowered by CONFIDENCE of its sigmas (`_sigma`) when that is higher; the bound of a
+    fusion around one contraction first raised by those measured around it (`_raised_bounds`). A
+    fusion the learned model does not estimate (`_learnable`) while it estimates the others: its
+    bound raised by the least ratio of time to bound among such fusions measured in this run in its
+    schedule, or in any schedule when none was measured in its own yet (`Measured.unlearned`)."""
     factor = math.exp(measured.residual.shift - CONFIDENCE * _sigma(measured))
     least = min(measured.unlearned.values(), default=1.0)
+    bounds = _raised_bounds(measured)
 
     def raise_by(ident) -> float:
         return max(measured.unlearned.get(ident[2], least), 1.0) if measured.model is not None else 1.0
     return {i: max(b, int(measured.predicted[i] * factor)) if i in measured.predicted else int(b * raise_by(i))
-            for i, b in measured.bounds.items()}
+            for i, b in bounds.items()}
+
+
+# A fusion around one contraction is bounded below by nine tenths of the contraction's time alone
+# (kernorch.estimate.LINEAR_FACTOR), and every fusion around it gets that same bound: its epilogue
+# and prologue members are smaller than the contraction. Once CONTRACTION_AFTER of them were
+# measured in one schedule, the others in that schedule are raised by the least ratio of time to
+# bound those took, at most to the contraction's time alone (1 / LINEAR_FACTOR). Kept at the bound,
+# each fusion of a GEMM with its LayerNorm, bias and reshapes looked 10 % faster than the GEMM
+# alone and was wanted in turn, one a round: the transformer block over seq=1..512 (Zen 4, cold)
+# measured 456 such timings at 0.92-1.3x their contraction alone (1 % below 0.95), and its plan of
+# measured kernels stayed the same for the last 12-14 rounds of its refine loop in two of four runs
+CONTRACTION_AFTER = 3
+
+
+def _contraction(ident, job: meas.KernelJob) -> tuple[str, str] | None:
+    """(the contraction, schedule) the fusion `ident` is built around, when it holds exactly one."""
+    names = [p.name for p in job.graph.prims if primitives.kind(p.op) == "linear"]
+    return (names[0], ident[2]) if len(names) == 1 and len(job.graph.prims) > 1 else None
+
+
+def _raised_bounds(measured: Measured) -> dict:
+    """Each pending job's bound, raised as the fusions measured around its contraction allow
+    (CONTRACTION_AFTER). In a view at one length of a range (`at_sample`) the ratios are those there."""
+    from .estimate import LINEAR_FACTOR
+    length = measured.at[0][0] if len(measured.at) == 1 else 0
+    ratios: dict[tuple[str, str], list[float]] = {}
+    for i, (around, bound_at) in measured.around.items():
+        m = measured.measurements.get(i)
+        if m is not None and m.ok and m.median_ns and bound_at.get(length, 0) > 0:
+            ratios.setdefault(around, []).append(m.median_ns / bound_at[length])
+    raise_to = {c: min(max(min(rs), 1.0), 1.0 / LINEAR_FACTOR) for c, rs in ratios.items()
+                if len(rs) >= CONTRACTION_AFTER}
+    if not raise_to:
+        return dict(measured.bounds)
+    out = {}
+    for i, b in measured.bounds.items():
+        c = _contraction(i, measured.pending[i]) if i in measured.pending else None
+        out[i] = int(b * raise_to[c]) if c in raise_to else b
+    return out
 
 
 FILL_AGAINST_PLAN = True  # a round's fill-up weighs a fusion against the last plan (else its members alone)
@@ -700,7 +745,7 @@ REFINE_GAP = 0.01   # solves between measurement rounds stop within 1 % of the o
 # many fusions measured (before those starts, 1 s had cost 21 more rounds than 3 s)
 REFINE_BLOCK_SECONDS = 1.0
 
-# The refine loop also ends, from its second round on, once the best plan of measured kernels alone
+# The refine loop also ends, checked before every round, once the best plan of measured kernels alone
 # costs within this fraction of the bound the solver proved on the program with every unmeasured
 # fusion at its estimate (which errs low): measuring the rest could make the plan at most that much
 # faster, as far as the estimates hold. Around a GEMM an epilogue saves 1-3 % of its time while the
@@ -709,7 +754,9 @@ REFINE_BLOCK_SECONDS = 1.0
 # seq=1..512 (Zen 4, cold) came within 3.3 % of the bound in 16 rounds, then took 13 more rounds of
 # one or two kernels to reach 1.8 % (29 rounds, 320 kernels, 97 s). Stopping at 3 %: 14 rounds, 279
 # kernels, 83 s; resumed on its database without the stop, the run measured 67 more kernels for a
-# plan 0.1 % faster (202.5 against 202.7 us predicted).
+# plan 0.1 % faster (202.5 against 202.7 us predicted). Checked before the first round too: a
+# re-optimize resumes the estimates its last run ended with (`_resumed`), and a run that ended here
+# ends here again without measuring (one solve more for a cold run, of its single kernels)
 SETTLE_WITHIN = 0.03
 
 
@@ -836,15 +883,23 @@ def refine(measured: Measured, idents, db: ProfileDB, options: Options, machine:
         if measured.model is not None and m.ok and measured.bounds.get(i, 0) > 0 and i not in measured.predicted:
             ratio = m.median_ns / measured.bounds[i]
             unlearned[i[2]] = min(unlearned.get(i[2], ratio), ratio)
+    around = dict(measured.around)
+    for i in results:
+        c = _contraction(i, measured.pending[i]) if i in measured.pending and i in measured.bounds else None
+        if c is not None:
+            at = zip((length for length, _ in measured.at), measured.bounds_at.get(i, ()))
+            around[i] = (c, {**dict(at), 0: measured.bounds[i]})
     out = replace(measured, measurements={**measured.measurements, **results}, stats=measured.stats.merged(stats),
                   pending=left, residual=residual, bounds={i: measured.bounds[i] for i in left},
                   bounds_at={i: measured.bounds_at[i] for i in left if i in measured.bounds_at},
                   predicted=predicted, predicted_at=predicted_at, rows=rows, seen=seen,
                   members_ns={i: measured.members_ns[i] for i in left},
-                  fitted=len(seen) if refit else measured.fitted, unlearned=unlearned)
+                  fitted=len(seen) if refit else measured.fitted, unlearned=unlearned, around=around)
     estimates = _estimates(out)
     if not refit and len(seen) >= correct_after:  # not corrected this round: the learned estimates are kept
-        return replace(out, estimates={i: measured.estimates[i] if i in predicted else e for i, e in estimates.items()})
+        raised = _raised_bounds(out)  # (but not below what the fusions measured around a contraction say)
+        return replace(out, estimates={i: max(measured.estimates[i], raised[i]) if i in predicted else e
+                                       for i, e in estimates.items()})
     return replace(out, estimates=estimates)
 
 
@@ -1121,7 +1176,7 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
                     gap = 0.0  # every kernel of the plan is measured: prove it optimal
                     continue
                 above = math.inf  # how far the plan of measured kernels is above the bound (none yet)
-                if SETTLE_WITHIN and m.stats.rounds:
+                if SETTLE_WITHIN:
                     with clock("orchestrate"):
                         best = orchestrate(loaded.graph, enumeration, measured_only(m), options, meta, None,
                                            REFINE_GAP, REFINE_BLOCK_SECONDS, db, or_none=True)

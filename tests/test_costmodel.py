@@ -235,6 +235,12 @@ class Shifting:
         return tuple(math.log(r.measured_ns / ((len(seen) - 1) * r.base_ns)) for r in seen)
 
 
+def _pending(ids) -> dict:
+    """Pending jobs as refine() measures them: each its ident and a kernel graph of one exp."""
+    from types import SimpleNamespace as NS
+    return {i: NS(ident=i, graph=NS(prims=(NS(name=i[0], op="exp"),))) for i in ids}
+
+
 def test_refine_corrects_the_model_with_the_fusions_the_run_measured(monkeypatch):
     """Below CORRECT_AFTER measured fusions only the residual moves; from then on every refine round
     predicts the pending fusions again with the model corrected by all of them."""
@@ -245,9 +251,9 @@ def test_refine_corrects_the_model_with_the_fusions_the_run_measured(monkeypatch
     rows = {i: (cm.Row(i, {}, 1000.0),) for i in ids}
 
     def fake_measure(jobs, *args):
-        return {j: Measurement("", j[0], j[1], j[2], "", "ok", 2000, (), "") for j in jobs}, MeasureStats()
+        return {j.ident: Measurement("", *j.ident, "", "ok", 2000, (), "") for j in jobs}, MeasureStats()
     monkeypatch.setattr(pipeline, "_measure_with_fallback", fake_measure)
-    m = pipeline.Measured({}, MeasureStats(), pending={i: i for i in ids}, bounds={i: 10 for i in ids},
+    m = pipeline.Measured({}, MeasureStats(), pending=_pending(ids), bounds={i: 10 for i in ids},
                           members_ns={i: 1000.0 for i in ids}, predicted={i: 1000.0 for i in ids},
                           sigma=0.1, model=Shifting(), rows=rows)
     m = pipeline.refine(m, ids[:2], None, None, None)
@@ -270,7 +276,7 @@ def test_refine_times_again_later_the_fusions_timed_far_slower_than_their_member
     ns = {ids[0]: 1100, ids[1]: 1300, ids[2]: 5000}
 
     def fake_measure(jobs, *args):
-        return {j: Measurement("", j[0], j[1], j[2], "", "ok", ns[j], (), "") for j in jobs}, MeasureStats()
+        return {j.ident: Measurement("", *j.ident, "", "ok", ns[j.ident], (), "") for j in jobs}, MeasureStats()
     monkeypatch.setattr(pipeline, "_measure_with_fallback", fake_measure)
 
     class Queue:
@@ -284,7 +290,7 @@ def test_refine_times_again_later_the_fusions_timed_far_slower_than_their_member
             out, self.retimed = self.retimed, {}
             return out
     workers = Queue()
-    m = pipeline.Measured({}, MeasureStats(), pending={i: i for i in ids}, bounds={i: 10 for i in ids},
+    m = pipeline.Measured({}, MeasureStats(), pending=_pending(ids), bounds={i: 10 for i in ids},
                           members_ns={i: 1000.0 for i in ids})
     m = pipeline.refine(m, ids[:2], None, None, None, workers)
     assert set(workers.queued) == {ids[1]}                       # 1.3x its members; not 1.1x
@@ -308,10 +314,10 @@ def test_estimates_stay_put_between_corrections(monkeypatch):
     rows = {i: (cm.Row(i, {}, 1000.0),) for i in ids}
 
     def fake_measure(jobs, *args):
-        return {j: Measurement("", j[0], j[1], j[2], "", "ok", 2000 + 100 * int(j[0][1:]), (), "")
+        return {j.ident: Measurement("", *j.ident, "", "ok", 2000 + 100 * int(j.ident[0][1:]), (), "")
                 for j in jobs}, MeasureStats()
     monkeypatch.setattr(pipeline, "_measure_with_fallback", fake_measure)
-    m = pipeline.Measured({}, MeasureStats(), pending={i: i for i in ids}, bounds={i: 10 for i in ids},
+    m = pipeline.Measured({}, MeasureStats(), pending=_pending(ids), bounds={i: 10 for i in ids},
                           members_ns={i: 1000.0 for i in ids}, predicted={i: 1000.0 for i in ids},
                           sigma=0.1, model=Shifting(), rows=rows)
     m = replace(m, estimates=pipeline._estimates(m))
