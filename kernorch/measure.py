@@ -236,7 +236,10 @@ def check(job: KernelJob, got: Sequence[np.ndarray], want: Sequence[np.ndarray])
 # worker tasks
 # ---------------------------------------------------------------------------------------------
 
-def _build_task(job: KernelJob, threads: int, out_dir: str, verify: bool, tune_dir: str | None = None) -> dict:
+def _build_task(job: KernelJob, threads: int, out_dir: str, verify: bool, tune_dir: str | None = None,
+                objects: str | None = None) -> dict:
+    """Build, export and check one kernel; with `objects`, keep its object file there for the
+    executable to link (kernorch.backends.tvm.objects)."""
     from .backends import tvm as tb
     t0 = time.perf_counter()
     target = tb.make_target(threads)
@@ -250,7 +253,8 @@ def _build_task(job: KernelJob, threads: int, out_dir: str, verify: bool, tune_d
         mod = tb.lower(job.graph, job.graph.prims, job.inputs, job.outputs, job.schedule)
         mod = tb.schedule(mod, target, job.schedule, dict(job.bounds), job.lengths)
     path = str(Path(out_dir) / f"{job.key}-{job.schedule.replace('/', '_')}.so")
-    tb.build(mod, target).export(path)  # checked as the timer will load it: no second (just-in-time) code generation
+    # checked as the timer will load it: no second (just-in-time) code generation
+    tb.build(mod, target).export(path, tb.object_path(objects, mod, target) if objects else None)
     kernel = tb.load(path) if verify else None
     build_s = time.perf_counter() - t0
     err = None
@@ -699,7 +703,8 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
             with progress.bar(f"{label}: build", len(tvm_jobs)) as bar:
                 tune_dir = options.tune_dir if any(j.impl == "tvm-tuned" for j in tvm_jobs) else None
                 for j, r in _run_with_retry(pool, _build_task, tvm_jobs,
-                                            lambda j: (j, options.threads, tmp, options.verify, tune_dir),
+                                            lambda j: (j, options.threads, tmp, options.verify, tune_dir,
+                                                       str(options.object_cache())),
                                             options.build_timeout):
                     if r.ok:
                         built[j.ident] = r.value

@@ -193,3 +193,7 @@ class Options:
         """Where compiled executables are kept for a re-optimize (beside the profile database)."""
         db = self.resolved_db()
         return db.with_name(db.name + ".executables")
+
+    def object_cache(self) -> Path:
+        """Where the builders keep each kernel's object file for the executable to link."""
+        return self.executable_cache() / "objects"

@@ -1,6 +1,7 @@
 """The whole pipeline on a tiny model: optimize, verify, save, reload in a fresh process, re-run from
 the database, micro-kernel tiles in the plan, and the CLI's commands and errors."""
 import json
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -13,6 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import kernorch
 from kernorch import cli, executor, pipeline
+from kernorch.backends import registry
 from kernorch.options import Options
 
 
@@ -122,6 +124,40 @@ def test_second_run_is_served_from_database(optimized):
         [(k.key, k.impl, k.schedule) for k in planned.plan.kernels]
 
 
+def test_the_executable_links_the_kernels_its_builders_compiled(optimized, tmp_path, caplog):
+    """The builders keep each kernel's object file beside the profile database; the executable
+    links those of its kernels instead of compiling them again, and computes the same. A kernel
+    whose object is gone is compiled in the module beside the linked ones; an object that does not
+    link leaves every kernel compiled, with a warning."""
+    from kernorch.backends.tvm import relax as rx
+    d, model, db, opts, compiled, planned = optimized
+    native = {s for s, k in zip(rx.kernel_symbols(planned.plan), planned.plan.kernels) if registry.native(k.impl)}
+    assert native and set(compiled.executable.linked) == native
+    objs = sorted(opts.object_cache().glob("*.o"))
+    assert len(objs) >= len(native)
+    feeds = executor.random_feeds(compiled.graph, seed=7)
+    want = compiled.run(feeds)["y"]
+
+    def emitted(name: str, prepare) -> object:
+        o = opts.with_(db_path=str(tmp_path / name / "db.sqlite"))
+        shutil.copytree(opts.object_cache(), o.object_cache())
+        prepare(o.object_cache())
+        got = pipeline.emit(planned.loaded.graph, planned.plan, o, planned.machine)
+        np.testing.assert_allclose(got.run(feeds)["y"], want, rtol=1e-6, atol=1e-6)
+        return got.executable
+    first, obj = sorted(compiled.executable.linked.items())[0]
+    partly = emitted("partly", lambda directory: (directory / obj.name).unlink())
+    assert set(partly.linked) == native - {first}
+    assert emitted("none", lambda directory: shutil.rmtree(directory)).linked == {}
+
+    def damage(directory):
+        for q in directory.glob("*.o"):
+            q.write_bytes(b"not an object")
+    with caplog.at_level("WARNING"):
+        assert emitted("damaged", damage).linked == {}
+    assert "compiling every kernel instead" in caplog.text
+
+
 def test_a_reoptimize_loads_the_executable_it_compiled_before(optimized, monkeypatch):
     """optimize keeps the compiled library beside the profile database; emitting the same plan
     again loads it instead of compiling (tvm.compile would fail here), and it computes the same.
@@ -147,8 +183,8 @@ def test_a_reoptimize_loads_the_executable_it_compiled_before(optimized, monkeyp
     np.testing.assert_array_equal(load(d / "again2").run(feeds)["y"], compiled.run(feeds)["y"])
     # (another path: this process holds the first one open, and dlopen would hand it back)
     other_opts = opts.with_(db_path=str(d / "other" / "db.sqlite"))
+    shutil.copytree(opts.object_cache(), other_opts.object_cache())  # (the same kernels linked: the same name)
     damaged = other_opts.executable_cache() / next(cache.glob("*.so")).name
-    damaged.parent.mkdir(parents=True)
     damaged.write_bytes(b"not a library")
     monkeypatch.setattr(tvm, "compile", real_compile)
     rebuilt = pipeline.emit(planned.loaded.graph, planned.plan, other_opts, planned.machine)

@@ -16,6 +16,7 @@ from tvm.script import tirx as T
 
 from ...ir import KernorchError
 from .lower import NUM_INPUTS_ATTR, bounds_of, symbol_vars
+from .objects import export_keeping
 from .passes import PIPELINE
 from .schedule import CACHE_LINE
 from .tirwalk import is_load, operands
@@ -104,11 +105,12 @@ class BuiltKernel:
             raise KernorchError("this kernel was loaded from a file; its assembly is not at hand")
         return self._executable.mod.inspect_source("asm")
 
-    def export(self, path: str) -> None:
-        """Write a shared library (g++ needed) and `path + '.json'` with the signature."""
+    def export(self, path: str, keep_object: str | None = None) -> None:
+        """Write a shared library (g++ needed) and `path + '.json'` with the signature; with
+        `keep_object`, keep the kernel's object file there too (kernorch.backends.tvm.objects)."""
         if self._executable is None:
             raise KernorchError("this kernel was loaded from a file; export the original")
-        self._executable.export_library(path)
+        export_keeping(self._executable, path, keep_object)
         with open(path + ".json", "w") as f:
             json.dump({"num_inputs": self.num_inputs, "params": [[list(s), d] for s, d in self.params],
                        "versions": versions()}, f)

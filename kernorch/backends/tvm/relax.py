@@ -26,7 +26,8 @@ from .. import registry
 from .build import check_bounds, register_packed, relax_func
 from ...dynamic import plan_buckets, plan_ranges
 from .lower import Symbols, lower
-from . import passes, tirwalk
+from . import objects, passes
+from .objects import object_path
 from .schedule import schedule
 from .target import make_target, set_threads
 
@@ -99,7 +100,8 @@ def register_python_kernels(graph: Graph, plan) -> None:
                             call_name(i, k))
 
 
-def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, str, np.ndarray]]) -> tvm.IRModule:
+def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, str, np.ndarray]],
+                 objects_dir: str | Path | None = None, linked: dict | None = None) -> tvm.IRModule:
     """The Relax IRModule of the plan. Over a symbolic dimension (plan.meta["ranges"]: "seq=1..512")
     the function's shapes use one int64 variable per symbol, bounded by the range's upper end (the
     VM plans its buffers for it); the kernels bind their own variables from their arguments. A plan
@@ -112,7 +114,12 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
     stay functions: inline in nested branches, TVM 0.27's memory planning allocated a storage in
     the first branch only and reused it in the others (a crash at the second bucket's lengths); a
     branch that only calls allocates nothing. (The inline branch is built with BlockBuilder's
-    `_begin_binding_block`/`_end_block`: TVM has no public scope for an `If` branch.)"""
+    `_begin_binding_block`/`_end_block`: TVM has no public scope for an `If` branch.)
+
+    `objects_dir`: where the builders kept the kernels' object files (kernorch.backends.tvm.objects).
+    A kernel found there is called as an external function, its object recorded in `linked` ({call
+    name: file}) for the library to link; the others are compiled in the module."""
+    found = {} if linked is None else linked
     bb = relax.BlockBuilder()
     sym = Symbols()
     bounds = {name: hi for name, (_, hi) in plan_ranges(plan.meta).items()}
@@ -128,7 +135,7 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
         inputs, wvars = params()
         with bb.function("main", inputs + wvars, attrs=attrs):
             bb.emit_func_output(_emit_kernels(bb, graph, plan, range(len(plan.kernels)), target, inputs, wvars,
-                                              weight_params, sym, bounds))
+                                              weight_params, sym, bounds, objects=(objects_dir, found)))
         return bb.get()
     def in_bucket(b: int) -> list[int]:
         return [i for i, k in enumerate(plan.kernels) if k.bucket == b]
@@ -138,7 +145,8 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
         inputs, wvars = params()
         with bb.function(f"bucket{b}", inputs + wvars, attrs=attrs, private=True):
             funcs.append(bb.emit_func_output(_emit_kernels(bb, graph, plan, in_bucket(b), target, inputs, wvars,
-                                                           weight_params, sym, {n: hi for n in bounds})))
+                                                           weight_params, sym, {n: hi for n in bounds},
+                                                           objects=(objects_dir, found))))
     inputs, wvars = params()
     (name, _), = plan_ranges(plan.meta).items()
     with bb.function("main", inputs + wvars, attrs=attrs):
@@ -148,7 +156,7 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
                             relax.SeqExpr([], relax.Call(funcs[b - 1], inputs + wvars)), relax.SeqExpr([], call))
         bb._begin_binding_block()  # the first bucket's kernels in main itself, the others' functions called
         first = _emit_kernels(bb, graph, plan, in_bucket(0), target, inputs, wvars, weight_params, sym,
-                              {n: parts[0][1] for n in bounds}, dataflow=False)
+                              {n: parts[0][1] for n in bounds}, dataflow=False, objects=(objects_dir, found))
         first = relax.SeqExpr([bb._end_block()], first)
         bb._begin_binding_block()
         bb.emit_func_output(bb.emit(relax.If(relax.prim_value(sym.vars[name] <= parts[0][1]), first,
@@ -161,12 +169,13 @@ def _tensor_type(t, sym: Symbols) -> relax.TensorType:
 
 
 def _emit_kernels(bb, graph: Graph, plan, indices, target, inputs, wvars, weight_params, sym,
-                  bounds: dict[str, int], dataflow: bool = True) -> relax.Expr:
+                  bounds: dict[str, int], dataflow: bool = True, objects=(None, None)) -> relax.Expr:
     """The plan kernels `indices` (global plan indices: kernel i calls PrimFunc `kernel_symbols(plan)[i]`,
     added to the module once) called in order inside one dataflow block of the function being
     built (`dataflow=False`: in the binding block the caller began, a branch of an `If`); returns
     its output tuple. `bounds`: the largest value of each symbol these kernels serve (their
-    bucket's or the range's end), with which they were measured."""
+    bucket's or the range's end), with which they were measured. `objects`: (the directory of kept
+    object files, the dict of those linked), as `build_module` takes them."""
     wvar = {(t, layout): v for (t, layout, _), v in zip(weight_params, wvars)}
     symbols = kernel_symbols(plan)
     funcs: dict = {}  # (a symbol serves one bucket: every call of it is in this block)
@@ -195,8 +204,14 @@ def _emit_kernels(bb, graph: Graph, plan, indices, target, inputs, wvars, weight
                 if name not in funcs:
                     mod = kernel_module(graph, k, target, tune_dir, bounds)
                     check_bounds(mod)
-                    funcs[name] = bb.add_func(relax_func(mod, name), name)
-                call = relax.call_tir(funcs[name], relax.Tuple(args), ty)
+                    obj = object_path(objects[0], mod, target) if objects[0] is not None else None
+                    if obj is not None and obj.exists():
+                        objects[1][name] = obj
+                        funcs[name] = None
+                    else:
+                        funcs[name] = bb.add_func(relax_func(mod, name), name)
+                call = relax.call_tir(funcs[name], relax.Tuple(args), ty) if funcs[name] is not None \
+                    else relax.call_dps_packed(name, relax.Tuple(args), ty)
             else:
                 call = relax.call_dps_packed(name, relax.Tuple(args), ty)
             res = bb.emit(call)
@@ -231,32 +246,51 @@ def _relax_pipeline() -> tvm.transform.Pass:
     return tvm.transform.Sequential([relax.get_pipeline("default"), _noalias_host_funcs])
 
 
-def build_executable(graph: Graph, plan, threads: int, machine=None, cache_dir: str | Path | None = None
-                     ) -> "Executable":
+def build_executable(graph: Graph, plan, threads: int, machine=None, cache_dir: str | Path | None = None,
+                     objects_dir: str | Path | None = None) -> "Executable":
     """Compile the plan for this CPU: the executable with its (packed) weights. With `cache_dir`,
     a library compiled before from the same module, weights and tools is loaded instead of compiled
-    again (`_compiled`)."""
+    again (`_compiled`), and the kernels whose object files the builders kept in `objects_dir` are
+    linked instead of compiled again (kernorch.backends.tvm.objects)."""
     target = make_target(threads, machine)
     params = weights(graph, plan)
-    mod = build_module(graph, plan, target, params)
-    ex, library = _compiled(mod, target, graph, params, cache_dir)
+    use = objects_dir if cache_dir is not None and objects_dir is not None and objects.available() else None
+    linked: dict[str, Path] = {}
+    mod = build_module(graph, plan, target, params, use, linked)
+    if use is not None:
+        log.info("executable: %d kernels linked from their builds' objects, %d compiled", len(linked),
+                 sum(isinstance(f, tvm.tirx.PrimFunc) for f in mod.functions.values()))
+    try:
+        ex, library = _compiled(mod, target, graph, params, cache_dir, linked)
+    except KernorchError as e:
+        if not linked:
+            raise
+        log.warning("%s; compiling every kernel instead", e)
+        linked = {}
+        mod = build_module(graph, plan, target, params)
+        ex, library = _compiled(mod, target, graph, params, cache_dir)
+    if linked:
+        objects.prune(use)
     return Executable(ex, [(t, layout) for t, layout, _ in params], [a for _, _, a in params],
-                      [(n, t) for n, t in graph.inputs], list(graph.outputs), threads, graph, plan, library)
+                      [(n, t) for n, t in graph.inputs], list(graph.outputs), threads, graph, plan, library,
+                      linked)
 
 
 EXECUTABLES_KEPT = 16  # libraries a cache directory keeps, the least recently used dropped beyond
 
 
-def executable_key(mod: tvm.IRModule, target, graph: Graph, params) -> str:
+def executable_key(mod: tvm.IRModule, target, graph: Graph, params, linked: Mapping[str, Path] | None = None) -> str:
     """What a compiled library depends on: the Relax module (its structural hash: every kernel as
     scheduled), the target, TVM, the code of this module (the Relax passes it compiles with) and of
     passes.py and tirwalk.py (the TIR pipeline), every constant of the graph by content and the layout of every
-    weight the kernels take (its packed content follows from the constant and the layout)."""
+    weight the kernels take (its packed content follows from the constant and the layout), and the
+    object file linked for each kernel called as an external function (`linked`: named by its
+    content's key)."""
     import hashlib
     h = hashlib.sha256()
-    for part in (str(tvm_ffi.structural_hash(mod)), str(target), tvm.__version__, Path(__file__).read_text(),
-                 Path(passes.__file__).read_text(), Path(tirwalk.__file__).read_text(),
-                 *(f"{name}:{layout}:{np.shape(a)}" for name, layout, a in params)):
+    for part in (str(tvm_ffi.structural_hash(mod)), str(target), Path(__file__).read_text(), *objects.code_parts(),
+                 *(f"{name}:{layout}:{np.shape(a)}" for name, layout, a in params),
+                 *(f"{name}:{Path(obj).stem}" for name, obj in sorted((linked or {}).items()))):
         h.update(part.encode() + b"\0")
     for name in sorted(graph.constants):
         a = np.ascontiguousarray(graph.constants[name])
@@ -270,21 +304,27 @@ def compile_module(mod: tvm.IRModule, target):
     return tvm.compile(mod, target=target, relax_pipeline=_relax_pipeline(), tir_pipeline=passes.PIPELINE)
 
 
-def _compiled(mod: tvm.IRModule, target, graph: Graph, params, cache_dir) -> tuple[object, Path | None]:
+def _compiled(mod: tvm.IRModule, target, graph: Graph, params, cache_dir,
+              linked: Mapping[str, Path] | None = None) -> tuple[object, Path | None]:
     """`mod` compiled (LLVM: most of an emit, 45 of yolox_tiny's 79 s on a Zen 4), or the library
     `cache_dir` holds for its `executable_key`; with the file it is kept in (None: not kept). A
     library that does not load is compiled again; one that cannot be stored is only logged.
 
     A library just stored is loaded from its file: the module `tvm.compile` returns holds LLVM IR,
     which the first VM made of it compiles to machine code again, as exporting it did (the
-    transformer block over seq=1..512, Zen 4: 1.6 s of a 7.7 s emit; loading the file: 3 ms)."""
+    transformer block over seq=1..512, Zen 4: 1.6 s of a 7.7 s emit; loading the file: 3 ms).
+    `linked`: the kernels the module calls as external functions, with their object files (it then
+    runs only from the library, which links them)."""
     def compile_():
         return compile_module(mod, target)
     if cache_dir is None:
+        if linked:
+            raise KernorchError("kernels linked from object files need a library to link them into")
         return compile_(), None
     import os
+    import tempfile
     cache = Path(cache_dir)
-    path = cache / f"{executable_key(mod, target, graph, params)}.so"
+    path = cache / f"{executable_key(mod, target, graph, params, linked)}.so"
     if path.exists():
         try:
             ex = tvm.runtime.load_module(str(path))
@@ -297,17 +337,22 @@ def _compiled(mod: tvm.IRModule, target, graph: Graph, params, cache_dir) -> tup
     try:
         cache.mkdir(parents=True, exist_ok=True)
         tmp = cache / f".{path.stem}.{os.getpid()}.so"
-        ex.export_library(str(tmp))
+        with tempfile.TemporaryDirectory(prefix="kernorch-link-") as ws:
+            ex.export_library(str(tmp), addons=objects.renamed(linked or {}, ws))
         os.replace(tmp, path)
         kept = [q for q in cache.glob("*.so") if not q.name.startswith(".")]  # (not another run's export)
         for old in sorted(kept, key=lambda q: q.stat().st_mtime, reverse=True)[EXECUTABLES_KEPT:]:
             old.unlink(missing_ok=True)
     except (OSError, RuntimeError) as e:
+        if linked:  # (the module alone lacks the linked kernels)
+            raise KernorchError(f"could not link the executable in {cache}: {e}") from e
         log.warning("could not keep the executable in %s: %s", cache, e)
         return ex, None
     try:
         return tvm.runtime.load_module(str(path)), path
     except Exception as e:  # noqa: BLE001 - run the module compiled in memory instead
+        if linked:
+            raise KernorchError(f"the executable just linked in {path} did not load: {e}") from e
         log.warning("the executable just kept in %s did not load (%s)", path, str(e).splitlines()[0])
         return ex, path
 
@@ -325,10 +370,11 @@ class Executable:
 
     def __init__(self, ex, weight_names: Sequence[tuple[str, str]], weight_arrays: Sequence[np.ndarray],
                  inputs: Sequence[tuple[str, object]], outputs: Sequence[str], threads: int, graph: Graph, plan,
-                 library: Path | None = None):
+                 library: Path | None = None, linked: Mapping[str, Path] | None = None):
         set_threads(threads)
         register_python_kernels(graph, plan)
         self.ex, self.threads, self.library = ex, threads, library
+        self.linked = dict(linked or {})  # the kernels linked from their builds' object files: call name -> file
         self.weight_names = list(weight_names)
         self.inputs, self.outputs = list(inputs), list(outputs)
         self.plan = plan

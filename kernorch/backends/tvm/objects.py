@@ -1,0 +1,103 @@
+"""Kernel object files, compiled once: the builders keep each kernel's machine code, and the
+executable links it instead of compiling the kernel again.
+
+A builder exports every kernel it measures as a shared library for the timer; exporting writes the
+kernel's object file first, and `keep` moves that file into a directory beside the profile
+database (`Options.object_cache`), named by `object_key`: the scheduled PrimFunc's structural hash,
+the target and the code that compiles it. The emitter schedules each plan kernel as it was
+measured; where the directory holds its key, the Relax module calls the kernel as an external
+function and the object is linked into the executable (`renamed`: its entry symbol renamed to the
+call's), so the executable runs the very machine code that was timed. A kernel without an object
+(measured by an earlier version, or its file pruned) is compiled in the module as before.
+
+Over a range the emit compiled again what the builders had compiled: the transformer block over
+seq=1..512 (Zen 4) spent 4.7-6.5 s of a 47-97 s optimize there, against 0.8 s at one static length.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Mapping
+
+import tvm
+import tvm_ffi
+
+from . import passes, tirwalk
+
+log = logging.getLogger(__name__)
+
+OBJECTS_KEPT = 4096  # object files a directory keeps, the least recently used dropped beyond
+ENTRY = "__tvm_ffi_main"  # the symbol of a kernel built alone (its PrimFunc is "main")
+
+
+def code_parts() -> tuple[str, ...]:
+    """What compiled code depends on besides its module and target: TVM and the TIR pipeline's code."""
+    return (tvm.__version__, Path(passes.__file__).read_text(), Path(tirwalk.__file__).read_text())
+
+
+def object_key(mod: tvm.IRModule, target) -> str:
+    """The name of a scheduled kernel module's object file."""
+    h = hashlib.sha256()
+    for part in (str(tvm_ffi.structural_hash(mod)), str(target), *code_parts()):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:32]
+
+
+def object_path(directory: str | Path, mod: tvm.IRModule, target) -> Path:
+    return Path(directory) / f"{object_key(mod, target)}.o"
+
+
+def available() -> bool:
+    """Whether objects can be linked here: renaming their entry needs binutils' objcopy."""
+    return shutil.which("objcopy") is not None
+
+
+def export_keeping(executable, path: str, keep_as: str | Path | None) -> None:
+    """Export a kernel's compiled module as the shared library `path`; with `keep_as`, keep the
+    object file the export wrote (written under a temporary name, then renamed: a concurrent
+    builder of the same kernel writes the same bytes)."""
+    if keep_as is None:
+        executable.export_library(path)
+        return
+    with tempfile.TemporaryDirectory(prefix="kernorch-obj-") as ws:
+        executable.export_library(path, workspace_dir=ws)
+        obj = Path(ws) / "lib0.o"
+        if not obj.exists():
+            return
+        keep_as = Path(keep_as)
+        try:
+            keep_as.parent.mkdir(parents=True, exist_ok=True)
+            tmp = keep_as.with_name(f".{keep_as.name}.{os.getpid()}")
+            shutil.copyfile(obj, tmp)
+            os.replace(tmp, keep_as)
+        except OSError as e:
+            log.warning("could not keep the kernel's object in %s: %s", keep_as.parent, e)
+
+
+def renamed(objects: Mapping[str, Path], workspace: str | Path) -> list[str]:
+    """Copies of `objects` ({call name: object file}) in `workspace`, each kernel's entry renamed to
+    its call name's symbol (the Relax VM looks a call up by it), for `export_library(addons=...)`."""
+    out = []
+    for name, obj in objects.items():
+        dst = Path(workspace) / f"{name}.o"
+        r = subprocess.run(["objcopy", f"--redefine-sym={ENTRY}=__tvm_ffi_{name}", str(obj), str(dst)],
+                           capture_output=True, text=True)
+        if r.returncode != 0 or f"__tvm_ffi_{name}".encode() not in dst.read_bytes():
+            raise RuntimeError(f"objcopy {obj}: {r.stderr.strip() or f'no {ENTRY} to rename'}")
+        out.append(str(dst))
+        os.utime(obj)  # used: the pruning keeps it
+    return out
+
+
+def prune(directory: str | Path) -> None:
+    """Drop the least recently used object files beyond OBJECTS_KEPT."""
+    kept = [q for q in Path(directory).glob("*.o") if not q.name.startswith(".")]
+    if len(kept) <= OBJECTS_KEPT:
+        return
+    for old in sorted(kept, key=lambda q: q.stat().st_mtime, reverse=True)[OBJECTS_KEPT:]:
+        old.unlink(missing_ok=True)
