@@ -102,7 +102,7 @@ class Measured:
     unlearned: Mapping[str, float] = field(default_factory=dict)
     # the fusions around one contraction this run measured: ident -> ((the contraction, schedule),
     # their bound at each length of `at`, their weighted bound under 0), the others of the same
-    # contraction and schedule raised by them (`_contraction_raises`)
+    # contraction and schedule raised by them (`_raised_bounds`)
     around: Mapping[tuple[str, str, str], tuple[tuple[str, str], Mapping[int, int]]] = field(default_factory=dict)
     # over a range, each pending job's bound and learned prediction at each length of `at` (`bounds`
     # and `predicted` are their weighted sums): a plan for one sample length solves on these (`at_sample`)

@@ -15,6 +15,7 @@ seq=1..512 (Zen 4) spent 4.7-6.5 s of a 47-97 s optimize there, against 0.8 s at
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -35,6 +36,7 @@ OBJECTS_KEPT = 4096  # object files a directory keeps, the least recently used d
 ENTRY = "__tvm_ffi_main"  # the symbol of a kernel built alone (its PrimFunc is "main")
 
 
+@functools.lru_cache(maxsize=1)
 def code_parts() -> tuple[str, ...]:
     """What compiled code depends on besides its module and target: TVM and the TIR pipeline's code."""
     return (tvm.__version__, Path(passes.__file__).read_text(), Path(tirwalk.__file__).read_text())
