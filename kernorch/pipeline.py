@@ -675,16 +675,17 @@ def _sigma(measured: Measured) -> float:
     return measured.residual.spread(measured.sigma) if RUN_SPREAD else measured.sigma
 
 
-def _estimates(measured: Measured) -> dict:
+def _estimates(measured: Measured, bounds: Mapping | None = None) -> dict:
     """Each pending job's estimate: its bound, or the learned prediction corrected by this run's
     residual and lowered by CONFIDENCE of its sigmas (`_sigma`) when that is higher; the bound of a
     fusion around one contraction first raised by those measured around it (`_raised_bounds`). A
     fusion the learned model does not estimate (`_learnable`) while it estimates the others: its
     bound raised by the least ratio of time to bound among such fusions measured in this run in its
-    schedule, or in any schedule when none was measured in its own yet (`Measured.unlearned`)."""
+    schedule, or in any schedule when none was measured in its own yet (`Measured.unlearned`).
+    `bounds`: those raised bounds, when the caller has them already."""
     factor = math.exp(measured.residual.shift - CONFIDENCE * _sigma(measured))
     least = min(measured.unlearned.values(), default=1.0)
-    bounds = _raised_bounds(measured)
+    bounds = _raised_bounds(measured) if bounds is None else bounds
 
     def raise_by(ident) -> float:
         return max(measured.unlearned.get(ident[2], least), 1.0) if measured.model is not None else 1.0
@@ -901,9 +902,10 @@ def refine(measured: Measured, idents, db: ProfileDB, options: Options, machine:
                   predicted=predicted, predicted_at=predicted_at, rows=rows, seen=seen,
                   members_ns={i: measured.members_ns[i] for i in left},
                   fitted=len(seen) if refit else measured.fitted, unlearned=unlearned, around=around)
-    estimates = _estimates(out)
+    raised = _raised_bounds(out)
+    estimates = _estimates(out, raised)
     if not refit and len(seen) >= correct_after:  # not corrected this round: the learned estimates are kept
-        raised = _raised_bounds(out)  # (but not below what the fusions measured around a contraction say)
+        # (but not below what the fusions measured around a contraction say)
         return replace(out, estimates={i: max(measured.estimates[i], raised[i]) if i in predicted else e
                                        for i, e in estimates.items()})
     return replace(out, estimates=estimates)

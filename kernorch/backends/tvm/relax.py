@@ -135,7 +135,7 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
         inputs, wvars = params()
         with bb.function("main", inputs + wvars, attrs=attrs):
             bb.emit_func_output(_emit_kernels(bb, graph, plan, range(len(plan.kernels)), target, inputs, wvars,
-                                              weight_params, sym, bounds, objects=(objects_dir, found)))
+                                              weight_params, sym, bounds, objects_dir=objects_dir, linked=found))
         return bb.get()
     def in_bucket(b: int) -> list[int]:
         return [i for i, k in enumerate(plan.kernels) if k.bucket == b]
@@ -146,7 +146,7 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
         with bb.function(f"bucket{b}", inputs + wvars, attrs=attrs, private=True):
             funcs.append(bb.emit_func_output(_emit_kernels(bb, graph, plan, in_bucket(b), target, inputs, wvars,
                                                            weight_params, sym, {n: hi for n in bounds},
-                                                           objects=(objects_dir, found))))
+                                                           objects_dir=objects_dir, linked=found)))
     inputs, wvars = params()
     (name, _), = plan_ranges(plan.meta).items()
     with bb.function("main", inputs + wvars, attrs=attrs):
@@ -156,7 +156,7 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
                             relax.SeqExpr([], relax.Call(funcs[b - 1], inputs + wvars)), relax.SeqExpr([], call))
         bb._begin_binding_block()  # the first bucket's kernels in main itself, the others' functions called
         first = _emit_kernels(bb, graph, plan, in_bucket(0), target, inputs, wvars, weight_params, sym,
-                              {n: parts[0][1] for n in bounds}, dataflow=False, objects=(objects_dir, found))
+                              {n: parts[0][1] for n in bounds}, dataflow=False, objects_dir=objects_dir, linked=found)
         first = relax.SeqExpr([bb._end_block()], first)
         bb._begin_binding_block()
         bb.emit_func_output(bb.emit(relax.If(relax.prim_value(sym.vars[name] <= parts[0][1]), first,
@@ -169,13 +169,14 @@ def _tensor_type(t, sym: Symbols) -> relax.TensorType:
 
 
 def _emit_kernels(bb, graph: Graph, plan, indices, target, inputs, wvars, weight_params, sym,
-                  bounds: dict[str, int], dataflow: bool = True, objects=(None, None)) -> relax.Expr:
+                  bounds: dict[str, int], dataflow: bool = True, objects_dir: str | Path | None = None,
+                  linked: dict | None = None) -> relax.Expr:
     """The plan kernels `indices` (global plan indices: kernel i calls PrimFunc `kernel_symbols(plan)[i]`,
     added to the module once) called in order inside one dataflow block of the function being
     built (`dataflow=False`: in the binding block the caller began, a branch of an `If`); returns
     its output tuple. `bounds`: the largest value of each symbol these kernels serve (their
-    bucket's or the range's end), with which they were measured. `objects`: (the directory of kept
-    object files, the dict of those linked), as `build_module` takes them."""
+    bucket's or the range's end), with which they were measured. `objects_dir`, `linked`: as
+    `build_module` takes them."""
     wvar = {(t, layout): v for (t, layout, _), v in zip(weight_params, wvars)}
     symbols = kernel_symbols(plan)
     funcs: dict = {}  # (a symbol serves one bucket: every call of it is in this block)
@@ -204,9 +205,9 @@ def _emit_kernels(bb, graph: Graph, plan, indices, target, inputs, wvars, weight
                 if name not in funcs:
                     mod = kernel_module(graph, k, target, tune_dir, bounds)
                     check_bounds(mod)
-                    obj = object_path(objects[0], mod, target) if objects[0] is not None else None
+                    obj = object_path(objects_dir, mod, target) if objects_dir is not None else None
                     if obj is not None and obj.exists():
-                        objects[1][name] = obj
+                        linked[name] = obj
                         funcs[name] = None
                     else:
                         funcs[name] = bb.add_func(relax_func(mod, name), name)
@@ -317,9 +318,7 @@ def _compiled(mod: tvm.IRModule, target, graph: Graph, params, cache_dir,
     runs only from the library, which links them)."""
     def compile_():
         return compile_module(mod, target)
-    if cache_dir is None:
-        if linked:
-            raise KernorchError("kernels linked from object files need a library to link them into")
+    if cache_dir is None:  # (build_executable links objects only into a library it keeps)
         return compile_(), None
     import os
     import tempfile
