@@ -703,6 +703,36 @@ def test_over_a_range_fusions_around_a_contraction_are_raised_at_each_length(mon
     assert pipeline.at_sample(m, 1).estimates[gemm[3]] == 1500           # 1.0x at seq=64
 
 
+def test_a_fusion_is_at_least_nine_tenths_of_a_measured_fusion_it_holds(monkeypatch):
+    """A fusion around one contraction that holds every prim of one measured around it in its
+    schedule is raised to SUBSET_FLOOR of the slowest such one, from the first measurement on (no
+    CONTRACTION_AFTER) and past the family raise's cap (1 / LINEAR_FACTOR of its bound); one that
+    does not hold it and one in another schedule keep their bounds; over a range the floor is taken
+    at each length; SUBSET_FLOOR = 0 turns it off."""
+    from kernorch.measure import MeasureStats
+    base, wider, widest = ("g0", "tvm", "t8x32p"), ("g1", "tvm", "t8x32p"), ("g2", "tvm", "t8x32p")
+    apart, elsewhere = ("g3", "tvm", "t8x32p"), ("g4", "tvm", "t4x64p")
+    jobs = {base: _job(("mm", "matmul"), ("b", "add")), wider: _job(("ln", "div"), ("mm", "matmul"), ("b", "add")),
+            widest: _job(("ln", "div"), ("mm", "matmul"), ("b", "add"), ("r", "add")),
+            apart: _job(("mm", "matmul"), ("r", "add")), elsewhere: _job(("ln", "div"), ("mm", "matmul"), ("b", "add"))}
+    durations = {base: {1: 2000, 64: 6000}, wider: {1: 3000, 64: 5000}}
+    monkeypatch.setattr(pipeline, "_measure_with_fallback", _fake_measure_at(durations))
+
+    def start():
+        return pipeline.Measured({}, MeasureStats(), pending={i: _with_ident(j, i) for i, j in jobs.items()},
+                                 bounds=dict.fromkeys(jobs, 1000), bounds_at=dict.fromkeys(jobs, (500, 1500)),
+                                 members_ns=dict.fromkeys(jobs, 5000.0), at=((1, 0.5), (64, 0.5)))
+    m = pipeline.refine(start(), [base], None, None, None)
+    assert [m.estimates[i] for i in (wider, widest)] == [3600, 3600]  # 0.9 x 4000, its weighted time
+    assert [m.estimates[i] for i in (apart, elsewhere)] == [1000, 1000]
+    assert [pipeline.at_sample(m, k).estimates[widest] for k in (0, 1)] == [1800, 5400]
+    m = pipeline.refine(m, [wider], None, None, None)                 # the slowest held one counts
+    assert m.estimates[widest] == 3600 and pipeline.at_sample(m, 0).estimates[widest] == 2700
+    monkeypatch.setattr(pipeline, "SUBSET_FLOOR", 0)
+    m = pipeline.refine(start(), [base], None, None, None)
+    assert [m.estimates[i] for i in (wider, widest, apart, elsewhere)] == [1000] * 4
+
+
 def _attention_and_gemm_graphs():
     """A kernel graph of a fused attention (two matmuls) and one of a GEMM with its bias."""
     from kernorch.ir import Graph, TensorType, make_prim
