@@ -1343,7 +1343,7 @@ def emit(graph: Graph, plan, options: Options, machine: Machine):
     from .runtime import CompiledModel
     from .backends.tvm import relax as rx
     executable = rx.build_executable(graph, plan, options.threads, machine, options.executable_cache(),
-                                     options.object_cache())
+                                     options.object_cache(), options.workers)
     return CompiledModel(graph, plan, executable, options.threads, machine)
 
 

@@ -127,8 +127,9 @@ def test_second_run_is_served_from_database(optimized):
 def test_the_executable_links_the_kernels_its_builders_compiled(optimized, tmp_path, caplog):
     """The builders keep each kernel's object file beside the profile database; the executable
     links those of its kernels instead of compiling them again, and computes the same. A kernel
-    whose object is gone is compiled in the module beside the linked ones; an object that does not
-    link leaves every kernel compiled, with a warning."""
+    whose object is gone (or every one: the directory is gone) is compiled alone into that object
+    first and linked like the others; an object that does not link leaves every kernel compiled in
+    the module, with a warning."""
     from kernorch.backends.tvm import relax as rx
     d, model, db, opts, compiled, planned = optimized
     native = {s for s, k in zip(rx.kernel_symbols(planned.plan), planned.plan.kernels) if registry.native(k.impl)}
@@ -147,8 +148,9 @@ def test_the_executable_links_the_kernels_its_builders_compiled(optimized, tmp_p
         return got.executable
     first, obj = sorted(compiled.executable.linked.items())[0]
     partly = emitted("partly", lambda directory: (directory / obj.name).unlink())
-    assert set(partly.linked) == native - {first}
-    assert emitted("none", lambda directory: shutil.rmtree(directory)).linked == {}
+    assert {n: q.name for n, q in partly.linked.items()} == {n: q.name for n, q in compiled.executable.linked.items()}
+    assert partly.linked[first].exists()
+    assert set(emitted("none", lambda directory: shutil.rmtree(directory)).linked) == native
 
     def damage(directory):
         for q in directory.glob("*.o"):

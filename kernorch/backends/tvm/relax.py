@@ -101,7 +101,8 @@ def register_python_kernels(graph: Graph, plan) -> None:
 
 
 def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, str, np.ndarray]],
-                 objects_dir: str | Path | None = None, linked: dict | None = None) -> tvm.IRModule:
+                 objects_dir: str | Path | None = None, linked: dict | None = None,
+                 unbuilt: dict | None = None) -> tvm.IRModule:
     """The Relax IRModule of the plan. Over a symbolic dimension (plan.meta["ranges"]: "seq=1..512")
     the function's shapes use one int64 variable per symbol, bounded by the range's upper end (the
     VM plans its buffers for it); the kernels bind their own variables from their arguments. A plan
@@ -117,9 +118,13 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
     `_begin_binding_block`/`_end_block`: TVM has no public scope for an `If` branch.)
 
     `objects_dir`: where the builders kept the kernels' object files (kernorch.backends.tvm.objects).
-    A kernel found there is called as an external function, its object recorded in `linked` ({call
-    name: file}) for the library to link; the others are compiled in the module."""
+    Every native kernel is then called as an external function, its object recorded in `linked`
+    ({call name: file}) for the library to link; one whose file is not there yet (over a range, a
+    kernel with row copies: measured built for its sample lengths only) is recorded in `unbuilt`
+    too ({call name: its scheduled module}), for `objects.compile_objects` to write the file first.
+    Without `objects_dir` every kernel is compiled in the module."""
     found = {} if linked is None else linked
+    pending = {} if unbuilt is None else unbuilt
     bb = relax.BlockBuilder()
     sym = Symbols()
     bounds = {name: hi for name, (_, hi) in plan_ranges(plan.meta).items()}
@@ -135,7 +140,8 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
         inputs, wvars = params()
         with bb.function("main", inputs + wvars, attrs=attrs):
             bb.emit_func_output(_emit_kernels(bb, graph, plan, range(len(plan.kernels)), target, inputs, wvars,
-                                              weight_params, sym, bounds, objects_dir=objects_dir, linked=found))
+                                              weight_params, sym, bounds, objects_dir=objects_dir, linked=found,
+                                              unbuilt=pending))
         return bb.get()
     def in_bucket(b: int) -> list[int]:
         return [i for i, k in enumerate(plan.kernels) if k.bucket == b]
@@ -146,7 +152,8 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
         with bb.function(f"bucket{b}", inputs + wvars, attrs=attrs, private=True):
             funcs.append(bb.emit_func_output(_emit_kernels(bb, graph, plan, in_bucket(b), target, inputs, wvars,
                                                            weight_params, sym, {n: hi for n in bounds},
-                                                           objects_dir=objects_dir, linked=found)))
+                                                           objects_dir=objects_dir, linked=found,
+                                                           unbuilt=pending)))
     inputs, wvars = params()
     (name, _), = plan_ranges(plan.meta).items()
     with bb.function("main", inputs + wvars, attrs=attrs):
@@ -156,7 +163,8 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
                             relax.SeqExpr([], relax.Call(funcs[b - 1], inputs + wvars)), relax.SeqExpr([], call))
         bb._begin_binding_block()  # the first bucket's kernels in main itself, the others' functions called
         first = _emit_kernels(bb, graph, plan, in_bucket(0), target, inputs, wvars, weight_params, sym,
-                              {n: parts[0][1] for n in bounds}, dataflow=False, objects_dir=objects_dir, linked=found)
+                              {n: parts[0][1] for n in bounds}, dataflow=False, objects_dir=objects_dir, linked=found,
+                              unbuilt=pending)
         first = relax.SeqExpr([bb._end_block()], first)
         bb._begin_binding_block()
         bb.emit_func_output(bb.emit(relax.If(relax.prim_value(sym.vars[name] <= parts[0][1]), first,
@@ -170,7 +178,7 @@ def _tensor_type(t, sym: Symbols) -> relax.TensorType:
 
 def _emit_kernels(bb, graph: Graph, plan, indices, target, inputs, wvars, weight_params, sym,
                   bounds: dict[str, int], dataflow: bool = True, objects_dir: str | Path | None = None,
-                  linked: dict | None = None) -> relax.Expr:
+                  linked: dict | None = None, unbuilt: dict | None = None) -> relax.Expr:
     """The plan kernels `indices` (global plan indices: kernel i calls PrimFunc `kernel_symbols(plan)[i]`,
     added to the module once) called in order inside one dataflow block of the function being
     built (`dataflow=False`: in the binding block the caller began, a branch of an `If`); returns
@@ -206,9 +214,11 @@ def _emit_kernels(bb, graph: Graph, plan, indices, target, inputs, wvars, weight
                     mod = kernel_module(graph, k, target, tune_dir, bounds)
                     check_bounds(mod)
                     obj = object_path(objects_dir, mod, target) if objects_dir is not None else None
-                    if obj is not None and obj.exists():
+                    if obj is not None:
                         linked[name] = obj
                         funcs[name] = None
+                        if not obj.exists():
+                            unbuilt[name] = mod
                     else:
                         funcs[name] = bb.add_func(relax_func(mod, name), name)
                 call = relax.call_tir(funcs[name], relax.Tuple(args), ty) if funcs[name] is not None \
@@ -248,22 +258,24 @@ def _relax_pipeline() -> tvm.transform.Pass:
 
 
 def build_executable(graph: Graph, plan, threads: int, machine=None, cache_dir: str | Path | None = None,
-                     objects_dir: str | Path | None = None) -> "Executable":
+                     objects_dir: str | Path | None = None, workers: int = 1) -> "Executable":
     """Compile the plan for this CPU: the executable with its (packed) weights. With `cache_dir`,
     a library compiled before from the same module, weights and tools is loaded instead of compiled
     again (`_compiled`), and the kernels whose object files the builders kept in `objects_dir` are
-    linked instead of compiled again (kernorch.backends.tvm.objects)."""
+    linked instead of compiled again (kernorch.backends.tvm.objects); those without one are
+    compiled into that directory first, `workers` at a time, and linked too."""
     target = make_target(threads, machine)
     params = weights(graph, plan)
     use = objects_dir if cache_dir is not None and objects_dir is not None and objects.available() else None
     linked: dict[str, Path] = {}
-    mod = build_module(graph, plan, target, params, use, linked)
+    unbuilt: dict[str, tvm.IRModule] = {}
+    mod = build_module(graph, plan, target, params, use, linked, unbuilt)
     if use is not None:
-        log.info("executable: %d kernels linked from their builds' objects, %d compiled", len(linked),
-                 sum(isinstance(f, tvm.tirx.PrimFunc) for f in mod.functions.values()))
+        log.info("executable: %d kernels linked from their builds' objects, %d compiled first", len(linked) - len(unbuilt),
+                 len(unbuilt))
     try:
-        ex, library = _compiled(mod, target, graph, params, cache_dir, linked)
-    except KernorchError as e:
+        ex, library = _compiled(mod, target, graph, params, cache_dir, linked, unbuilt, workers)
+    except (KernorchError, RuntimeError, OSError) as e:
         if not linked:
             raise
         log.warning("%s; compiling every kernel instead", e)
@@ -306,7 +318,8 @@ def compile_module(mod: tvm.IRModule, target):
 
 
 def _compiled(mod: tvm.IRModule, target, graph: Graph, params, cache_dir,
-              linked: Mapping[str, Path] | None = None) -> tuple[object, Path | None]:
+              linked: Mapping[str, Path] | None = None, unbuilt: Mapping[str, tvm.IRModule] | None = None,
+              workers: int = 1) -> tuple[object, Path | None]:
     """`mod` compiled (LLVM: most of an emit, 45 of yolox_tiny's 79 s on a Zen 4), or the library
     `cache_dir` holds for its `executable_key`; with the file it is kept in (None: not kept). A
     library that does not load is compiled again; one that cannot be stored is only logged.
@@ -315,7 +328,8 @@ def _compiled(mod: tvm.IRModule, target, graph: Graph, params, cache_dir,
     which the first VM made of it compiles to machine code again, as exporting it did (the
     transformer block over seq=1..512, Zen 4: 1.6 s of a 7.7 s emit; loading the file: 3 ms).
     `linked`: the kernels the module calls as external functions, with their object files (it then
-    runs only from the library, which links them)."""
+    runs only from the library, which links them); `unbuilt`: those of them whose object file is
+    compiled first (only when the library is, `workers` at a time)."""
     def compile_():
         return compile_module(mod, target)
     if cache_dir is None:  # (build_executable links objects only into a library it keeps)
@@ -332,6 +346,7 @@ def _compiled(mod: tvm.IRModule, target, graph: Graph, params, cache_dir,
             return ex, path
         except Exception as e:  # noqa: BLE001 - a damaged or foreign file: compile again
             log.warning("cached executable %s did not load (%s); compiling again", path, str(e).splitlines()[0])
+    objects.compile_objects(unbuilt or {}, linked or {}, target, workers)
     ex = compile_()
     try:
         cache.mkdir(parents=True, exist_ok=True)
