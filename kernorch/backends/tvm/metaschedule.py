@@ -27,8 +27,7 @@ from tvm import s_tir
 from tvm.s_tir import meta_schedule as ms
 
 from ...ir import KernorchError
-from .build import build
-from .passes import PIPELINE
+from .build import build, compile_kernel
 from .target import thread_env
 
 log = logging.getLogger(__name__)
@@ -38,7 +37,7 @@ def fast_build(mod, target, _params):
     """MetaSchedule f_build: tvm.compile without the per-worker tensor_intrin import."""
     from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod)
-    return tvm.compile(mod, target=target, tir_pipeline=PIPELINE).mod
+    return compile_kernel(mod, target).mod
 
 
 _OPEN: dict[str, tuple[tuple, ms.database.JSONDatabase]] = {}

@@ -15,7 +15,7 @@ Every kernel of a static plan links (the transformer block at seq=128, Zen 4: em
 against 0.8). Over a range a kernel with row copies is measured as built for its sample lengths
 only (`schedule`'s `at`: half the build), which is not the code the executable needs for every
 length, so those are compiled again (5 of that block's 12 kernels over seq=1..512 link): each
-alone into an object of its own, side by side (`compile_objects`), and linked like the others.
+alone into an object of its own, side by side (`build.compile_objects`), and linked like the others.
 """
 from __future__ import annotations
 
@@ -83,24 +83,6 @@ def export_keeping(executable, path: str, keep_as: str | Path | None) -> None:
             os.replace(tmp, keep_as)
         except OSError as e:
             log.warning("could not keep the kernel's object in %s: %s", keep_as.parent, e)
-
-
-def compile_objects(modules: Mapping[str, tvm.IRModule], files: Mapping[str, Path], target, workers: int) -> None:
-    """Compile each scheduled kernel module of `modules` ({call name: module}) and keep its object
-    at `files[name]`, as a builder does (`export_keeping`), `workers` kernels at a time: tvm.compile
-    releases the GIL, so threads of this process compile side by side (8 GEMM kernels over a
-    symbolic row count: 1.11 s in one thread, 0.59 in two, Xeon SPR class)."""
-    from concurrent.futures import ThreadPoolExecutor
-    if not modules:
-        return
-
-    def one(name: str) -> None:
-        with tempfile.TemporaryDirectory(prefix="kernorch-kernel-") as ws:
-            export_keeping(tvm.compile(modules[name], target=target, tir_pipeline=passes.PIPELINE), f"{ws}/k.so", files[name])
-        if not Path(files[name]).exists():
-            raise RuntimeError(f"compiling kernel {name} left no object file at {files[name]}")
-    with ThreadPoolExecutor(max(1, min(workers, len(modules)))) as pool:
-        list(pool.map(one, modules))
 
 
 def renamed(objects: Mapping[str, Path], workspace: str | Path) -> list[str]:

@@ -23,7 +23,7 @@ from ...kernels import variant_out_packs, variant_packs
 from ...layouts import kernel_io
 from ...timing import time_calls
 from .. import registry
-from .build import check_bounds, register_packed, relax_func
+from .build import check_bounds, compile_objects, register_packed, relax_func
 from ...dynamic import plan_buckets, plan_ranges
 from .lower import Symbols, lower
 from . import objects, passes
@@ -121,7 +121,7 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
     Every native kernel is then called as an external function, its object recorded in `linked`
     ({call name: file}) for the library to link; one whose file is not there yet (over a range, a
     kernel with row copies: measured built for its sample lengths only) is recorded in `unbuilt`
-    too ({call name: its scheduled module}), for `objects.compile_objects` to write the file first.
+    too ({call name: its scheduled module}), for `build.compile_objects` to write the file first.
     Without `objects_dir` every kernel is compiled in the module."""
     found = {} if linked is None else linked
     pending = {} if unbuilt is None else unbuilt
@@ -129,6 +129,10 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
     sym = Symbols()
     bounds = {name: hi for name, (_, hi) in plan_ranges(plan.meta).items()}
     attrs = {"tir_var_upper_bound": bounds} if bounds else None
+
+    def emit(indices, inputs, wvars, upper: dict[str, int], dataflow: bool = True) -> relax.Expr:
+        return _emit_kernels(bb, graph, plan, indices, target, inputs, wvars, weight_params, sym, upper,
+                             dataflow=dataflow, objects_dir=objects_dir, linked=found, unbuilt=pending)
 
     def params():
         inputs = [relax.Var(n, _tensor_type(t, sym)) for n, t in graph.inputs]
@@ -139,9 +143,7 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
     if not parts:
         inputs, wvars = params()
         with bb.function("main", inputs + wvars, attrs=attrs):
-            bb.emit_func_output(_emit_kernels(bb, graph, plan, range(len(plan.kernels)), target, inputs, wvars,
-                                              weight_params, sym, bounds, objects_dir=objects_dir, linked=found,
-                                              unbuilt=pending))
+            bb.emit_func_output(emit(range(len(plan.kernels)), inputs, wvars, bounds))
         return bb.get()
     def in_bucket(b: int) -> list[int]:
         return [i for i, k in enumerate(plan.kernels) if k.bucket == b]
@@ -150,10 +152,7 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
     for b, (_, hi) in enumerate(parts[1:], start=1):
         inputs, wvars = params()
         with bb.function(f"bucket{b}", inputs + wvars, attrs=attrs, private=True):
-            funcs.append(bb.emit_func_output(_emit_kernels(bb, graph, plan, in_bucket(b), target, inputs, wvars,
-                                                           weight_params, sym, {n: hi for n in bounds},
-                                                           objects_dir=objects_dir, linked=found,
-                                                           unbuilt=pending)))
+            funcs.append(bb.emit_func_output(emit(in_bucket(b), inputs, wvars, {n: hi for n in bounds})))
     inputs, wvars = params()
     (name, _), = plan_ranges(plan.meta).items()
     with bb.function("main", inputs + wvars, attrs=attrs):
@@ -162,9 +161,7 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
             call = relax.If(relax.prim_value(sym.vars[name] <= parts[b][1]),
                             relax.SeqExpr([], relax.Call(funcs[b - 1], inputs + wvars)), relax.SeqExpr([], call))
         bb._begin_binding_block()  # the first bucket's kernels in main itself, the others' functions called
-        first = _emit_kernels(bb, graph, plan, in_bucket(0), target, inputs, wvars, weight_params, sym,
-                              {n: parts[0][1] for n in bounds}, dataflow=False, objects_dir=objects_dir, linked=found,
-                              unbuilt=pending)
+        first = emit(in_bucket(0), inputs, wvars, {n: parts[0][1] for n in bounds}, dataflow=False)
         first = relax.SeqExpr([bb._end_block()], first)
         bb._begin_binding_block()
         bb.emit_func_output(bb.emit(relax.If(relax.prim_value(sym.vars[name] <= parts[0][1]), first,
@@ -271,7 +268,7 @@ def build_executable(graph: Graph, plan, threads: int, machine=None, cache_dir: 
     unbuilt: dict[str, tvm.IRModule] = {}
     mod = build_module(graph, plan, target, params, use, linked, unbuilt)
     if use is not None:
-        log.info("executable: %d kernels linked from their builds' objects, %d compiled first", len(linked) - len(unbuilt),
+        log.info("executable: %d kernels link their builds' objects, %d with no object yet", len(linked) - len(unbuilt),
                  len(unbuilt))
     try:
         ex, library = _compiled(mod, target, graph, params, cache_dir, linked, unbuilt, workers)
@@ -346,7 +343,7 @@ def _compiled(mod: tvm.IRModule, target, graph: Graph, params, cache_dir,
             return ex, path
         except Exception as e:  # noqa: BLE001 - a damaged or foreign file: compile again
             log.warning("cached executable %s did not load (%s); compiling again", path, str(e).splitlines()[0])
-    objects.compile_objects(unbuilt or {}, linked or {}, target, workers)
+    compile_objects(unbuilt or {}, linked or {}, target, workers)
     ex = compile_()
     try:
         cache.mkdir(parents=True, exist_ok=True)
