@@ -44,7 +44,7 @@ def _disturbed(m: Measurement, rng, noise: float, slow: float) -> Measurement:
 
 
 def replay(model: str, shapes: list[str], oracle: ProfileDB, policy: dict, seed: int, noise: float,
-           slow: float, threads: int, max_kernel_size: int) -> dict:
+           slow: float, threads: int, max_kernel_size: int, cost_model: str | None = None) -> dict:
     """One cold optimize whose measurements come from `oracle` (fusions disturbed); returns the
     plan's cost at the oracle's times, its cost as the run saw it, and what it measured."""
     rng = np.random.default_rng(seed)
@@ -78,7 +78,8 @@ def replay(model: str, shapes: list[str], oracle: ProfileDB, policy: dict, seed:
         with tempfile.TemporaryDirectory() as d:
             args = SimpleNamespace(shape=shapes, threads=threads, db=str(Path(d) / "replay.sqlite"),
                                    max_kernel_size=max_kernel_size, max_candidates=None, max_partition=None,
-                                   max_pointwise=None, lengths=None, samples=None, buckets=None, budget=None)
+                                   max_pointwise=None, lengths=None, samples=None, buckets=None, budget=None,
+                                   cost_model=cost_model)
             planned = pipeline.plan_model(model, options_from(args))
     finally:
         meas.measure, pipeline.settled, pipeline.suspects = real
@@ -110,6 +111,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", action="append", required=True)
     ap.add_argument("--policy", action="append", default=[],
                     help="NAME=VALUE[,NAME=VALUE]: kernorch.pipeline constants for one policy (none: as shipped)")
+    ap.add_argument("--cost-model", action="append", choices=("learned", "analytic"), default=None,
+                    help="pruning's estimates (kernorch optimize --cost-model); repeat it to replay each policy "
+                         "with each (default: as shipped)")
     ap.add_argument("--seeds", type=int, default=8)
     ap.add_argument("--noise", type=float, default=0.05, help="lognormal sigma of a fusion's timing")
     ap.add_argument("--slow", type=float, default=0.1, help="probability a fusion is timed in a slow phase")
@@ -119,11 +123,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     oracle = ProfileDB(args.oracle)
     results = {}
-    for text in args.policy or [""]:
+    for text, cost_model in ((t, c) for t in args.policy or [""] for c in args.cost_model or [None]):
         runs = [replay(args.model, args.shape, oracle, _policy(text), seed, args.noise, args.slow, args.threads,
-                       args.max_kernel_size) for seed in range(1, args.seeds + 1)]
-        results[text or "shipped"] = runs
-        print(f"{text or 'shipped'}: true cost {statistics.mean(r['true_ns'] for r in runs) / 1e3:.1f} us "
+                       args.max_kernel_size, cost_model) for seed in range(1, args.seeds + 1)]
+        name = ", ".join(filter(None, (text, cost_model and f"cost model {cost_model}"))) or "shipped"
+        results[name] = runs
+        print(f"{name}: true cost {statistics.mean(r['true_ns'] for r in runs) / 1e3:.1f} us "
               f"(min {min(r['true_ns'] for r in runs) / 1e3:.1f}, max {max(r['true_ns'] for r in runs) / 1e3:.1f}), "
               f"{statistics.mean(r['measured'] for r in runs):.0f} kernels measured, "
               f"{statistics.mean(r['rounds'] for r in runs):.1f} rounds over {len(runs)} seeds"

@@ -797,12 +797,19 @@ REFINE_BLOCK_SECONDS = 1.0
 # runs took 63 and 71 s (143 and 168 kernels), their executables 0.83-1.04x the time of the
 # 11-round run's at seq=1..512, alternated
 SETTLE_WITHIN = 0.08
+# a refine round's fill-up: at least this many pending fusions beside the wanted ones (more where a
+# solve takes longer than measuring them). Replayed against oracles of the transformer block (Xeon,
+# Sapphire Rapids class, 12 seeds each; replay-s45.md): over seq=1..512 16 measured 167 kernels and
+# 4 measured 144, static at seq=128 136 and 111, their plans at the true times within 0.1 % (0 took
+# more rounds and, static, a worse plan). Four cold range optimizes each, alternated: 76-102 s
+# (149-201 kernels) at 16 against 69-90 s (138-175) at 4
+FILL_MIN = 4
 
 
 def promising(measured: Measured, wanted, solve_s: float, plan=None, near: Mapping[str, int] | None = None) -> list:
     """What a refine round measures: the kernels the plan wants, then more pending fusions the
     solver would ask for in later rounds: as many as can be measured in about the time one solve
-    takes (between 16 and 512), so neither the solves nor the measurements dominate the loop, and
+    takes (between FILL_MIN and 512), so neither the solves nor the measurements dominate the loop, and
     no more than FILL_PER_FAMILY of one family.
 
     With the learned model, first the fusions it expects to save against their members alone
@@ -818,7 +825,7 @@ def promising(measured: Measured, wanted, solve_s: float, plan=None, near: Mappi
     wanted = list(dict.fromkeys(wanted))
     s = measured.stats
     per_kernel = s.seconds / s.measured if s.measured else 1.0
-    more = min(512, max(16, int(solve_s / max(per_kernel, 1e-3))))
+    more = min(512, max(FILL_MIN, int(solve_s / max(per_kernel, 1e-3))))
     skip = set(wanted)
     rest = (i for i in measured.pending if i not in skip)
     if near is not None:

@@ -542,23 +542,25 @@ def test_a_round_fills_up_with_one_fusion_of_each_family():
                           estimates={i: 500 + n for n, i in enumerate(ids)}, members_ns=dict.fromkeys(ids, 1000.0))
     assert pipeline.promising(m, [], solve_s=1.0) == [ids[0], ids[3], ids[5], ids[6]]
     assert pipeline.promising(m, ids[1:3], solve_s=1.0) == ids[1:3] + [ids[0], ids[3], ids[5], ids[6]]
-    with mock.patch.object(pipeline, "FILL_PER_FAMILY", 2):  # the third fusion around mm left out
-        assert pipeline.promising(m, [], solve_s=1.0) == ids[:2] + ids[3:]
+    with mock.patch.object(pipeline, "FILL_PER_FAMILY", 2), mock.patch.object(pipeline, "FILL_MIN", 16):
+        assert pipeline.promising(m, [], solve_s=1.0) == ids[:2] + ids[3:]  # the third fusion around mm left out
 
 
 def test_a_refine_round_measures_what_the_plan_wants_then_the_most_promising():
     """promising(): the wanted kernels first, then pending fusions by estimate / members alone,
-    as many as one solve's time measures (at least 16, at most 512)."""
+    as many as one solve's time measures (at least FILL_MIN, at most 512)."""
     from kernorch.measure import MeasureStats
     pending = {(f"k{i}", "tvm", "default"): _job(f"p{i}") for i in range(600)}
     promise = {i: (int(i[0][1:]) * 7919) % 600 / 600 for i in pending}
     m = pipeline.Measured({}, MeasureStats(measured=100, seconds=50.0), pending=pending,
                           estimates={i: 1000 * p for i, p in promise.items()}, members_ns={i: 1000.0 for i in pending})
     wanted = [("k5", "tvm", "default"), ("k9", "tvm", "default")]
-    few = pipeline.promising(m, wanted, solve_s=1.0)       # 0.5 s a kernel: 2 in a solve, 16 at least
-    assert few[:2] == wanted and len(few) == 2 + 16
     rest = sorted((i for i in pending if i not in wanted), key=lambda i: (promise[i], i))
-    assert few[2:] == rest[:16]
+    for floor in (4, 16):
+        with mock.patch.object(pipeline, "FILL_MIN", floor):
+            few = pipeline.promising(m, wanted, solve_s=1.0)       # 0.5 s a kernel: 2 in a solve, `floor` at least
+        assert few[:2] == wanted and len(few) == 2 + floor
+        assert few[2:] == rest[:floor]
     assert len(pipeline.promising(m, wanted, solve_s=20.0)) == 2 + 40
     assert len(pipeline.promising(m, wanted, solve_s=10_000.0)) == 2 + 512
 
@@ -574,7 +576,8 @@ def test_a_refine_round_fills_up_with_what_the_solver_may_still_ask_for():
     m = pipeline.Measured({}, MeasureStats(measured=100, seconds=50.0), pending={i: _job(i[0]) for i in ids},
                           estimates=estimates, members_ns=dict.fromkeys(ids, 1000.0), sigma=0.3,
                           predicted={i: (500.0 if i in saves else 10_000.0) for i in ids})
-    batch = pipeline.promising(m, [ids[39]], solve_s=1.0)
+    with mock.patch.object(pipeline, "FILL_MIN", 16):
+        batch = pipeline.promising(m, [ids[39]], solve_s=1.0)
     assert batch[0] == ids[39] and batch[1:4] == saves
     assert batch[4:] == ids[3:16]                    # 16 in all, the most attractive estimates next
     every = pipeline.promising(m, [], solve_s=1000.0)
