@@ -798,12 +798,12 @@ REFINE_BLOCK_SECONDS = 1.0
 # 11-round run's at seq=1..512, alternated
 SETTLE_WITHIN = 0.08
 # a refine round's fill-up: at least this many pending fusions beside the wanted ones (more where a
-# solve takes longer than measuring them). Replayed against oracles of the transformer block (Xeon,
-# Sapphire Rapids class, 12 seeds each; replay-s45.md): over seq=1..512 16 measured 167 kernels and
-# 4 measured 144, static at seq=128 136 and 111, their plans at the true times within 0.1 % (0 took
-# more rounds and, static, a worse plan). Four cold range optimizes each, alternated: 76-102 s
-# (149-201 kernels) at 16 against 69-90 s (138-175) at 4
-FILL_MIN = 4
+# solve takes longer than measuring them). 4 was tried (replay-s45.md, Xeon SPR class): replayed
+# against oracles of the transformer block (12 seeds) it measured 144 kernels against 167 over
+# seq=1..512 and 111 against 136 at seq=128, for plans of the same true cost, and four cold range
+# optimizes alternated took 0.75-1.01x the time; but two static optimizes at seq=512 each stopped at
+# a plan predicted 12-17 % slower than 16's (16.2-16.4 ms against 13.8-14.5), so 16 stays
+FILL_MIN = 16
 
 
 def promising(measured: Measured, wanted, solve_s: float, plan=None, near: Mapping[str, int] | None = None) -> list:
