@@ -191,7 +191,8 @@ def reduces_last_axis(graph: Graph, prim: Prim) -> bool:
 def attention_parts(graph: Graph, inside: Iterable[str]) -> tuple[str, tuple[str, ...], str] | None:
     """(the scores' matmul, the members between in graph order, the values' matmul) when `inside`
     holds two matmuls where the second contracts, over the first's columns, a row-wise function of
-    the first's result that holds a reduction over those columns (scores -> softmax -> x values):
+    the first's result that holds a reduction over those columns (scores -> softmax -> x values;
+    the members between include those read only after the values, a softmax's sum that divides them):
     one kernel computes it a row tile at a time, the scores of a row tile never leaving the cache.
     None otherwise."""
     inside = set(inside)
@@ -217,7 +218,29 @@ def attention_parts(graph: Graph, inside: Iterable[str]) -> tuple[str, tuple[str
             if t in inside and t not in up:
                 up.add(t)
                 todo.append(t)
-    chain = (down & up) - {s.name}
+    # ... and beside them, a member of the row-wise function read only after the values' matmul (a
+    # softmax's sum when the normalization follows the values: kernorch.rewrite.after_attention)
+    after, todo = {o.name}, [o.name]
+    while todo:
+        for c in graph.consumers.get(todo.pop(), ()):
+            if c.name in inside and c.name not in after:
+                after.add(c.name)
+                todo.append(c.name)
+    outputs, side, grew = set(graph.outputs), set(), True
+    while grew:
+        grew = False
+        for m in sorted(down - up - after - side):
+            if m not in outputs and all(c.name in inside and (c.name in up or c.name in after or c.name in side)
+                                        for c in graph.consumers.get(m, ())):
+                side.add(m)
+                grew = True
+    chain = ((down & up) | side) - {s.name}
+    if down - after - chain - {s.name} or any(m in outputs or any(c.name not in inside for c in graph.consumers.get(m, ()))
+                                              for m in chain):
+        # (a member that reads the probabilities but neither feeds the values nor follows them, or
+        # one read outside the kernel, such as the exp a softmax's sum outside it reads when the sum
+        # divides the values: a row tile's probabilities never leave it)
+        return None
     reduces = 0
     for m in chain:
         p = graph.by_name[m]

@@ -399,15 +399,21 @@ def test_a_row_reduction_after_a_bias_and_relu_runs_per_row_tile(tile, target):
     assert 'reduce_max_rf")' in mod["main"].script()  # the max by vector lanes, per row tile
 
 
-def attention_graph(m=50, d=32, n=128, batch=2):
+def attention_graph(m=50, d=32, n=128, batch=2, deferred=False):
     """Per batch: q[m, d] @ kt[d, n] scaled, a softmax over the n keys, @ v[n, d], heads moved
-    next to the rows (the transpose of a multi-head attention's output)."""
+    next to the rows (the transpose of a multi-head attention's output). `deferred`: the softmax's
+    normalization after the values, as kernorch.rewrite.after_attention leaves it (e @ v, times the
+    reciprocal of the sum)."""
     s, red, o = f32(batch, m, n), f32(batch, m, 1), f32(batch, m, d)
     ps = [make_prim("s", "matmul", ["q", "kt"], s), make_prim("sc", "mul", ["s", "c"], s),
           make_prim("mx", "reduce_max", ["sc"], red, axes=(-1,), keepdims=1), make_prim("sh", "sub", ["sc", "mx"], s),
-          make_prim("e", "exp", ["sh"], s), make_prim("z", "reduce_sum", ["e"], red, axes=(-1,), keepdims=1),
-          make_prim("p", "div", ["e", "z"], s), make_prim("o", "matmul", ["p", "v"], o),
-          make_prim("y", "transpose", ["o"], f32(m, batch, d), perm=(1, 0, 2))]
+          make_prim("e", "exp", ["sh"], s), make_prim("z", "reduce_sum", ["e"], red, axes=(-1,), keepdims=1)]
+    if deferred:
+        ps += [make_prim("inv", "reciprocal", ["z"], red), make_prim("u", "matmul", ["e", "v"], o),
+               make_prim("o", "mul", ["inv", "u"], o)]
+    else:
+        ps += [make_prim("p", "div", ["e", "z"], s), make_prim("o", "matmul", ["p", "v"], o)]
+    ps += [make_prim("y", "transpose", ["o"], f32(m, batch, d), perm=(1, 0, 2))]
     g = Graph((("q", f32(batch, m, d)), ("kt", f32(batch, d, n)), ("v", f32(batch, n, d))), ("y",), tuple(ps),
               constants={"c": np.full((1,), 0.125, np.float32)})
     return g, ["q", "kt", "c", "v"]
@@ -425,6 +431,23 @@ def test_attention_runs_row_tile_by_row_tile_in_one_parallel_loop(tile, shape, t
     text = mod["main"].script()
     assert text.count("T.parallel(") == (0 if tile.endswith("s") else 1)
     assert '_rf")' in text  # the reductions over the keys by vector lanes
+
+
+@pytest.mark.parametrize("tile", ["t8x32r", "t4x64r", "t6x64rs"])
+@pytest.mark.parametrize("shape", [dict(), dict(m=7, n=20)])
+def test_an_attention_normalized_after_its_values_is_one_kernel_normalizing_in_the_tile(tile, shape, target):
+    """With the softmax's division after the values (kernorch.rewrite.after_attention) the
+    attention is still one kernel of the attention rule, keys a multiple of the vectors or padded:
+    each row tile scales its probabilities by the reciprocal of its sums before the values'
+    contraction (TVM would not move the sum under the row tile with the division after the
+    values outside it); exact against the reference, which normalizes after the values."""
+    from kernorch.candidates import attention_parts
+    graph, inputs = attention_graph(deferred=True, **shape)
+    assert attention_parts(graph, [p.name for p in graph.prims]) is not None
+    mod = _run_variant(graph, inputs, tile, target)
+    text = mod["main"].script()
+    assert 'T.sblock("probs_normalized")' in text and 'T.sblock("mul")' not in text
+    assert "keys_padded" in text if shape else text.count("T.parallel(") == (0 if tile.endswith("s") else 1)
 
 
 @pytest.mark.parametrize("tile", ["t4x64r", "t14x32r"])

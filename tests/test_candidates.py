@@ -300,12 +300,23 @@ def test_legality_reasons(members, reason):
     assert legality(small_graph(), members, EnumOptions(max_pointwise=0)) == reason
 
 
-def attention_graph(axis=-1, chain=True, v_first=False):
-    """q @ kt, scaled, a softmax over `axis` (`chain=False`: a relu instead), then @ v (or v @ it)."""
+def attention_graph(axis=-1, chain=True, v_first=False, deferred=False):
+    """q @ kt, scaled, a softmax over `axis` (`chain=False`: a relu instead), then @ v (or v @ it).
+    `deferred`: the softmax's normalization after the values (kernorch.rewrite.after_attention)."""
     b = Builder()
     q, kt, v = b.input("q", (2, 8, 4)), b.input("kt", (2, 4, 8)), b.input("v", (2, 4, 8) if v_first else (2, 8, 4))
     b.add("matmul", q, kt, name="s")
     b.add("mul", "s", b.const("c", (1,)), name="sc")
+    if deferred:
+        b.add("reduce_max", "sc", axes=(axis,), keepdims=1, name="mx")
+        b.add("sub", "sc", "mx", name="sh")
+        b.add("exp", "sh", name="ex")
+        b.add("reduce_sum", "ex", axes=(axis,), keepdims=1, name="sm")
+        b.add("reciprocal", "sm", name="inv")
+        b.add("matmul", "ex", "v", name="u")
+        b.add("mul", "inv", "u", name="o")
+        b.add("neg", "o", name="y")
+        return b.graph()
     if chain:
         b.add("reduce_max", "sc", axes=(axis,), keepdims=1, name="mx")
         b.add("sub", "sc", "mx", name="sh")
@@ -328,6 +339,11 @@ ATTENTION = ("s", "sc", "mx", "sh", "ex", "sm", "p", "o")
     (dict(axis=-2), ATTENTION, TWO_LINEAR),  # a softmax over the queries needs all of them
     (dict(chain=False), ("s", "sc", "p", "o"), TWO_LINEAR),  # no reduction: two GEMMs
     (dict(v_first=True), ATTENTION, TWO_LINEAR),  # the probabilities as the right operand
+    # normalized after the values: one kernel with its normalization, not without it (the sum
+    # outside would read the tile's probabilities; inside without its division it has no place)
+    (dict(deferred=True), ("s", "sc", "mx", "sh", "ex", "sm", "inv", "u", "o"), None),
+    (dict(deferred=True), ("s", "sc", "mx", "sh", "ex", "u"), TWO_LINEAR),
+    (dict(deferred=True), ("s", "sc", "mx", "sh", "ex", "sm", "inv", "u"), TWO_LINEAR),
 ])
 def test_attention_is_the_one_legal_pair_of_linear_prims(kw, members, reason):
     assert legality(attention_graph(**kw), members) == reason

@@ -179,3 +179,47 @@ def test_segformer_decode_head_loses_most_of_its_flops():
     r = rewrite(load(str(SEGFORMER)))
     assert r.flops_before - r.flops_after > 8.5e9   # the decode head: 9.1 -> 0.5 GFLOP
     assert executor.compare_with_ort(str(SEGFORMER), fission(r.graph), seed=0)["logits"]["rel"] < 1e-4
+
+
+def attention_model(opset=17, axis=-1, seq=12, d=8, read_twice=False, probs_as_values=False):
+    """q @ k^T scaled, Softmax(axis), @ v: one head of attention. `read_twice`: the probabilities
+    are an output too; `probs_as_values`: they are the MatMul's right operand."""
+    inits = {"scale": np.array(d ** -0.5, np.float32)}
+    nodes = [helper.make_node("MatMul", ["q", "kt"], ["s"]), helper.make_node("Mul", ["s", "scale"], ["sc"]),
+             helper.make_node("Softmax", ["sc"], ["p"], **({} if axis is None else {"axis": axis}))]
+    nodes += [helper.make_node("MatMul", ["w", "p"] if probs_as_values else ["p", "v"], ["y"])]
+    ins = [helper.make_tensor_value_info("q", TensorProto.FLOAT, [2, seq, d]),
+           helper.make_tensor_value_info("kt", TensorProto.FLOAT, [2, d, seq]),
+           helper.make_tensor_value_info("w" if probs_as_values else "v", TensorProto.FLOAT, [2, seq, seq] if probs_as_values else [2, seq, d])]
+    outs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    outs += [helper.make_tensor_value_info("p", TensorProto.FLOAT, None)] if read_twice else []
+    g = helper.make_graph(nodes, "g", ins, outs, [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+    return onnx.shape_inference.infer_shapes(m)
+
+
+@pytest.mark.parametrize("opset", [13, 17, 18])
+def test_an_attentions_normalization_moves_after_its_values(opset):
+    """Softmax(x) @ V -> (exp(x - max) @ V) * 1 / sum: the division touches seq x d values instead
+    of seq x seq probabilities; each opset's reductions in its own form (axes an attribute or an
+    input); the result is ONNX Runtime's on the original model."""
+    m = attention_model(opset)
+    r = rewrite(load(m))
+    assert _rules(r.applied) == ["after_attention"] and r.flops_after == r.flops_before
+    ops = [n.op_type for n in r.graph.nodes]
+    assert "Softmax" not in ops and ops[-3:] == ["Reciprocal", "MatMul", "Mul"], ops
+    g = fission(r.graph)
+    last = g.by_name["y"]
+    assert last.op == "mul" and g.by_name[last.inputs[1]].op == "matmul"
+    assert g.by_name[g.by_name[last.inputs[1]].inputs[0]].op == "exp"   # the values read the unnormalized exp
+    assert executor.compare_with_ort(m, g, seed=opset)["y"]["rel"] < 1e-5
+
+
+@pytest.mark.parametrize("case", [dict(read_twice=True), dict(probs_as_values=True), dict(axis=1)])
+def test_an_attentions_normalization_stays_where_it_must(case):
+    """Not when the probabilities are read elsewhere, are the MatMul's right operand (the contraction
+    runs over their rows), or the softmax is over another axis."""
+    m = attention_model(**case)
+    r = rewrite(load(m))
+    assert r.applied == ()
+    assert executor.compare_with_ort(m, fission(r.graph), seed=3)["y"]["rel"] < 1e-5

@@ -194,7 +194,11 @@ def _lowered(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outpu
         params.append(ph)
     member_names = {p.name for p in members}
     padded = _PaddedAttention.of(graph, members, schedule, sym)
+    norm = _InTileNormalization.of(graph, members, schedule)
     for p in members:
+        if norm is not None and p.name == norm.final:
+            env[p.name] = env[norm.values]  # (normalized before the contraction: `_InTileNormalization`)
+            continue
         d = primitives.get(p.op)
         if d.te is None:
             raise KernorchError(f"prim {p.name} ({p.op}, from {p.origin or '?'}) has no TE compute; "
@@ -207,6 +211,8 @@ def _lowered(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outpu
         want = sym.type(p.type)
         if padded is not None and padded.padded(p.name):
             args, want = padded.operands(graph, p, args), padded.type(p.type)
+        if norm is not None and p.name == norm.values:
+            args = [norm.normalized(args[0], env[norm.row]), *args[1:]]
         if wino is not None and p.op == "conv":
             out = winograd_conv(T, args[0], args[1], p.a, want.shape, wino)
         else:
@@ -255,6 +261,52 @@ def _zero_padded(x, axis: int, length, padded, name: str):
     shape = list(x.shape)
     shape[axis] = padded
     return te.compute(tuple(shape), value, name=name)
+
+
+class _InTileNormalization:
+    """An attention kernel (kernorch.candidates.attention_parts) whose values' result is divided
+    (or multiplied) row by row by a member of its chain: the softmax normalization moved past the
+    values (kernorch.rewrite.after_attention), which spares a pass over the probabilities wherever
+    the softmax and the values are kernels of their own. Inside one kernel a row tile has its sums
+    before its values' contraction, so the kernel normalizes its probabilities there, in cache,
+    and the values' result is the kernel's (the same numbers up to rounding); as written, the
+    schedule could not place the sum: TVM moves a block under the row tile only with all of its
+    consumers, and the normalization after the values can follow the tile only with all of its
+    producers."""
+
+    def __init__(self, values: str, final: str, row: str, op: str):
+        self.values, self.final, self.row, self.op = values, final, row, op
+
+    @classmethod
+    def of(cls, graph: Graph, members: Sequence[Prim], schedule: str) -> "_InTileNormalization | None":
+        if Tile.parse(split(schedule)[1]) is None:
+            return None
+        inside = {p.name for p in members}
+        parts = attention_parts(graph, inside)
+        if parts is None:
+            return None
+        _, chain, values = parts
+        readers = graph.consumers.get(values, ())
+        if values in graph.outputs or len(readers) != 1 or readers[0].name not in inside:
+            return None
+        f = readers[0]
+        rows = [t for t in f.inputs if t != values]
+        if f.op not in ("mul", "div") or len(f.inputs) != 2 or len(rows) != 1 or rows[0] not in chain:
+            return None
+        if f.op == "div" and f.inputs[0] != values:
+            return None
+        probs = graph.type_of(graph.by_name[values].inputs[0]).shape
+        row = graph.type_of(rows[0]).shape
+        if tuple(f.type.shape) != tuple(graph.by_name[values].type.shape) or tuple(row) != (*probs[:-1], 1):
+            return None
+        return cls(values, f.name, rows[0], f.op)
+
+    def normalized(self, probs, row):
+        """The probabilities the values' contraction reads, each row scaled by its factor."""
+        def at(*i):
+            r = row(*i[:-1], _index(0, i[-1]))
+            return probs(*i) * r if self.op == "mul" else probs(*i) / r
+        return te.compute(probs.shape, at, name="probs_normalized")
 
 
 class _PaddedAttention:

@@ -1006,13 +1006,21 @@ def _bind_symbols(ana, expr, bounds) -> bool:
 
 
 def _vectorize_inner(sch, block, lanes: int, skip_outer: int = 0):
-    """Vectorize the innermost loop of `block` (split by `lanes` if long); returns the loops outside it."""
+    """Vectorize the innermost loop of `block` (split by `lanes` if long); returns the loops outside it.
+    A symbolic one (a row over seq keys) is split by `lanes` under a guard, which `_scheduled` turns
+    into whole vectors unguarded and the one across the length predicated. Left scalar, a softmax's
+    exp over seq keys (the block's scaled scores, max and exp, 4 heads, alone, hot, Zen 2, 2
+    threads) took 1.4 us at seq=7 and 2.6 at 13, 0.7 and 1.8 vectorized (1.19 -> 1.16 ms at 512)."""
     loops = list(sch.get_loops(block))[skip_outer:]
     if not loops:
         return []
     inner = loops[-1]
     ext = _extent(sch, inner)
-    if ext is None or ext < 2:
+    if ext is None:
+        outer_l, vec = _split(sch, inner, lanes)
+        sch.vectorize(vec)
+        return loops[:-1] + [outer_l]
+    if ext < 2:
         return loops
     if ext > lanes:
         factor = lanes if ext % lanes == 0 else _best_divisor(ext, lanes) or lanes
