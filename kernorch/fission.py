@@ -248,13 +248,31 @@ def op(*names: str):
 _UNARY = {"Neg": "neg", "Exp": "exp", "Log": "log", "Sqrt": "sqrt", "Reciprocal": "reciprocal", "Tanh": "tanh",
           "Erf": "erf", "Sigmoid": "sigmoid", "Relu": "relu", "Abs": "abs", "Floor": "floor", "Ceil": "ceil",
           "Round": "round", "Sin": "sin", "Cos": "cos", "Softplus": "softplus", "Not": "not"}
-_BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Div": "div", "Equal": "equal", "Less": "less",
+_BINARY = {"Add": "add", "Sub": "sub", "Mul": "mul", "Equal": "equal", "Less": "less",
            "Greater": "greater", "And": "and", "Or": "or"}
 
 for _o, _p in _UNARY.items():
     OPS[_o] = (lambda p: lambda b, n: b.emit(p, [b.x(n, 0)]))(_p)
 for _o, _p in _BINARY.items():
     OPS[_o] = (lambda p: lambda b, n: b.emit(p, [b.x(n, 0), b.x(n, 1)]))(_p)
+
+
+@op("Div")
+def _div(b, n):
+    """x / c by a float constant c (every element finite and nonzero, and so is its reciprocal) as
+    x * (1 / c), the reciprocal rounded once: a vector division costs several multiplies, and the
+    result differs by about an ulp (none where c is a power of two). The scaled scores of an
+    attention (divided by sqrt(64), twice in the softmax's row kernel: for its max and its exp) and
+    GELU's x / sqrt(2) are such divisions."""
+    x, y = b.x(n, 0), b.x(n, 1)
+    if b.is_const(y):
+        c = b.value(y)
+        if c.dtype.kind == "f" and c.size and np.all(np.isfinite(c)) and np.all(c != 0):
+            with np.errstate(over="ignore"):
+                inverse = (1.0 / c.astype(np.float64)).astype(c.dtype)
+            if np.all(np.isfinite(inverse)) and np.all(inverse != 0):
+                return b.emit("mul", [x, b.const(inverse, tag="reciprocal")])
+    return b.emit("div", [x, y])
 
 
 @op("LessOrEqual", "GreaterOrEqual")

@@ -113,6 +113,7 @@ case("Not", "Not", [X(3, 4, kind="b")], outs=(B,))
 for _op in ("Add", "Sub", "Mul", "Div"):
     case(_op, _op, [X(2, 3, 4), X(3, 1)])
 case("Div-const-scalar", "Div", [X(2, 3), f32(8.0).reshape(())])
+case("Div-const-tensor", "Div", [X(2, 3), f32(1.4142135, -3.0, 1e-3)])
 for _e in (2.0, 3.0, 0.5, 1.0, -1.0, 1.7):
     case(f"Pow-{_e}", "Pow", [X(2, 3, kind="pos"), np.array(_e, np.float32)])
 case("Pow-tensor", "Pow", [X(2, 3, kind="pos"), X(3)])
@@ -271,6 +272,25 @@ def test_upsample_shares_resize():
     node = og.nodes[0]
     og.nodes = [type(node)("up", "Upsample", (node.inputs[0], node.inputs[2]), node.outputs, {"mode": "nearest"})]
     np.testing.assert_array_equal(executor.run(fission(og), feeds_for([X(1, 2, 3, 4)]))["y0"], resized)
+
+
+@pytest.mark.parametrize("divisor, kept", [(f32(8.0).reshape(()), False), (f32(1.4142135, -3.0, 1e-3), False),
+                                            (f32(2.0, 0.0, 1.0), True), (f32(1e-39, 1.0, 1.0), True), (None, True)])
+def test_a_division_by_a_constant_multiplies_by_its_reciprocal(divisor, kept):
+    """x / c by a constant c is x times 1 / c (a vector division costs several multiplies); a divisor
+    that is not a constant, holds a zero, or whose reciprocal overflows (a subnormal) stays a
+    division. Within an ulp or two of ONNX Runtime's division, exact for a power of two."""
+    inputs = [X(2, 3), X(3) if divisor is None else divisor]
+    model = one_node("Div", inputs)
+    graph = fission(load(model))
+    assert [p.op for p in graph.prims] == (["div"] if kept else ["mul"])
+    feeds = feeds_for(inputs)
+    got = executor.run(graph, feeds)["y0"]
+    want = executor.ort_session(model, threads=1).run(None, feeds)[0]
+    if divisor is not None and divisor.ndim == 0:
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=3e-7, atol=0)
 
 
 def test_softmax_large_logits_stay_finite():
