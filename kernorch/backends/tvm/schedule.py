@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 #: also judged a branch only at the lengths that reach it, which passed kernels measured over the
 #: whole range that fail the check at a bucket's end (seq=108) when the executable is built.
 #: 52: a static row extent the tile does not divide runs its last tile in a reduction loop of its
-#: own, unguarded (`_peeled_tail`): tiles of 14 and 6 rows measured slow for it before.
+#: own, unguarded (`_peeled_tail`): tiles of 14 and 6 rows measured slow for it before; a masked
+#: pass over a symbolic length runs whole vectors unmasked (`_whole_vectors_unmasked`).
 SCHEDULES_VERSION = 52
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
@@ -332,8 +333,10 @@ def _is_update(s) -> bool:
 def _row_tail(loop, mr: int):
     """Of a reduction loop `loop` around a micro-kernel of `mr` unrolled rows: (the row loop's
     variable, the update block, its first row: the update's row index at row 0 of the tile), or
-    None where `loop` is not that (not one update and one such row loop under it, or a loop the
-    update does not reduce over)."""
+    None where `loop` is not that (not a serial loop, not one update and one such row loop under
+    it, or a loop the update does not reduce over)."""
+    if not isinstance(loop, tirx.For) or loop.kind != tirx.ForKind.SERIAL:
+        return None
     updates = found(loop, _is_update)
     unrolled = found(loop, lambda s: isinstance(s, tirx.For) and s.kind == tirx.ForKind.UNROLLED
                      and isinstance(s.extent, tirx.IntImm) and int(s.extent) == mr)
@@ -391,8 +394,6 @@ def _exact_tail(func: tirx.PrimFunc, rows, mr: int, lengths: Sequence[int]) -> t
             # a panel's last tile, the one a length leaves short, always runs the reduction loop
             # that fetches the next panel (`_prefetch_next_panel`): the other one stays as it is
             return tirx.IfThenElse(s.condition, rewrite(s.then_case, visit), s.else_case)
-        if not isinstance(s, tirx.For) or s.kind != tirx.ForKind.SERIAL:
-            return None
         tail = _row_tail(s, mr)
         if tail is None:
             return None
@@ -403,10 +404,7 @@ def _exact_tail(func: tirx.PrimFunc, rows, mr: int, lengths: Sequence[int]) -> t
             out = tirx.IfThenElse(left == c(n), _cut_rows(s, var, n), out)
         return tirx.IfThenElse(tirx.Or(left >= c(mr), rows > _tail_max(mr, left)), s, out)
 
-    body = rewrite(func.body, visit)
-    if body.same_as(func.body):
-        return func
-    return s_tir.transform.ConvertSSA()(tvm.IRModule({"main": func.with_body(body)}))["main"]
+    return _rewritten(func, visit)
 
 
 def _peeled_tail(func: tirx.PrimFunc, mr: int) -> tirx.PrimFunc:
@@ -429,8 +427,6 @@ def _peeled_tail(func: tirx.PrimFunc, mr: int) -> tirx.PrimFunc:
                        if _is_update(s) else None)
 
     def visit(s):
-        if not isinstance(s, tirx.For) or s.kind != tirx.ForKind.SERIAL:
-            return None
         tail = _row_tail(s, mr)
         if tail is None:
             return None
@@ -441,6 +437,12 @@ def _peeled_tail(func: tirx.PrimFunc, mr: int) -> tirx.PrimFunc:
         whole = first + tirx.const(mr, _dtype(first)) <= tirx.const(g[1], _dtype(first))
         return tirx.IfThenElse(whole, unguarded(s), unguarded(_cut_rows(s, var, g[1] % mr)))
 
+    return _rewritten(func, visit)
+
+
+def _rewritten(func: tirx.PrimFunc, visit) -> tirx.PrimFunc:
+    """`func` with its body rewritten by `visit` (tirwalk.rewrite), its variables made unique again
+    (a loop copied keeps its variables); `func` itself where nothing changed."""
     body = rewrite(func.body, visit)
     if body.same_as(func.body):
         return func
@@ -783,12 +785,52 @@ def _whole_vectors_unguarded(func: tirx.PrimFunc) -> tirx.PrimFunc:
     def visit(stmt):
         if not (isinstance(stmt, tirx.For) and stmt.kind == tirx.ForKind.VECTORIZED):
             return None
-        return split_lanes(stmt) or _whole_vectors_unpredicated(stmt)
+        return split_lanes(stmt) or _whole_vectors_unpredicated(stmt) or _whole_vectors_unmasked(stmt)
 
-    body = rewrite(func.body, visit)
-    if body.same_as(func.body):
-        return func
-    return s_tir.transform.ConvertSSA()(tvm.IRModule({"main": func.with_body(body)}))["main"]
+    return _rewritten(func, visit)
+
+
+def _whole_vectors_unmasked(loop):
+    """A vectorized block whose value blends by its lane's index against a symbolic length
+    (`Select(j * 16 + lane < seq, x, identity)`: the padded attention's reductions over the keys
+    and its probabilities, kernorch.backends.tvm.lower._PaddedAttention) as whole vectors: `x`
+    where every lane is inside the length, `identity` where none is, the blend only for the vector
+    across it. LLVM built each vector's mask from sixteen 64-bit lane indices (two compares, a
+    permute and a merge of masks per vector): the attention over seq=1..512 at 512 (6 heads of 64,
+    t4x64r, 2 threads, Xeon model 167) took 1.93 ms with its three masked passes and 1.55 without
+    them. None where the value holds no such Select (or Selects on more than one condition)."""
+    from tvm.sym.analyzer import Analyzer
+    realize = loop.body
+    if not isinstance(realize, s_tir.stmt.SBlockRealize) or not isinstance(realize.block.body, tirx.BufferStore):
+        return None
+    store = realize.block.body
+    conds: list = []
+    map_expr(store.value, lambda e: conds.append(e.condition) if isinstance(e, tirx.Select) else None)
+    if not conds or not all(tvm_ffi.structural_equal(c, conds[0]) for c in conds):
+        return None
+    cond, lane = conds[0], loop.loop_var
+    if not isinstance(cond, tirx.LT) or isinstance(Analyzer().simplify(cond.b), tirx.IntImm):
+        return None
+    ana = Analyzer()
+    for iv, v in zip(realize.block.iter_vars, realize.iter_values):
+        ana.bind(iv.var, v)
+    index, length = ana.simplify(cond.a), ana.simplify(cond.b)
+    if _uses(Analyzer().simplify(index - lane), lane) or _uses(length, lane) or not _uses(index, lane):
+        return None  # (the index must grow one by one with the lane)
+
+    def at(value):
+        a = Analyzer()
+        a.bind(lane, value)
+        return a.simplify(index)
+
+    def picked(branch):  # the block with every Select replaced by one of its values
+        value = map_expr(store.value, lambda e: branch(e) if isinstance(e, tirx.Select) else None)
+        block = with_body(realize.block, tirx.BufferStore(store.buffer, value, store.indices))
+        body = s_tir.stmt.SBlockRealize(realize.iter_values, realize.predicate, block)
+        return tirx.For(lane, loop.min, loop.extent, loop.kind, body, loop.thread_binding, loop.annotations)
+    first, last = at(loop.min), at(loop.min + loop.extent - 1)
+    return tirx.IfThenElse(last < length, picked(lambda e: e.true_value),
+                           tirx.IfThenElse(length <= first, picked(lambda e: e.false_value), loop))
 
 
 def _whole_vectors_unpredicated(loop):
