@@ -676,16 +676,20 @@ def test_a_contraction_over_seq_launches_threads_from_its_own_work_threshold(blo
     For a loop holding a contraction that threshold is multiply-adds (PARALLEL_MACS: each of its
     innermost iterations is one), not the elementwise PARALLEL_MIN_WORK: the scores over seq=7
     (6 heads, t8x32r, Zen 4, alone) took 7.0-7.4 us on two threads and 5.3 on one, launching
-    threads from 16384 multiply-adds. The padding copy of the keys keeps the elementwise threshold.
-    Right on both sides of the thresholds."""
+    threads from 16384 multiply-adds. The padding copy of the keys keeps the elementwise threshold,
+    or runs parallel where the scores do from FEEDING_MIN_WORK (its readers are then on both
+    cores). Right on both sides of the thresholds."""
     import importlib
     import tvm
     from kernorch.backends.tvm.tirwalk import found
     sched = importlib.import_module("kernorch.backends.tvm.schedule")
     scores, mod = _attention_scores(block[1], "t8x32r", threads=2)
-    flags = re.findall(r"branch\w* = T\.Select\((.*) >= T\.int64\((\d+)\), 1, 0\)", mod["main"].script())
-    assert sorted(int(n) for _, n in flags) == [sched.PARALLEL_MIN_WORK, sched.PARALLEL_MACS], flags
+    flags = re.findall(r"branch\w* = T\.Select\((.*), 1, 0\)", mod["main"].script())
+    thresholds = sorted(sorted(int(n) for n in re.findall(r">= T\.int64\((\d+)\)", f)) for f in flags if ">=" in f)
+    assert thresholds == [sorted([sched.PARALLEL_MIN_WORK, sched.FEEDING_MIN_WORK, sched.PARALLEL_MACS]),
+                          [sched.PARALLEL_MACS]], flags
     stores = found(mod["main"].body, lambda s: isinstance(s, tvm.tirx.BufferStore)
+                   and isinstance(s.value, tvm.tirx.Select) and isinstance(s.value.condition, tvm.tirx.GE)
                    and f"T.int64({sched.PARALLEL_MACS})" in str(s.value))
     work = stores[0].value.condition.a
     at7 = int(sched._at_lengths(work, "seq", np.array([7]))[0])
@@ -1726,6 +1730,26 @@ def test_an_attention_over_seq_masks_only_the_vector_across_the_length(block):
         if identity is not None:
             assert identity in stores, (name, stores)
     _right_at((kg, ins, kg.by_name[outs[0]]), mod, 1, (1, 15, 16, 17, 63, 64, 65, 100, 129), 1e-5)
+
+
+def test_an_attention_over_seq_copies_its_operands_in_parallel_where_it_computes_in_parallel(block):
+    """The padded attention's copies of its queries, keys and values are parallel wherever the
+    contraction after them is and they are not tiny (FEEDING_MIN_WORK), though each alone is less
+    work than a parallel loop's own threshold: copied by one thread, half of them was read by the
+    other core from the first one's caches (seq=32, 2 threads: 29 us against 16). A build for the
+    lengths it runs at keeps only the branches those take: at 64 (4 heads of 16) the three copies
+    and the row tiles are parallel loops, at 4 none is."""
+    from kernorch.backends.tvm.lower import lower
+    from kernorch.backends.tvm.schedule import schedule
+    from kernorch.backends.tvm.target import make_target
+    kg, ins, outs = _attention_kernel(block[1])
+    target = make_target(1)
+
+    def parallel_loops(length: int) -> int:
+        mod = schedule(lower(kg, kg.prims, ins, outs, "t4x64r"), target, "t4x64r", bounds={"seq": 512}, at=[length])
+        return mod["main"].script().count("T.parallel(")
+    assert parallel_loops(64) == 4
+    assert parallel_loops(4) == 0
 
 
 def test_an_attention_over_seq_holds_a_copy_in_narrow_key_tiles_for_short_lengths(block):
