@@ -417,12 +417,11 @@ def _peeled_tail(func: tirx.PrimFunc, mr: int) -> tirx.PrimFunc:
     around it spills the accumulators to the stack at every step (Xeon family 6 model 167, 2
     threads, hot: 512 x 384 x 384 in 14 x 32 tiles 273 GFLOP/s against 374 at 504 rows, which 14
     divides; 6 x 64 tiles 199 and 370). `func` unchanged where no update is guarded so."""
-    def guard(u):  # the update's guard on its tile's rows: (the row index, the row count) or None
+    def guarded_rows(u):  # the row count the update's guard `row < n` holds its tile's rows to, or None
         p = u.predicate
         if not isinstance(p, tirx.LT) or not isinstance(p.b, tirx.IntImm):
             return None
-        rows = [e for e in u.iter_values if tvm_ffi.structural_equal(e, p.a)]
-        return (p.a, int(p.b)) if rows else None
+        return int(p.b) if any(tvm_ffi.structural_equal(e, p.a) for e in u.iter_values) else None
 
     def unguarded(loop):
         return rewrite(loop, lambda s: s_tir.stmt.SBlockRealize(s.iter_values, True, s.block)
@@ -433,11 +432,11 @@ def _peeled_tail(func: tirx.PrimFunc, mr: int) -> tirx.PrimFunc:
         if tail is None:
             return None
         var, update, first = tail
-        g = guard(update)
-        if g is None or g[1] % mr == 0:
+        rows = guarded_rows(update)
+        if rows is None or rows % mr == 0:
             return None
-        whole = first + tirx.const(mr, _dtype(first)) <= tirx.const(g[1], _dtype(first))
-        return tirx.IfThenElse(whole, unguarded(s), unguarded(_cut_rows(s, var, g[1] % mr)))
+        whole = first + tirx.const(mr, _dtype(first)) <= tirx.const(rows, _dtype(first))
+        return tirx.IfThenElse(whole, unguarded(s), unguarded(_cut_rows(s, var, rows % mr)))
 
     return _rewritten(func, visit)
 
@@ -695,22 +694,23 @@ def _serial_when_small(func: tirx.PrimFunc) -> tirx.PrimFunc:
         _bind_symbols(ana, work, bounds)
         return ana.simplify(work), PARALLEL_MACS if _holds_contraction(st) else PARALLEL_MIN_WORK
 
-    def feeds(i: int):  # the later contraction loop that reads a buffer of the root loop i writes, or None
+    works = [parallel(i) for i in range(len(stmts))]
+
+    def feeds(i: int):  # a later parallel contraction loop sharing a buffer of the root with loop i (its copy), or None
         mine = [b for b in blk.alloc_buffers if any(b.same_as(x) for x in buffers(i))]
-        return next((j for j in range(i + 1, len(stmts)) if _holds_contraction(stmts[j]) and parallel(j)
+        return next((j for j in range(i + 1, len(stmts)) if works[j] is not None and _holds_contraction(stmts[j])
                      and any(b.same_as(x) for b in mine for x in buffers(j))), None)
 
     out, allocs = [], []
     for i, st in enumerate(stmts):
-        own_work = parallel(i)
-        if own_work is not None:
-            work, least = own_work
+        if works[i] is not None:
+            work, least = works[i]
             # (work that is enough at the shortest length stays parallel: the serial branch would be dead)
             if not isinstance(work, tirx.IntImm) and ana.const_int_bound(work).min_value < least:
                 cond = work >= tirx.const(least, "int64")
                 j = feeds(i) if least == PARALLEL_MIN_WORK else None
                 if j is not None:
-                    consumer, at_least = parallel(j)
+                    consumer, at_least = works[j]
                     cond = tirx.Or(cond, tirx.And(work >= tirx.const(FEEDING_MIN_WORK, "int64"),
                                                   consumer >= tirx.const(at_least, "int64")))
                 serial, own = _with_own_buffers(st, [b for b in blk.alloc_buffers if only(b, i)])
@@ -763,14 +763,6 @@ def _whole_vectors_unguarded(func: tirx.PrimFunc) -> tirx.PrimFunc:
     tile's copy-out) is split by `_whole_vectors_unpredicated`."""
     from tvm.sym.analyzer import Analyzer
 
-    def at_lane(expr, binding, lane, value):
-        ana = Analyzer()
-        for var, bound in binding:
-            ana.bind(var, bound)
-        if lane is not None:
-            ana.bind(lane, value)
-        return ana.simplify(expr)
-
     def split_lanes(loop):
         realize = loop.body
         if not isinstance(realize, s_tir.stmt.SBlockRealize):
@@ -779,15 +771,11 @@ def _whole_vectors_unguarded(func: tirx.PrimFunc) -> tirx.PrimFunc:
         if not (isinstance(store, tirx.BufferStore) and is_call(store.value, "if_then_else")):
             return None
         cond, then, other = store.value.args
-        if not isinstance(cond, tirx.LT) or isinstance(Analyzer().simplify(cond.b), tirx.IntImm):
+        span = _lane_span(loop, cond)
+        if span is None:
             return None
-        binding = [(iv.var, v) for iv, v in zip(realize.block.iter_vars, realize.iter_values)]
+        first, last, length = span
         lane = loop.loop_var
-        index, length = at_lane(cond.a, binding, None, None), at_lane(cond.b, binding, None, None)
-        if _uses(Analyzer().simplify(index - lane), lane) or _uses(length, lane):
-            return None  # (the index must grow one by one with the lane)
-        first = at_lane(index, [], lane, loop.min)
-        last = at_lane(index, [], lane, loop.min + loop.extent - 1)
         inside, clamped = then, None
         if _is(then, "TensorLoad"):  # (a BufferLoad) x[min(i, seq - 1)] -> x[i] where i < seq, and the other way
             last_in = cond.b - tirx.const(1, _dtype(cond.b))
@@ -819,6 +807,28 @@ def _whole_vectors_unguarded(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return _rewritten(func, visit)
 
 
+def _lane_span(loop, cond):
+    """For a vectorized `loop` over one block and a condition `index < length` of that block, with a
+    symbolic length and an index that grows one by one with the lane: (the index at the loop's
+    first lane, at its last, the length), the block's variables bound; None for any other condition."""
+    from tvm.sym.analyzer import Analyzer
+    if not isinstance(cond, tirx.LT) or isinstance(Analyzer().simplify(cond.b), tirx.IntImm):
+        return None
+    realize, lane = loop.body, loop.loop_var
+    ana = Analyzer()
+    for iv, v in zip(realize.block.iter_vars, realize.iter_values):
+        ana.bind(iv.var, v)
+    index, length = ana.simplify(cond.a), ana.simplify(cond.b)
+    if _uses(Analyzer().simplify(index - lane), lane) or _uses(length, lane):
+        return None
+
+    def at(value):
+        a = Analyzer()
+        a.bind(lane, value)
+        return a.simplify(index)
+    return at(loop.min), at(loop.min + loop.extent - 1), length
+
+
 def _whole_vectors_unmasked(loop):
     """A vectorized block whose value blends by its lane's index against a symbolic length
     (`Select(j * 16 + lane < seq, x, identity)`: the padded attention's reductions over the keys
@@ -828,7 +838,6 @@ def _whole_vectors_unmasked(loop):
     permute and a merge of masks per vector): the attention over seq=1..512 at 512 (6 heads of 64,
     t4x64r, 2 threads, Xeon model 167) took 1.93 ms with its three masked passes and 1.55 without
     them. None where the value holds no such Select (or Selects on more than one condition)."""
-    from tvm.sym.analyzer import Analyzer
     realize = loop.body
     if not isinstance(realize, s_tir.stmt.SBlockRealize) or not isinstance(realize.block.body, tirx.BufferStore):
         return None
@@ -837,27 +846,16 @@ def _whole_vectors_unmasked(loop):
     map_expr(store.value, lambda e: conds.append(e.condition) if isinstance(e, tirx.Select) else None)
     if not conds or not all(tvm_ffi.structural_equal(c, conds[0]) for c in conds):
         return None
-    cond, lane = conds[0], loop.loop_var
-    if not isinstance(cond, tirx.LT) or isinstance(Analyzer().simplify(cond.b), tirx.IntImm):
+    span = _lane_span(loop, conds[0])
+    if span is None:
         return None
-    ana = Analyzer()
-    for iv, v in zip(realize.block.iter_vars, realize.iter_values):
-        ana.bind(iv.var, v)
-    index, length = ana.simplify(cond.a), ana.simplify(cond.b)
-    if _uses(Analyzer().simplify(index - lane), lane) or _uses(length, lane) or not _uses(index, lane):
-        return None  # (the index must grow one by one with the lane)
-
-    def at(value):
-        a = Analyzer()
-        a.bind(lane, value)
-        return a.simplify(index)
+    first, last, length = span
 
     def picked(branch):  # the block with every Select replaced by one of its values
         value = map_expr(store.value, lambda e: branch(e) if isinstance(e, tirx.Select) else None)
         block = with_body(realize.block, tirx.BufferStore(store.buffer, value, store.indices))
         body = s_tir.stmt.SBlockRealize(realize.iter_values, realize.predicate, block)
-        return tirx.For(lane, loop.min, loop.extent, loop.kind, body, loop.thread_binding, loop.annotations)
-    first, last = at(loop.min), at(loop.min + loop.extent - 1)
+        return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, body, loop.thread_binding, loop.annotations)
     return tirx.IfThenElse(last < length, picked(lambda e: e.true_value),
                            tirx.IfThenElse(length <= first, picked(lambda e: e.false_value), loop))
 
