@@ -655,16 +655,27 @@ def test_attention_scores_over_seq_columns_keep_the_column_operand_copy_and_comp
     """The scores (seq x seq) have symbolic columns too: the rows of the left operand are read in
     place, clamped, but the operand read along the vectorized columns keeps its padding copy (a
     clamp there makes every vector load a gather: 3-4x slower at seq=512). The copy runs whole
-    vectors: a plain vector copy where every lane is inside the length, zeros where none is, and a
-    blend of clamped reads only for the vector across it (guarded lane by lane, the copy took most
-    of the scores' 8.7 us at seq=1 on a Zen 3). Right at lengths on both sides of a column tile
-    and of a vector."""
+    vectors: a plain vector copy where every lane is inside the length, zeros where none is, and
+    for the vector across it masked loads of the lanes inside (AVX's, 8 lanes each: guarded lane
+    by lane the copy took most of the scores' 8.7 us at seq=1 on a Zen 3; as a blend of clamped
+    reads each such vector was a gather of scalar loads, half of the fused attention's time at
+    seq=8 on a Xeon). Right at lengths on both sides of a column tile and of a vector."""
+    from kernorch.backends.tvm.schedule import MASKED_LOAD, MASKED_LANES
+    from kernorch.backends.tvm.target import make_target, vector_bits
     scores, mod = _attention_scores(block[1], "t4x32r", threads=1)
     script = mod["main"].script()
     pad = re.findall(r"(\w+_pad\w*)\[v0, v1, v2, v3\] = (.*)", script)   # the column operand's padding copy
     assert "if_then_else" not in script, script
-    assert {"plain", "zero", "blend"} <= {"zero" if v == "T.float32(0.0)" else "blend" if v.startswith("T.Select(")
-                                          and "T.min(v3, seq - T.int64(1))" in v else "plain" for _, v in pad}, pad
+    kinds = {"zero" if v == "T.float32(0.0)" else "blend" if v.startswith("T.Select(")
+             and "T.min(v3, seq - T.int64(1))" in v else "plain" for _, v in pad}
+    lanes = vector_bits(make_target(1)) // 32
+    if lanes % MASKED_LANES == 0:  # AVX: the vector across the length is loaded masked, never gathered
+        assert {"plain", "zero"} <= kinds and "blend" not in kinds, pad
+        masked = re.findall(r"(\w+_pad\w*)\[.*\] = T\.call_llvm_pure_intrin\(\"float32x(\d+)\", \"(.*?)\"", script)
+        per_vector = lanes // MASKED_LANES  # (in the copy's parallel and serial twins alike)
+        assert masked and len(masked) % per_vector == 0 and {m[2] for m in masked} == {MASKED_LOAD}, script
+    else:
+        assert {"plain", "zero", "blend"} <= kinds, pad
     assert script.count(" < seq:") >= 1 and script.count("seq <= ") >= 1, script  # whole vectors tested per vector
     assert re.search(r"T\.min\(v_i2, seq - T\.int64\(1\)\)", script), script   # rows clamped
     assert not re.search(r"T\.min\(v_i3, seq", script), script                     # columns not
