@@ -37,8 +37,9 @@ log = logging.getLogger(__name__)
 #: whole range that fail the check at a bucket's end (seq=108) when the executable is built.
 #: 52: a static row extent the tile does not divide runs its last tile in a reduction loop of its
 #: own, unguarded (`_peeled_tail`): tiles of 14 and 6 rows measured slow for it before; a masked
-#: pass over a symbolic length runs whole vectors unmasked (`_whole_vectors_unmasked`).
-SCHEDULES_VERSION = 52
+#: pass over a symbolic length runs whole vectors unmasked (`_whole_vectors_unmasked`). 53: a
+#: padding copy's vector across a symbolic length is loaded masked (`_masked_loads`).
+SCHEDULES_VERSION = 53
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
