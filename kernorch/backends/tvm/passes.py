@@ -242,6 +242,61 @@ def bound_symbols(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     return _map_funcs(mod, _bounded)
 
 
+# a loop annotation (kernorch.backends.tvm.schedule._in_launch): consecutive parallel loops with the
+# same value run in one parallel launch (`one_launch`)
+LAUNCH = "kernorch.launch"
+
+
+def _launched(seq: list) -> list:
+    """The statements of a sequence with each run of parallel loops marked LAUNCH alike (and the
+    buffer declarations among them, moved before it) in one parallel launch: TVM's
+    `pragma_parallel_launch_point` runs its body on every task, each parallel loop in it split
+    among them as a parallel loop of its own is, and `pragma_parallel_barrier_when_finish` waits
+    for every task at the end of each loop but the last."""
+    out, i = [], 0
+    while i < len(seq):
+        group = seq[i].annotations.get(LAUNCH) if isinstance(seq[i], tirx.For) else None
+        if group is None:
+            out.append(seq[i])
+            i += 1
+            continue
+        loops, decls, j = [], [], i
+        while j < len(seq):
+            st = seq[j]
+            if isinstance(st, (tirx.AllocBuffer, tirx.DeclBuffer)):
+                decls.append(st)
+            elif isinstance(st, tirx.For) and st.kind == tirx.ForKind.PARALLEL and st.annotations.get(LAUNCH) == group:
+                loops.append(st)
+            else:
+                break
+            j += 1
+        # (a declaration after the run's last loop stays where it was)
+        while j > i and not isinstance(seq[j - 1], tirx.For):
+            decls.pop()
+            j -= 1
+        if len(loops) > 1:
+            body = [tirx.AttrStmt(loop.loop_var, "pragma_parallel_barrier_when_finish", 1, loop) for loop in loops[:-1]]
+            out += [*decls, tirx.AttrStmt(loops[0].loop_var, "pragma_parallel_launch_point", 1,
+                                          tirx.SeqStmt([*body, loops[-1]]))]
+        else:
+            out += seq[i:j]
+        i = j
+    return out
+
+
+@tvm.transform.module_pass(opt_level=0, name="kernorch.OneLaunch")
+def one_launch(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
+    """Loops marked LAUNCH alike in one parallel launch (`_launched`), after LowerOpaqueBlock: the
+    buffers they share were placed at the root, before the first of them."""
+    def visit(stmt):
+        if isinstance(stmt, tirx.SeqStmt) and any(isinstance(s, tirx.For) and LAUNCH in s.annotations
+                                                  for s in stmt.seq):
+            seq = _launched([rewrite(s, visit) for s in stmt.seq])
+            return seq[0] if len(seq) == 1 else tirx.SeqStmt(seq)
+        return None
+    return _rewrite_funcs(mod, visit)
+
+
 def _lowering():
     """TVM 0.27's default lowering (tvm.s_tir.pipeline.default_s_tir_pipeline: its passes in its
     order, read from the same configuration) with `bound_symbols` and `let_repeated` first and the
@@ -268,7 +323,7 @@ def _lowering():
                   st.PlanAndUpdateBufferAllocationLocation(), st.ConvertBlocksToOpaque(),
                   hide_root_buffers, st.CompactBufferAllocation(), restore_root_buffers,
                   st.LowerMatchBuffer(), st.StmtSimplify(), st.AnnotateIrregularLoop(), st.LowerOpaqueBlock(),
-                  tx.FlattenBuffer(), tx.BF16ComputeLegalize(), tx.NarrowDataType(32), st.LoopPartition(),
+                  one_launch, tx.FlattenBuffer(), tx.BF16ComputeLegalize(), tx.NarrowDataType(32), st.LoopPartition(),
                   tx.VectorizeLoop(not bool(config.get("tirx.disable_vectorize", False)))]
         if not bool(config.get("tirx.disable_storage_rewrite", False)):
             passes.append(tx.StorageRewrite())

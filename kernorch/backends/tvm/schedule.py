@@ -24,6 +24,7 @@ from ...kernels.tiles import NARROW_KEYS, SERIAL_MAX_MACS, SMALL_ROWS, ran_copy,
 from ...kernels.variants import CONVERSIONS
 from .lower import (AT_LENGTH_FUNC, AT_LENGTH_WHEN, BOUNDS_ATTR, NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, ROWS_OUT,
                     UNPACK, VIEW, bounds_of, divisible)
+from .passes import LAUNCH
 from .tirwalk import buffers_in, found, is_call, loads, map_expr, operands, rewrite, substitute_buffers, with_body
 from .target import vector_bits
 
@@ -38,8 +39,9 @@ log = logging.getLogger(__name__)
 #: 52: a static row extent the tile does not divide runs its last tile in a reduction loop of its
 #: own, unguarded (`_peeled_tail`): tiles of 14 and 6 rows measured slow for it before; a masked
 #: pass over a symbolic length runs whole vectors unmasked (`_whole_vectors_unmasked`). 53: a
-#: padding copy's vector across a symbolic length is loaded masked (`_masked_loads`).
-SCHEDULES_VERSION = 53
+#: padding copy's vector across a symbolic length is loaded masked (`_masked_loads`). 54: the
+#: copies feeding a parallel contraction run in its parallel launch (`ONE_LAUNCH`).
+SCHEDULES_VERSION = 54
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -702,7 +704,8 @@ def _serial_when_small(func: tirx.PrimFunc) -> tirx.PrimFunc:
         return next((j for j in range(i + 1, len(stmts)) if works[j] is not None and _holds_contraction(stmts[j])
                      and any(b.same_as(x) for b in mine for x in buffers(j))), None)
 
-    out, allocs = [], []
+    branches, allocs = list(stmts), []   # each root statement, decided (a parallel and a serial twin)
+    conds: dict = {}   # the root loops so decided: their condition for running parallel, their serial twin
     for i, st in enumerate(stmts):
         if works[i] is not None:
             work, least = works[i]
@@ -717,12 +720,39 @@ def _serial_when_small(func: tirx.PrimFunc) -> tirx.PrimFunc:
                 serial, own = _with_own_buffers(st, [b for b in blk.alloc_buffers if only(b, i)])
                 serial = tirx.For(serial.loop_var, serial.min, serial.extent, tirx.ForKind.SERIAL, serial.body,
                                   serial.thread_binding, serial.annotations)
-                st, flag = _opaque_branch(cond, st, serial)
+                conds[i] = (cond, serial)
+                branches[i], flag = _opaque_branch(cond, st, serial)
                 allocs += [*own, flag]
-        out.append(st)
     if not allocs:
         return func
+    out, i = [], 0
+    while i < len(stmts):  # the loops feeding a parallel contraction right after them run in its launch
+        j = feeds(i) if ONE_LAUNCH and works[i] is not None else None
+        run = list(range(i, j + 1)) if j is not None and all(works[k] is not None and feeds(k) == j
+                                                              for k in range(i, j)) else [i]
+        if len(run) == 1:
+            out.append(branches[i])
+        else:
+            launch = tirx.SeqStmt([_in_launch(stmts[k], j) for k in run])
+            if j in conds:
+                cond, serial = conds[j]
+                launch, flag = _opaque_branch(cond, launch, tirx.SeqStmt([*(branches[k] for k in run[:-1]), serial]))
+                allocs.append(flag)
+            out.append(launch)
+        i = run[-1] + 1
     return _with_root_body(func, tirx.SeqStmt(out) if len(out) > 1 else out[0], list(blk.alloc_buffers) + allocs)
+
+
+# Loops writing what a parallel contraction of the kernel reads next (the padded attention's copies
+# of its queries, keys and values) run in that contraction's parallel launch, each task its share of
+# each loop, with a barrier before the contraction (`passes.one_launch`), instead of a launch each
+ONE_LAUNCH = True
+
+
+def _in_launch(loop, group: int):
+    """`loop` (parallel) marked to share one parallel launch with the loops of its `group`."""
+    return tirx.For(loop.loop_var, loop.min, loop.extent, tirx.ForKind.PARALLEL, loop.body, loop.thread_binding,
+                    {**loop.annotations, LAUNCH: group})
 
 
 def _holds_contraction(stmt) -> bool:
