@@ -275,9 +275,9 @@ def _launched(seq: list) -> list:
             decls.pop()
             j -= 1
         if len(loops) > 1:
-            body = [tirx.AttrStmt(loop.loop_var, "pragma_parallel_barrier_when_finish", 1, loop) for loop in loops[:-1]]
-            out += [*decls, tirx.AttrStmt(loops[0].loop_var, "pragma_parallel_launch_point", 1,
-                                          tirx.SeqStmt([*body, loops[-1]]))]
+            node = tvm.ir.expr.StringImm(LAUNCH)  # (the code generator reads only the key)
+            body = [tirx.AttrStmt(node, "pragma_parallel_barrier_when_finish", 1, loop) for loop in loops[:-1]]
+            out += [*decls, tirx.AttrStmt(node, "pragma_parallel_launch_point", 1, tirx.SeqStmt([*body, loops[-1]]))]
         else:
             out += seq[i:j]
         i = j
