@@ -8,6 +8,7 @@ on a Relax module leave it alone.
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import replace
 from typing import Callable, Sequence
@@ -691,19 +692,22 @@ def _serial_when_small(func: tirx.PrimFunc) -> tirx.PrimFunc:
     def only(buf, i: int) -> bool:  # a buffer of the root that only statement i touches
         return all(any(buf.same_as(b) for b in buffers(j)) == (j == i) for j in range(len(stmts)))
 
+    loops = [isinstance(st, tirx.For) and st.kind == tirx.ForKind.PARALLEL for st in stmts]  # the root parallel loops
+    contracts = [loop and _holds_contraction(st) for loop, st in zip(loops, stmts)]  # ... holding a contraction
+
     def parallel(i: int):  # (the work of root loop i, the least work it is parallel for) or None
-        st = stmts[i]
-        if not (isinstance(st, tirx.For) and st.kind == tirx.ForKind.PARALLEL):
+        if not loops[i]:
             return None
-        work = st.extent * _iterations(st.body)
+        work = stmts[i].extent * _iterations(stmts[i].body)
         _bind_symbols(ana, work, bounds)
-        return ana.simplify(work), PARALLEL_MACS if _holds_contraction(st) else PARALLEL_MIN_WORK
+        return ana.simplify(work), PARALLEL_MACS if contracts[i] else PARALLEL_MIN_WORK
 
     works = [parallel(i) for i in range(len(stmts))]
 
+    @functools.cache
     def feeds(i: int):  # a later parallel contraction loop sharing a buffer of the root with loop i (its copy), or None
         mine = [b for b in blk.alloc_buffers if any(b.same_as(x) for x in buffers(i))]
-        return next((j for j in range(i + 1, len(stmts)) if works[j] is not None and _holds_contraction(stmts[j])
+        return next((j for j in range(i + 1, len(stmts)) if contracts[j]
                      and any(b.same_as(x) for b in mine for x in buffers(j))), None)
 
     branches, allocs = list(stmts), []   # each root statement, decided (a parallel and a serial twin)
