@@ -18,7 +18,7 @@ def optimize(model, target=None, *, runs: int = 20, **options):
     `options` are fields of `kernorch.options.Options` (threads, shapes as a dict, db_path, ranges as
     a dict such as {"seq": (1, 512)} for one executable over a symbolic dimension, buckets such as
     [8, 64] for a plan per bucket of that range with dispatch at run time, or "samples" for a plan
-    per length the range is timed at, ...).
+    per length the range is timed at, or "one" for one plan over the whole range, ...).
     `target` is a `Machine` (default: this host); only the host CPU can be measured today.
     """
     from .options import Machine, Options
@@ -32,6 +32,9 @@ def optimize(model, target=None, *, runs: int = 20, **options):
     if options.get("buckets") == "samples":  # a plan per length the range is timed at, dispatched at run time
         del options["buckets"]
         options["sample_plans"] = True
+    elif options.get("buckets") == "one":  # one plan for the whole range
+        del options["buckets"]
+        options["sample_gain"] = 0.0
     elif "buckets" in options:  # [8, 64]: a plan per bucket of the range (1..8, 9..64, 65..hi), dispatched at run time
         options["bucket_edges"] = tuple(int(v) for v in options.pop("buckets"))
     opts = Options().with_(**options)

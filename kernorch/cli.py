@@ -101,11 +101,13 @@ def _tuning_args(p: argparse.ArgumentParser) -> None:
                    help="observed values of the --shape range's dimension (integers in a text file): the range is "
                         "timed at their percentiles evenly spaced from the 10th to the 90th (--samples of them) "
                         "instead of its ends and the lengths between")
-    p.add_argument("--buckets", default=None, metavar="E1,E2|samples",
+    p.add_argument("--buckets", default=None, metavar="E1,E2|samples|one",
                    help="cut the --shape range after these lengths (8,64 over 1..512: 1..8, 9..64, 65..512); each "
                         "bucket gets its own plan and the executable dispatches on the length at run time; "
                         "'samples': a plan per length the range is timed at (1, 8, 64, 512), each refined there from "
-                        "the kernels measured over the range, each serving the lengths nearest it")
+                        "the kernels measured over the range, each serving the lengths nearest it; 'one': one plan "
+                        "for the whole range (by default a length the range is timed at gets its own plan, among "
+                        "the kernels measured, where that is predicted at least 3 %% faster there)")
     p.add_argument("--samples", type=int, default=None, metavar="N",
                    help="time every kernel over the --shape range at N lengths, its ends and N - 2 between them "
                         "evenly spaced on a log scale (default 4: 1, 8, 64, 512 over 1..512; 3: 1, 23, 512); "
@@ -157,12 +159,14 @@ def options_from(args) -> Options:
         from .dynamic import buckets
         if args.buckets.strip() == "samples":
             kw["sample_plans"] = True
+        elif args.buckets.strip() == "one":
+            kw["sample_gain"] = 0.0
         else:
             try:
                 kw["bucket_edges"] = tuple(int(v) for v in args.buckets.split(",") if v.strip())
             except ValueError:
                 raise KernorchError(f"--buckets {args.buckets!r}: expected lengths separated by commas, e.g. 8,64, "
-                                    "or 'samples'") from None
+                                    "or 'samples' or 'one'") from None
             buckets(kw["ranges"][0], kw["bucket_edges"])  # refuses bad edges now, with the range named
     if args.threads:
         kw["threads"] = args.threads

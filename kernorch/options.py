@@ -143,6 +143,12 @@ class Options:
     lengths: tuple[int, ...] = ()                     # observed values of that dimension (weights the range)
     bucket_edges: tuple[int, ...] = ()                # cut the range after these values: a plan per bucket
     sample_plans: bool = False                        # a plan per sample length of the range, its kernels measured over it
+    # over a range (without buckets), a sample length's own plan among the kernels measured serves the
+    # lengths nearest it where it is predicted this much faster there than the one plan (pipeline.
+    # sample_plans); 0: one plan. The transformer block over seq=1..512 (Xeon model 167, 2 threads):
+    # the plan of 512, predicted 4.2 % faster there, ran 6.6 % faster at 512 and 2.9 % at 300; the
+    # plans of 8 and 64, predicted 0.4-0.5 % faster, ran 5.6 % slower at 8 and 2.9 % at 32
+    sample_gain: float = 0.03
     # lengths a range is timed at (dynamic.points: 1, 8, 64, 512 over 1..512). Three (1, 23, 512) left
     # seq=7 to the plan of 23: a transformer block's one plan ran 1.21-1.30x the static plan there in
     # three builds, with four 1.08-1.15x in two (Zen 5, 2 threads), the other lengths alike

@@ -1169,8 +1169,8 @@ def _plan_buckets(model, options: Options, db: ProfileDB, machine: Machine, cloc
     for i, part in enumerate(parts):
         log.info("bucket %d of %d: %s=%d..%d", i + 1, len(parts), *part)
         lengths = tuple(v for v in options.lengths if bucket_of(parts, v) == i)  # none inside: its ends and middle
-        planned.append(_plan_range(model, options.with_(ranges=(part,), lengths=lengths, bucket_edges=()), db,
-                                   machine, clock))
+        planned.append(_plan_range(model, options.with_(ranges=(part,), lengths=lengths, bucket_edges=(),
+                                                        sample_gain=0.0), db, machine, clock))
     plan = _dispatch([p.plan for p in planned], parts, options, plan_meta(planned[0].loaded.source, machine, options))
     # what the report shows of measurements: the bucket that serves the middle length (a kernel
     # measured in several buckets has a time in each); the counts of every bucket
@@ -1263,9 +1263,10 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
                                                         machine, solve)
         if options.ranges and options.sample_plans:
             measured = refine_samples(loaded.graph, enumeration, measured, options, meta, db, machine, workers, clock)
-    if options.ranges and options.sample_plans:
+    if options.ranges and (options.sample_plans or options.sample_gain):
         with clock("orchestrate"):
-            plan = sample_plans(loaded.graph, enumeration, measured, options, meta, plan, db)
+            plan = sample_plans(loaded.graph, enumeration, measured, options, meta, plan, db,
+                                0.0 if options.sample_plans else options.sample_gain)
     return Planned(loaded, enumeration, measured, plan, tuning, clock.seconds, machine)
 
 
@@ -1306,18 +1307,32 @@ def refine_samples(graph: Graph, enumeration, measured: Measured, options: Optio
 
 
 def sample_plans(graph: Graph, enumeration, measured: Measured, options: Options, meta: Mapping[str, str],
-                 plan, db: ProfileDB | None = None):
+                 plan, db: ProfileDB | None = None, gain: float = 0.0):
     """Over a range, a plan per length its kernels were timed at (`Measured.at`: 1, 8, 64 and 512 over
     1..512), each the optimum there among the kernels measured (their times at that length): no
     kernel is measured again, and each is at least as fast there as `plan`, the one plan over
-    the range, whose kernels are among them. Each length of the range runs the plan of the sample
-    nearest it on a log scale (dynamic.sample_edges); neighbours whose plans came out the same
-    share a bucket. Returns `plan` when every sample's plan is the same (then it is the one plan),
-    else one plan that dispatches on the length (Plan.dispatch, as with `bucket_edges`)."""
+    the range, whose kernels are among them. With `gain`, a length keeps its own plan only where
+    that is predicted at least `gain` faster there than `plan` (both priced as the solver prices
+    them: each kernel's time there plus the kernel boundary); elsewhere `plan` serves it. Each
+    length of the range runs the plan of the sample nearest it on a log scale
+    (dynamic.sample_edges); neighbours whose plans came out the same share a bucket. Returns
+    `plan` when every sample's plan is the same (then it is the one plan), else one plan that
+    dispatches on the length (Plan.dispatch, as with `bucket_edges`)."""
     from .dynamic import cut, sample_edges
     lengths = [length for length, _ in measured.at]
     done = measured_only(measured)
-    at = [orchestrate(graph, enumeration, at_sample(done, k), options, meta, db=db) for k in range(len(lengths))]
+    boundary = int(meta.get("boundary_ns", 0))
+    at = []
+    for k, length in enumerate(lengths):
+        own = orchestrate(graph, enumeration, at_sample(done, k), options, meta, db=db)
+        if gain:
+            mine, ours = _cost_at(own, done, length, boundary), _cost_at(plan, done, length, boundary)
+            if mine is None or ours is None or mine > (1.0 - gain) * ours:
+                own = plan
+            else:
+                log.info("the plan of %s=%d: predicted %.1f %% faster there than the one plan (%d ns against %d)",
+                         options.ranges[0][0], length, 100 * (1 - mine / ours), mine, ours)
+        at.append(own)
     plans, edges = [at[0]], []
     for e, p in zip(sample_edges(options.ranges[0], lengths), at[1:]):
         if _kernels_of(p) != _kernels_of(plans[-1]):
@@ -1326,6 +1341,18 @@ def sample_plans(graph: Graph, enumeration, measured: Measured, options: Options
     if len(plans) == 1:
         return plan
     return _dispatch(plans, cut(options.ranges[0], edges), options, meta)
+
+
+def _cost_at(plan, measured: Measured, length: int, boundary_ns: int) -> int | None:
+    """What `plan` is predicted to take at `length` of the range: each kernel's measured time there
+    plus the kernel boundary (None: a kernel without a measurement)."""
+    total = 0
+    for k in plan.kernels:
+        m = measured.measurements.get((k.key, k.impl, k.schedule))
+        if m is None or not m.ok:
+            return None
+        total += _at_length(m, length).median_ns + boundary_ns
+    return total
 
 
 def _kernels_of(plan) -> tuple:

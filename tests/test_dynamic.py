@@ -1185,7 +1185,9 @@ def test_a_plan_per_sample_from_one_measurement(tmp_path, capsys):
     oracle: the one plan's kernels timed there); equal neighbours share a bucket. With the one
     plan's kernels made 20x slower at the first length, that length's plan differs: the executable
     dispatches (buckets cut by dynamic.sample_edges), each length runs its bucket's kernels, and it
-    is right against ONNX Runtime on both sides of the edges. `--buckets samples` on the command line."""
+    is right against ONNX Runtime on both sides of the edges. With a gain asked for (the default
+    over a range), a length keeps its own plan only where it is predicted that much faster there.
+    `--buckets samples` on the command line."""
     import onnxruntime as ort
     from dataclasses import replace
     from kernorch import cli, pipeline, runtime
@@ -1193,7 +1195,7 @@ def test_a_plan_per_sample_from_one_measurement(tmp_path, capsys):
     path = tmp_path / "block.onnx"
     onnx.save(examples.transformer_block(seq="seq"), str(path))
     options = Options(threads=1, max_kernel_size=2, repeats=3, min_repeat_ms=1.0, workers=2, compare_untuned=0,
-                      db_path=str(tmp_path / "db.sqlite"), ranges=(("seq", 1, 64),))
+                      db_path=str(tmp_path / "db.sqlite"), ranges=(("seq", 1, 64),), sample_gain=0.0)
     planned = pipeline.plan_model(str(path), options)
     one, measured, graph = planned.plan, planned.measured, planned.loaded.graph
     lengths = [length for length, _, _ in pipeline._lengths_at(options)]
@@ -1222,6 +1224,21 @@ def test_a_plan_per_sample_from_one_measurement(tmp_path, capsys):
                                  one.meta, one)
     parts = check(plan, slowed)
     assert parts and parts[0] == (1, 1) and parts[-1][1] == 64  # (the edge between 1 and 4: 1)
+    # with a gain asked for, a length keeps its own plan only where it is that much faster there than
+    # the one plan; elsewhere the one plan's kernels serve it (the default over a range: 3 %)
+    assert Options().sample_gain == 0.03
+    for gain in (0.03, 0.5):
+        gained = pipeline.sample_plans(graph, planned.enumeration, replace(measured, measurements=slowed), options,
+                                       one.meta, one, gain=gain)
+        got = dynamic.plan_buckets(gained.meta)
+        assert got and got[0] == (1, 1)  # 20x slower at 1: a plan of its own there
+        for b, (lo, hi) in enumerate(got):
+            length = next(v for v in lengths if lo <= v <= hi)
+            mine = gained.bucket(b)
+            assert (pipeline._kernels_of(mine) == pipeline._kernels_of(one)
+                    or at(mine, length, slowed) <= (1 - gain) * at(one, length, slowed)), (gain, lo, hi)
+    assert pipeline.sample_plans(graph, planned.enumeration, replace(measured, measurements=slowed), options,
+                                 one.meta, one, gain=0.999) is one
     compiled = pipeline.emit(graph, plan, options, Machine.host())
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     for s in (1, 2, 7, 8, 31, 32, 64):
@@ -1277,15 +1294,22 @@ def test_each_sample_length_gets_the_fusions_its_plan_wants_measured(tmp_path):
 
 def test_the_python_api_takes_buckets_as_edges_or_samples(monkeypatch):
     """kernorch.optimize(buckets=[8, 64]) cuts the range at the edges; buckets="samples" asks for a
-    plan per sample length (Options.sample_plans), with no edges."""
+    plan per sample length (Options.sample_plans), with no edges; buckets="one" for one plan over
+    the whole range (no sample's own plan however much faster: Options.sample_gain 0)."""
     import kernorch
     from kernorch import pipeline
     seen = []
     monkeypatch.setattr(pipeline, "optimize", lambda model, opts, runs: (seen.append(opts), (None, None))[1])
     kernorch.optimize("m.onnx", ranges={"seq": (1, 512)}, buckets=[8, 64])
     kernorch.optimize("m.onnx", ranges={"seq": (1, 512)}, buckets="samples")
+    kernorch.optimize("m.onnx", ranges={"seq": (1, 512)}, buckets="one")
     assert (seen[0].bucket_edges, seen[0].sample_plans) == ((8, 64), False)
     assert (seen[1].bucket_edges, seen[1].sample_plans) == ((), True)
+    assert (seen[2].bucket_edges, seen[2].sample_plans, seen[2].sample_gain) == ((), False, 0.0)
+    from kernorch import cli  # and on the command line
+    args = ["optimize", "m.onnx", "-o", "out", "--shape", "seq=1..512"]
+    assert cli.options_from(cli.parser().parse_args(args)).sample_gain == 0.03
+    assert cli.options_from(cli.parser().parse_args([*args, "--buckets", "one"])).sample_gain == 0.0
 
 
 def test_a_bert_like_encoder_over_a_range_matches_onnx_runtime(tmp_path):
