@@ -210,6 +210,11 @@ def bucket_weights(parts, lengths=()) -> list[float]:
     return [x / sum(logs) for x in logs]
 
 
+# a dispatching plan's meta key: "range" where its buckets' kernels were measured over the whole
+# range (pipeline.sample_plans), not each over its bucket (kernorch.backends.tvm.relax.build_module)
+BUCKET_BOUNDS = "bucket_bounds"
+
+
 def plan_buckets(meta) -> list[tuple[int, int]]:
     """The buckets of a plan that dispatches on its symbol (meta["buckets"]: "1..8,9..64,65..512"),
     as (lo, hi) pairs; [] for a plan that serves its range with one set of kernels."""

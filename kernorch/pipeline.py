@@ -1317,8 +1317,9 @@ def sample_plans(graph: Graph, enumeration, measured: Measured, options: Options
     length of the range runs the plan of the sample nearest it on a log scale
     (dynamic.sample_edges); neighbours whose plans came out the same share a bucket. Returns
     `plan` when every sample's plan is the same (then it is the one plan), else one plan that
-    dispatches on the length (Plan.dispatch, as with `bucket_edges`)."""
-    from .dynamic import cut, sample_edges
+    dispatches on the length (Plan.dispatch, as with `bucket_edges`), each bucket's kernels built
+    for the whole range, as they were measured (dynamic.BUCKET_BOUNDS)."""
+    from .dynamic import BUCKET_BOUNDS, cut, sample_edges
     lengths = [length for length, _ in measured.at]
     done = measured_only(measured)
     boundary = int(meta.get("boundary_ns", 0))
@@ -1340,7 +1341,7 @@ def sample_plans(graph: Graph, enumeration, measured: Measured, options: Options
             edges.append(e)
     if len(plans) == 1:
         return plan
-    return _dispatch(plans, cut(options.ranges[0], edges), options, meta)
+    return _dispatch(plans, cut(options.ranges[0], edges), options, {**meta, BUCKET_BOUNDS: "range"})
 
 
 def _cost_at(plan, measured: Measured, length: int, boundary_ns: int) -> int | None:

@@ -1179,18 +1179,20 @@ def test_sample_edges_give_each_length_the_sample_nearest_it_on_a_log_scale():
                 (lo, hi, values, v)
 
 
-def test_a_plan_per_sample_from_one_measurement(tmp_path, capsys):
+def test_a_plan_per_sample_from_one_measurement(tmp_path, capsys, monkeypatch):
     """pipeline.sample_plans over seq=1..64: a plan per length the range was timed at, chosen from
     the kernels measured once over the range, each no slower at its length than the one plan (the
     oracle: the one plan's kernels timed there); equal neighbours share a bucket. With the one
     plan's kernels made 20x slower at the first length, that length's plan differs: the executable
     dispatches (buckets cut by dynamic.sample_edges), each length runs its bucket's kernels, and it
-    is right against ONNX Runtime on both sides of the edges. With a gain asked for (the default
-    over a range), a length keeps its own plan only where it is predicted that much faster there.
+    is right against ONNX Runtime on both sides of the edges; its kernels are built for the whole
+    range, as measured. With a gain asked for (the default over a range), a length keeps its own
+    plan only where it is predicted that much faster there.
     `--buckets samples` on the command line."""
     import onnxruntime as ort
     from dataclasses import replace
     from kernorch import cli, pipeline, runtime
+    from kernorch.backends.tvm.target import make_target
     from kernorch.options import Machine, Options
     path = tmp_path / "block.onnx"
     onnx.save(examples.transformer_block(seq="seq"), str(path))
@@ -1239,7 +1241,18 @@ def test_a_plan_per_sample_from_one_measurement(tmp_path, capsys):
                     or at(mine, length, slowed) <= (1 - gain) * at(one, length, slowed)), (gain, lo, hi)
     assert pipeline.sample_plans(graph, planned.enumeration, replace(measured, measurements=slowed), options,
                                  one.meta, one, gain=0.999) is one
+    # its buckets' kernels are built for the whole range, as they were measured (and link their
+    # builders' objects); buckets planned each over its own lengths are built for their ends
+    from kernorch.backends.tvm import relax as rx
+    built, kernel_module = [], rx.kernel_module
+    monkeypatch.setattr(rx, "kernel_module", lambda *a: (built.append(dict(a[4])), kernel_module(*a))[1])
+    assert plan.meta[dynamic.BUCKET_BOUNDS] == "range"
     compiled = pipeline.emit(graph, plan, options, Machine.host())
+    assert built and all(b == {"seq": 64} for b in built), built
+    built.clear()
+    rx.build_module(graph, replace(plan, meta={k: v for k, v in plan.meta.items() if k != dynamic.BUCKET_BOUNDS}),
+                    make_target(1), rx.weights(graph, plan))
+    assert {b["seq"] for b in built} == {hi for _, hi in parts}, built
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     for s in (1, 2, 7, 8, 31, 32, 64):
         x = np.random.default_rng(s).standard_normal((1, s, 64)).astype(np.float32)

@@ -24,7 +24,7 @@ from ...layouts import kernel_io
 from ...timing import time_calls
 from .. import registry
 from .build import check_bounds, compile_objects, register_packed, relax_func
-from ...dynamic import plan_buckets, plan_ranges
+from ...dynamic import BUCKET_BOUNDS, plan_buckets, plan_ranges
 from .lower import Symbols, lower
 from . import objects, passes
 from .objects import object_path
@@ -117,6 +117,12 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
     branch that only calls allocates nothing. (The inline branch is built with BlockBuilder's
     `_begin_binding_block`/`_end_block`: TVM has no public scope for an `If` branch.)
 
+    Each bucket's kernels are scheduled for the largest length they were measured for: the
+    bucket's end where each bucket was planned over its own lengths (`--buckets 8,64`), the
+    range's where the plans were chosen among kernels measured over the whole range
+    (plan.meta[BUCKET_BOUNDS] "range": `pipeline.sample_plans`), so that they are the code timed
+    and link the objects their builders kept.
+
     `objects_dir`: where the builders kept the kernels' object files (kernorch.backends.tvm.objects).
     Every native kernel is then called as an external function, its object recorded in `linked`
     ({call name: file}) for the library to link; one whose file is not there yet (over a range, a
@@ -148,11 +154,14 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
     def in_bucket(b: int) -> list[int]:
         return [i for i, k in enumerate(plan.kernels) if k.bucket == b]
 
+    def upper(hi: int) -> dict[str, int]:  # what a bucket's kernels were measured for (BUCKET_BOUNDS)
+        return dict(bounds) if plan.meta.get(BUCKET_BOUNDS) == "range" else {n: hi for n in bounds}
+
     funcs = []
     for b, (_, hi) in enumerate(parts[1:], start=1):
         inputs, wvars = params()
         with bb.function(f"bucket{b}", inputs + wvars, attrs=attrs, private=True):
-            funcs.append(bb.emit_func_output(emit(in_bucket(b), inputs, wvars, {n: hi for n in bounds})))
+            funcs.append(bb.emit_func_output(emit(in_bucket(b), inputs, wvars, upper(hi))))
     inputs, wvars = params()
     (name, _), = plan_ranges(plan.meta).items()
     with bb.function("main", inputs + wvars, attrs=attrs):
@@ -161,7 +170,7 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
             call = relax.If(relax.prim_value(sym.vars[name] <= parts[b][1]),
                             relax.SeqExpr([], relax.Call(funcs[b - 1], inputs + wvars)), relax.SeqExpr([], call))
         bb._begin_binding_block()  # the first bucket's kernels in main itself, the others' functions called
-        first = emit(in_bucket(0), inputs, wvars, {n: parts[0][1] for n in bounds}, dataflow=False)
+        first = emit(in_bucket(0), inputs, wvars, upper(parts[0][1]), dataflow=False)
         first = relax.SeqExpr([bb._end_block()], first)
         bb._begin_binding_block()
         bb.emit_func_output(bb.emit(relax.If(relax.prim_value(sym.vars[name] <= parts[0][1]), first,
