@@ -966,15 +966,14 @@ def _inside(cond):
     evaluated lane by lane: the attention over seq=1..512 with its mask (6 heads of 64, t8x32r, 2
     threads, Xeon model 167) took 4.26 ms at 512 against 1.48 for its static copy."""
     from tvm.sym.analyzer import Analyzer
-    index, length = cond.a, cond.b
+    index, last, ana = cond.a, cond.b - 1, Analyzer()
 
     def visit(e):
         if isinstance(e, tirx.Select) and tvm_ffi.structural_equal(e.condition, cond):
             return map_expr(e.true_value, visit)
         if is_call(e, "if_then_else") and tvm_ffi.structural_equal(e.args[0], cond):
             return map_expr(e.args[1], visit)
-        if (isinstance(e, tirx.Min) and tvm_ffi.structural_equal(e.a, index)
-                and Analyzer().can_prove_equal(e.b, length - 1)):
+        if isinstance(e, tirx.Min) and tvm_ffi.structural_equal(e.a, index) and ana.can_prove_equal(e.b, last):
             return index
         return None
     return lambda e: map_expr(e, visit)
