@@ -11,6 +11,7 @@ import os
 import re
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -1326,3 +1327,16 @@ def test_schedule_primitives_run_without_tvms_per_call_type_checks():
     assert not checked
     assert sch_mod._without_type_checks(s_tir.Schedule) == 0  # (nothing left to unwrap)
     assert "split" in vars(s_tir.Schedule) and callable(s_tir.Schedule.split)
+
+
+def test_kernels_sharing_an_object_file_are_compiled_once(tmp_path, monkeypatch):
+    """A kernel called from two buckets of a dispatching plan, built for the same bounds, is one
+    object file: `compile_objects` compiles it once, however many call names share it."""
+    import importlib
+    build = importlib.import_module("kernorch.backends.tvm.build")
+    compiled = []
+    monkeypatch.setattr(build, "compile_kernel", lambda mod, target: (compiled.append(mod), mod)[1])
+    monkeypatch.setattr(build, "export_keeping", lambda ex, path, keep: Path(keep).write_bytes(b"o"))
+    files = {"k0": tmp_path / "a.o", "k1": tmp_path / "a.o", "k2": tmp_path / "b.o"}
+    build.compile_objects({"k0": "A", "k1": "A", "k2": "B"}, files, None, 2)
+    assert sorted(compiled) == ["A", "B"] and all(q.exists() for q in files.values())

@@ -1244,11 +1244,16 @@ def test_a_plan_per_sample_from_one_measurement(tmp_path, capsys, monkeypatch):
     # its buckets' kernels are built for the whole range, as they were measured (and link their
     # builders' objects); buckets planned each over its own lengths are built for their ends
     from kernorch.backends.tvm import relax as rx
-    built, kernel_module = [], rx.kernel_module
-    monkeypatch.setattr(rx, "kernel_module", lambda *a: (built.append(dict(a[4])), kernel_module(*a))[1])
+    built, kernel_module, idents = [], rx.kernel_module, []
+    monkeypatch.setattr(rx, "kernel_module", lambda *a: (built.append(dict(a[4])), idents.append(
+        (a[1].key, a[1].impl, a[1].schedule)), kernel_module(*a))[2])
     assert plan.meta[dynamic.BUCKET_BOUNDS] == "range"
     compiled = pipeline.emit(graph, plan, options, Machine.host())
     assert built and all(b == {"seq": 64} for b in built), built
+    # a kernel in several buckets, built for the same bounds, is scheduled once
+    shared = {(k.key, k.impl, k.schedule) for k in plan.kernels if k.bucket == 0} & \
+        {(k.key, k.impl, k.schedule) for k in plan.kernels if k.bucket > 0}
+    assert shared and len(idents) == len(set(idents)), idents
     built.clear()
     rx.build_module(graph, replace(plan, meta={k: v for k, v in plan.meta.items() if k != dynamic.BUCKET_BOUNDS}),
                     make_target(1), rx.weights(graph, plan))

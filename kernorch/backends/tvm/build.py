@@ -216,17 +216,18 @@ def compile_objects(modules: Mapping[str, tvm.IRModule], files: Mapping[str, Pat
     keep its object at `files[name]`, as a builder's export does (`export_keeping`), `workers`
     kernels at a time: tvm.compile releases the GIL, so threads of this process compile side by
     side (8 GEMM kernels over a symbolic row count: 1.11 s in one thread, 0.59 in two, Xeon SPR class)."""
-    if not modules:
+    once = {str(files[name]): name for name in modules}  # kernels sharing an object (one kernel in two buckets)
+    if not once:
         return
-    log.info("compiling %d kernels into their object files, %d at a time", len(modules), workers)
+    log.info("compiling %d kernels into their object files, %d at a time", len(once), workers)
 
     def one(name: str) -> None:
         with tempfile.TemporaryDirectory(prefix="kernorch-kernel-") as ws:
             export_keeping(compile_kernel(modules[name], target), f"{ws}/k.so", files[name])
         if not Path(files[name]).exists():
             raise RuntimeError(f"compiling kernel {name} left no object file at {files[name]}")
-    with ThreadPoolExecutor(max(1, min(workers, len(modules)))) as pool:
-        list(pool.map(one, modules))
+    with ThreadPoolExecutor(max(1, min(workers, len(once)))) as pool:
+        list(pool.map(one, once.values()))
 
 
 SYMBOLIC_PROBES = (1, 2, 7, 64)  # lengths a kernel over a symbolic dimension is bounds-checked at (and its end)

@@ -131,6 +131,7 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
     Without `objects_dir` every kernel is compiled in the module."""
     found = {} if linked is None else linked
     pending = {} if unbuilt is None else unbuilt
+    scheduled: dict = {}  # a kernel in several buckets, built for the same bounds: scheduled once
     bb = relax.BlockBuilder()
     sym = Symbols()
     bounds = {name: hi for name, (_, hi) in plan_ranges(plan.meta).items()}
@@ -138,7 +139,8 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
 
     def emit(indices, inputs, wvars, upper: dict[str, int], dataflow: bool = True) -> relax.Expr:
         return _emit_kernels(bb, graph, plan, indices, target, inputs, wvars, weight_params, sym, upper,
-                             dataflow=dataflow, objects_dir=objects_dir, linked=found, unbuilt=pending)
+                             dataflow=dataflow, objects_dir=objects_dir, linked=found, unbuilt=pending,
+                             scheduled=scheduled)
 
     def params():
         inputs = [relax.Var(n, _tensor_type(t, sym)) for n, t in graph.inputs]
@@ -184,13 +186,15 @@ def _tensor_type(t, sym: Symbols) -> relax.TensorType:
 
 def _emit_kernels(bb, graph: Graph, plan, indices, target, inputs, wvars, weight_params, sym,
                   bounds: dict[str, int], dataflow: bool = True, objects_dir: str | Path | None = None,
-                  linked: dict | None = None, unbuilt: dict | None = None) -> relax.Expr:
+                  linked: dict | None = None, unbuilt: dict | None = None,
+                  scheduled: dict | None = None) -> relax.Expr:
     """The plan kernels `indices` (global plan indices: kernel i calls PrimFunc `kernel_symbols(plan)[i]`,
     added to the module once) called in order inside one dataflow block of the function being
     built (`dataflow=False`: in the binding block the caller began, a branch of an `If`); returns
     its output tuple. `bounds`: the largest value of each symbol these kernels serve (their
     bucket's or the range's end), with which they were measured. `objects_dir`, `linked`: as
-    `build_module` takes them."""
+    `build_module` takes them. `scheduled`: the scheduled module and object file of each (key,
+    implementation, schedule, bounds) met so far, in this bucket or another."""
     wvar = {(t, layout): v for (t, layout, _), v in zip(weight_params, wvars)}
     symbols = kernel_symbols(plan)
     funcs: dict = {}  # (a symbol serves one bucket: every call of it is in this block)
@@ -217,9 +221,14 @@ def _emit_kernels(bb, graph: Graph, plan, indices, target, inputs, wvars, weight
             name = symbols[i]
             if native:
                 if name not in funcs:
-                    mod = kernel_module(graph, k, target, tune_dir, bounds)
-                    check_bounds(mod)
-                    obj = object_path(objects_dir, mod, target) if objects_dir is not None else None
+                    ident = (k.key, k.impl, k.schedule, tuple(sorted(bounds.items())))
+                    if scheduled is None or ident not in scheduled:
+                        mod = kernel_module(graph, k, target, tune_dir, bounds)
+                        check_bounds(mod)
+                        obj = object_path(objects_dir, mod, target) if objects_dir is not None else None
+                        if scheduled is not None:
+                            scheduled[ident] = (mod, obj)
+                    mod, obj = scheduled[ident] if scheduled is not None else (mod, obj)
                     if obj is not None:
                         linked[name] = obj
                         funcs[name] = None
@@ -277,8 +286,8 @@ def build_executable(graph: Graph, plan, threads: int, machine=None, cache_dir: 
     unbuilt: dict[str, tvm.IRModule] = {}
     mod = build_module(graph, plan, target, params, use, linked, unbuilt)
     if use is not None:
-        log.info("executable: %d kernels link their builds' objects, %d with no object yet", len(linked) - len(unbuilt),
-                 len(unbuilt))
+        log.info("executable: %d kernels link their builds' objects, %d with no object yet",
+                 len(set(linked.values()) - {linked[n] for n in unbuilt}), len({linked[n] for n in unbuilt}))
     try:
         ex, library = _compiled(mod, target, graph, params, cache_dir, linked, unbuilt, workers)
     except (KernorchError, RuntimeError, OSError) as e:
