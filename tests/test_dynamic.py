@@ -385,14 +385,13 @@ def test_copies_of_a_kernel_hold_only_the_loops_some_length_reaches(block, monke
 
 def test_a_packed_tile_over_symbolic_rows_prefetches_the_next_weight_panel(monkeypatch):
     """Over seq rows the number of row tiles sharing a weight panel is known at run time only: in
-    each copy of the tile (the 2-row one and the main one) the panel's last tiles fetch two lines
-    of the next panel a step of their reduction loop (as many as the panel needs, up to
-    PREFETCH_PER_STEP), tile t from the last the lines 2*t*K.., guarded by the panel's line count;
-    the other tiles run a reduction loop with no prefetch code in it (on a Zen 3 the guard in every
-    tile's loop made the GEMM 1.3x slower at seq=512). At a line a step, a length of one tile per
-    panel fetched a quarter of each 64-column panel of a 384-deep weight. The one-row copy (seq=1)
-    fetches the next panel as a static kernel with one row tile does. The kernel stays right at
-    lengths that use one tile per panel, several, and many. (Built without the exact last tiles,
+    each copy of the tile (the 2-row one and the main one) the panel's first PREFETCH_SPREAD tiles
+    fetch a share of the next panel each (a quarter of its lines, from line t*share), spread over
+    the steps of their reduction loop as a static kernel's tiles do; the other tiles run a
+    reduction loop with no prefetch code in it (on a Zen 3 the guard in every tile's loop made the
+    GEMM 1.3x slower at seq=512). The one-row copy (seq=1) fetches the next panel as a static
+    kernel with one row tile does. The kernel stays right at lengths that use one tile per panel,
+    fewer than PREFETCH_SPREAD, exactly that many, and many. (Built without the exact last tiles,
     whose copies of the reduction loop would repeat each pattern, and with the elementwise threshold
     for threads, below whose multiply-adds threshold this small GEMM gets serial twins of its loops
     that would too: both have tests of their own.)"""
@@ -411,20 +410,21 @@ def test_a_packed_tile_over_symbolic_rows_prefetches_the_next_weight_panel(monke
     target = tb.make_target(1)
     mod = tb.schedule(tb.lower(g, g.prims, ["x", "w"], ["y"], "t6x64p"), target, "t6x64p", {"seq": 512})
     text = mod["main"].script()
-    # 96 x 64 floats a panel: 384 lines; tile t from the last fetches lines (t*96 + k)*2 + pf at step k
-    from kernorch.backends.tvm.schedule import PREFETCH_PER_STEP
-    assert PREFETCH_PER_STEP == 2
-    fetching = re.findall(r"if \(.*\) \* T.int64\(96\) \* T.int64\(2\) < T.int64\(384\):\n"
-                          r"\s+for k in range\(T.int64\(96\)\):\n\s+for pf in range\(T.int64\(2\)\):\n"
-                          r"\s+if \(\(.*\) \* T.int64\(96\) \+ k\) \* T.int64\(2\) \+ pf < T.int64\(384\):\n"
-                          r"\s+T.prefetch", text)
+    # 96 x 64 floats a panel: 384 lines; tile t < 4 of a panel fetches lines t*96 + k at step k
+    from kernorch.backends.tvm.schedule import PREFETCH_SPREAD
+    assert PREFETCH_SPREAD == 4
+    fetching = re.findall(r"if (.*) % T.Cast\(\"int64\", .*\) < T.int64\(4\):\n"
+                          r"\s+for k in range\(T.int64\(96\)\):\n"
+                          r"\s+if k \* T.int64\(96\) % T.int64\(96\) < T.int64\(96\):\n"
+                          r"\s+T.prefetch\(.*T.min\(\1 % T.Cast\(\"int64\", .*\) \* T.int64\(96\) "
+                          r"\+ k \* T.int64\(96\) // T.int64\(96\), T.int64\(383\)\)", text)
     assert len(fetching) == 2, text
     plain = re.findall(r"\n(\s+)else:\n\s+for k in range\(T.int64\(96\)\):\n((?:\1\s+.*\n)+)", text)
     assert len(plain) == 2 and not any("prefetch" in body for _, body in plain), text
     one_row = text[text.index("!= 0:"):text.index("\n    else:")]
     assert one_row.count("T.prefetch") == 1 and "for k in range(T.int64(96))" in one_row, one_row
     kernel = tb.build(mod, target)
-    for s in (1, 5, 13, 200):
+    for s in (1, 5, 13, 23, 24, 25, 200):
         b = dynamic.bind(g, {"seq": s})
         x = np.random.default_rng(s).standard_normal((s, 96)).astype(np.float32)
         got = kernel(*pack_args(b, ["x", "w"], "t6x64p", [x, w]), out_shapes=[(s, 128)])[0]

@@ -43,8 +43,9 @@ log = logging.getLogger(__name__)
 #: padding copy's vector across a symbolic length is loaded masked (`_masked_loads`). 54: the
 #: copies feeding a parallel contraction run in its parallel launch (`ONE_LAUNCH`). 55: where a
 #: whole vector of keys is inside the length, a mask added to the padded attention's scores is read
-#: by the key unguarded (`_inside`).
-SCHEDULES_VERSION = 55
+#: by the key unguarded (`_inside`). 56: over symbolic rows a panel's first tiles prefetch the next
+#: one, a share each (`PREFETCH_SPREAD`), not its last tile alone.
+SCHEDULES_VERSION = 56
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -1582,10 +1583,16 @@ def _packed_weight(stmt, fits):
     return None
 
 
-# over symbolic rows, the lines of the next weight panel a tile fetches per step of its reduction at
-# most: the last tile alone fetching a 64-column panel (1536 lines over 384 steps) at four a step
-# ran a seq=7 x 384 x 1536 GEMM in 110 us against 64 at two (weights cold, Zen 4, 2 threads)
-PREFETCH_PER_STEP = 2
+# over symbolic rows, the first tiles of a panel that fetch the next one, a share each, spread over
+# their steps as a static kernel's tiles do (32 rows in 8-row tiles: the static kernel's fetches).
+# Weights in L3, 2 threads, Xeon model 167, against the panel fetched by its last tile alone, two
+# lines a step: seq x 384 x 1536 t8x32p 111 us at seq=32 against 127 (the static kernel 110), 443
+# against 466 at 128, 1810 against 1871 at 512; seq x 1536 x 384 t8x32p 120 against 136 at 32 (static
+# 121), 46 against 52 at 4; over 3 or 8 tiles 127-133 us at 32. Where a panel has fewer tiles
+# (seq <= 24 here) only their shares are fetched: the same time or less at seq=1-16, but for
+# seq x 384 x 1536 t8x32p at 8 (48 against 45 us); its last tile fetching the rest too cost a
+# third copy of every reduction loop (compiles 1.6x as long).
+PREFETCH_SPREAD = 4
 
 
 def _prefetch_next_panel(sch, par, red_loop, weight, panels: int, tiles) -> bool:
@@ -1606,7 +1613,7 @@ def _prefetch_next_panel(sch, par, red_loop, weight, panels: int, tiles) -> bool
     450-470). LLVM keeps the accumulators in registers around a prefetch only because the tile is
     on the stack (passes.stack_small_buffers); in TVM's workspace it stored them to memory around
     every prefetch. `tiles` is an int, or over padded symbolic rows an expression of the length
-    (then the panel's last tiles fetch it, PREFETCH_PER_STEP lines a step at most, see below).
+    (then the panel's first PREFETCH_SPREAD tiles fetch it, see below).
     Returns False (nothing changed) if `par`'s body is not the sequence it expects."""
     loop = sch.get(par)
     body = loop.body
@@ -1636,38 +1643,32 @@ def _prefetch_next_panel(sch, par, red_loop, weight, panels: int, tiles) -> bool
         addr = tirx.address_of(tirx.BufferLoad(weight, [panel, *reversed(index)]))
         return tirx.Evaluate(tirx.call_intrin("void", "tirx.prefetch", addr, 0, 2, 1))
 
-    plain = None  # over symbolic rows, (the condition for a tile to fetch, the loop of the others)
-    if not static:  # the number of tiles per panel is known at run time only: the panel's last
-        # tiles fetch all of it, `per` lines a step, tile t (counted from the last) lines
-        # (t*steps + k)*per on at step k; the other tiles run the reduction loop as it was, without
-        # prefetch code. One loop for all, the fetch under its
-        # condition on k, took 1.3x as long hot on a Zen 3 (AVX2; a seq x 384 x 384 t6x16p GEMM at
-        # seq=512: 1260 against 960 us) where only one tile in 86 fetched. (A share computed at run
-        # time made LLVM spill the accumulators: 2.3x slower.) Spread over the last tiles a line a
-        # step, a length of one tile per panel fetched only the first `steps` lines of each (seq=7,
-        # 384 x 1536, 8-row copy, weights cold, Zen 4: 77 us, 66 for the static 7-row tile).
-        per = min(PREFETCH_PER_STEP, -(-lines // steps))
-        back = tiles - 1 - tirx.floormod(f, tiles)
-        i = tirx.Var("pf", k.ty.dtype)
-        line = (back * steps + k) * per + i
-        fetch = tirx.For(i, 0, per, tirx.ForKind.SERIAL, tirx.IfThenElse(line < lines, fetch_line(line), None))
-        plain = (back * steps * per < lines, red)
-    else:
-        share = -(-lines // tiles)
-
-        def prefetch(j):  # line `j` of this tile's share of the next panel (clamped to the panel's last line)
-            return fetch_line(tirx.min(tirx.floormod(f, tiles) * share + j, lines - 1))
+    def spread(t, share):  # tile t's `share` lines of the next panel (from line t*share, clamped to its last), spread
+        def prefetch(j):
+            return fetch_line(tirx.min(t * share + j, lines - 1))
         if share <= steps:  # at most a line per step: step k fetches line k*share//steps when it begins
-            fetch = tirx.IfThenElse(tirx.floormod(k * share, steps) < share,
-                                    prefetch(tirx.floordiv(k * share, steps)), None)
-        else:  # several lines per step (a conv's reduction over channel blocks): `per` each, in order
-            per = -(-share // steps)
-            i = tirx.Var("pf", "int32")
-            fetch = tirx.For(i, 0, per, tirx.ForKind.SERIAL, prefetch(tirx.min(k * per + i, share - 1)))
-    fetching = tirx.For(red.loop_var, red.min, red.extent, red.kind, tirx.SeqStmt([fetch, red.body]),
+            return tirx.IfThenElse(tirx.floormod(k * share, steps) < share, prefetch(tirx.floordiv(k * share, steps)),
+                                   None)
+        per = -(-share // steps)  # several lines a step (a conv's reduction over channel blocks): `per`, in order
+        i = tirx.Var("pf", k.ty.dtype)
+        return tirx.For(i, 0, per, tirx.ForKind.SERIAL, prefetch(tirx.min(k * per + i, share - 1)))
+
+    def fetching(fetch):  # the reduction loop with `fetch` at the start of each step
+        return tirx.For(red.loop_var, red.min, red.extent, red.kind, tirx.SeqStmt([fetch, red.body]),
                         red.thread_binding, red.annotations)
-    # (the two loops share the body's blocks: no schedule primitive may look one up after this)
-    seq[at] = fetching if plain is None else tirx.IfThenElse(plain[0], fetching, plain[1])
+
+    t = tirx.floormod(f, tiles)
+    if static:
+        body = fetching(spread(t, -(-lines // tiles)))
+    else:  # the number of tiles per panel is known at run time only: the panel's first PREFETCH_SPREAD
+        # tiles fetch a share each, spread over their steps (a panel of fewer tiles fetches only
+        # their shares); the other tiles run the reduction loop as it was, without prefetch code.
+        # One loop for all, the fetch under its condition on k, took 1.3x as long hot on a Zen 3
+        # (AVX2; a seq x 384 x 384 t6x16p GEMM at seq=512: 1260 against 960 us) where only one tile
+        # in 86 fetched; a share computed at run time made LLVM spill the accumulators (2.3x slower).
+        body = tirx.IfThenElse(t < PREFETCH_SPREAD, fetching(spread(t, -(-lines // PREFETCH_SPREAD))), red)
+    # (the loops share the body's blocks: no schedule primitive may look one up after this)
+    seq[at] = body
     new = tirx.For(f, loop.min, loop.extent, loop.kind, tirx.SeqStmt(seq), loop.thread_binding, loop.annotations)
     sch.state.replace(sch.get_sref(par), new)
     return True
