@@ -1141,6 +1141,12 @@ class Planned:
     tuning: dict | None
     seconds: Mapping[str, float]
     machine: Machine
+    # over a range, where `plan` dispatches among the sample lengths' own plans chosen by their
+    # predicted gain (`sample_plans`): the one plan and each sample's choice, for `optimize` to keep
+    # an own plan only where the executable runs it measurably faster (`measured_dispatch`)
+    one: Any = None
+    choices: tuple = ()
+    dispatch: Mapping[int, float] = field(default_factory=dict)   # per sample checked: own / one plan's time
 
 
 def plan_model(model, options: Options, db: ProfileDB | None = None, machine: Machine | None = None,
@@ -1263,11 +1269,16 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
                                                         machine, solve)
         if options.ranges and options.sample_plans:
             measured = refine_samples(loaded.graph, enumeration, measured, options, meta, db, machine, workers, clock)
+    one, choices = None, ()
     if options.ranges and (options.sample_plans or options.sample_gain):
         with clock("orchestrate"):
-            plan = sample_plans(loaded.graph, enumeration, measured, options, meta, plan, db,
-                                0.0 if options.sample_plans else options.sample_gain)
-    return Planned(loaded, enumeration, measured, plan, tuning, clock.seconds, machine)
+            gain = 0.0 if options.sample_plans else options.sample_gain
+            choices = sample_choices(loaded.graph, enumeration, measured, options, meta, plan, db, gain)
+            joined = joined_samples(choices, plan, measured, options, meta)
+        if gain and joined is not plan:
+            one = plan
+        plan = joined
+    return Planned(loaded, enumeration, measured, plan, tuning, clock.seconds, machine, one, tuple(choices))
 
 
 def measured_only(measured: Measured) -> Measured:
@@ -1318,8 +1329,15 @@ def sample_plans(graph: Graph, enumeration, measured: Measured, options: Options
     (dynamic.sample_edges); neighbours whose plans came out the same share a bucket. Returns
     `plan` when every sample's plan is the same (then it is the one plan), else one plan that
     dispatches on the length (Plan.dispatch, as with `bucket_edges`), each bucket's kernels built
-    for the whole range, as they were measured (dynamic.BUCKET_BOUNDS)."""
-    from .dynamic import BUCKET_BOUNDS, cut, sample_edges
+    for the whole range, as they were measured (dynamic.BUCKET_BOUNDS). (`sample_choices`, then
+    `joined_samples`.)"""
+    return joined_samples(sample_choices(graph, enumeration, measured, options, meta, plan, db, gain), plan,
+                          measured, options, meta)
+
+
+def sample_choices(graph: Graph, enumeration, measured: Measured, options: Options, meta: Mapping[str, str],
+                   plan, db: ProfileDB | None = None, gain: float = 0.0) -> list:
+    """The plan each sample length of `measured.at` runs, as `sample_plans` chooses it."""
     lengths = [length for length, _ in measured.at]
     done = measured_only(measured)
     boundary = int(meta.get("boundary_ns", 0))
@@ -1334,6 +1352,14 @@ def sample_plans(graph: Graph, enumeration, measured: Measured, options: Options
                 log.info("the plan of %s=%d: predicted %.1f %% faster there than the one plan (%d ns against %d)",
                          options.ranges[0][0], length, 100 * (1 - mine / ours), mine, ours)
         at.append(own)
+    return at
+
+
+def joined_samples(at: Sequence, plan, measured: Measured, options: Options, meta: Mapping[str, str]):
+    """The plans `at` of the sample lengths of `measured.at` as one plan (`sample_plans`): `plan`
+    where they are all the same, else the plan that dispatches among them."""
+    from .dynamic import BUCKET_BOUNDS, cut, sample_edges
+    lengths = [length for length, _ in measured.at]
     plans, edges = [at[0]], []
     for e, p in zip(sample_edges(options.ranges[0], lengths), at[1:]):
         if _kernels_of(p) != _kernels_of(plans[-1]):
@@ -1390,6 +1416,9 @@ def optimize(model, options: Options, runs: int = 20):
     graph = planned.loaded.graph
     with clock("emit"):
         compiled = emit(graph, planned.plan, options, planned.machine)
+    if planned.one is not None:
+        with clock("dispatch"):
+            compiled, planned = measured_dispatch(compiled, planned, options)
     with clock("verify"):
         check = verify.verify(compiled, model, options)
     timing = {}
@@ -1400,6 +1429,69 @@ def optimize(model, options: Options, runs: int = 20):
         profile = in_context(compiled, options.seed)
     compiled.report = report_dict(planned, check, timing, profile, options, clock.seconds)
     return compiled, planned
+
+
+# an own plan of a sample length stays where the executable runs it this much faster than the one
+# plan's (medians of calls timed in turns in one process differ by about 1 % between runs)
+DISPATCH_GAIN = 0.01
+
+
+def measured_dispatch(compiled, planned: Planned, options: Options):
+    """Over a range, keep a sample length's own plan only where the executable runs it at least
+    DISPATCH_GAIN faster there than the one plan's executable, both timed in this process in turns
+    (`alternated`) at every sample length; elsewhere the one plan serves. Where the shortest
+    length keeps its own plan, the one plan runs the other buckets as a function call (only the
+    first bucket is inline): if that shows (a length the one plan serves is DISPATCH_GAIN slower
+    than in the one plan's executable), the shortest length's own plan goes too. Re-joined, emitted
+    (its kernels' objects are compiled already) and timed again until nothing changes. The own
+    plans are chosen by their predicted times, and at short lengths those mislead: the
+    transformer block over seq=1..512 (Xeon model 167), its own plans of seq=1 and 8 predicted
+    9.5 % and 10 % faster than the one plan there, ran 1-3 % faster and 3-4 % slower (a plan's
+    kernels of activations alone are timed hot, and run 2-10x that inside the model). Returns
+    (compiled, planned), `planned.dispatch` the last times against the one plan's per sample."""
+    from . import executor
+    from .dynamic import bind
+    graph, name, one = planned.loaded.graph, options.ranges[0][0], planned.one
+    single = emit(graph, one, options, planned.machine)
+    lengths = [length for length, _ in planned.measured.at]
+    feeds = [executor.random_feeds(bind(graph, {name: n}), options.seed) for n in lengths]
+    choices, plan, checked = list(planned.choices), planned.plan, {}
+    for _ in lengths:
+        checked = {}
+        for k, n in enumerate(lengths):
+            mine, ours = alternated(compiled, single, feeds[k])
+            checked[n] = mine / ours
+            log.info("%s=%d: %.1f us in the dispatching executable against %.1f in the one plan's", name, n,
+                     mine * 1e6, ours * 1e6)
+        own = [k for k, c in enumerate(choices) if _kernels_of(c) != _kernels_of(one)]
+        kept = [k for k in own if checked[lengths[k]] <= 1.0 - DISPATCH_GAIN]
+        called = [k for k, c in enumerate(choices) if _kernels_of(c) == _kernels_of(one) and k > 0]
+        if 0 in kept and any(checked[lengths[k]] > 1.0 + DISPATCH_GAIN for k in called):
+            kept.remove(0)
+        if kept == own:
+            break
+        choices = [c if k in kept else one for k, c in enumerate(choices)]
+        plan = joined_samples(choices, one, planned.measured, options, planned.plan.meta)
+        log.info("own plans kept at %s", ", ".join(f"{name}={lengths[k]}" for k in kept) or "no length")
+        if plan is one:
+            compiled = single
+            checked = {}
+            break
+        compiled = emit(graph, plan, options, planned.machine)
+    return compiled, replace(planned, plan=plan, choices=tuple(choices), dispatch=checked)
+
+
+def alternated(a, b, feeds, rounds: int = 5, round_s: float = 0.02) -> tuple[float, float]:
+    """Median seconds per call of executables `a` and `b` on `feeds`, timed in turns: `rounds`
+    rounds of as many calls as take about `round_s` each (at least 3)."""
+    import numpy as np
+    once = [min(x.time(feeds, runs=3, warmup=3)) for x in (a, b)]
+    calls = max(3, int(round_s / max(max(once), 1e-6)))
+    got: tuple[list, list] = ([], [])
+    for _ in range(rounds):
+        for x, out in zip((a, b), got):
+            out.append(float(np.median(x.time(feeds, runs=calls, warmup=0))))
+    return float(np.median(got[0])), float(np.median(got[1]))
 
 
 def in_context(compiled, seed: int = 0, runs: int = 5) -> dict:
@@ -1441,5 +1533,6 @@ def report_dict(planned: Planned, check: dict, timing: dict, profile: dict | Non
         "verify": check, "timing": timing, "seconds": dict(seconds),
         **({"rewrites": planned.loaded.rewrites.to_json()} if planned.loaded.rewrites else {}),
         **({"tuning": planned.tuning} if planned.tuning else {}),
+        **({"dispatch": {str(n): r for n, r in planned.dispatch.items()}} if planned.dispatch else {}),
         **({"context": profile} if profile else {}),
     }

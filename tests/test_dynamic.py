@@ -2020,3 +2020,59 @@ def test_a_masked_attention_over_seq_reads_its_mask_on_the_padded_domain(name):
     mod = lower(kg, kg.prims, ins, outs, "t4x16r")
     done = schedule(mod, make_target(2), "t4x16r", bounds={"seq": 64})
     _right_at((kg, ins, kg.by_name[outs[0]]), done, 2, (1, 2, 3, 5, 17, 64), 1e-5)
+
+
+def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch):
+    """`measured_dispatch` times the dispatching executable against the one plan's at every sample
+    length (here scripted) and keeps a sample's own plan only where it ran DISPATCH_GAIN faster;
+    an own plan of the shortest length goes too when the one plan, now called as a bucket
+    function, runs a length it serves slower; re-joined until nothing changes, and without any own
+    plan left the one plan's executable is the result."""
+    from kernorch import executor, pipeline
+    from kernorch.measure import MeasureStats
+    from kernorch.options import Machine, Options
+    from kernorch.plan import Kernel, Plan, SolverStats
+
+    def plan_of(tag):
+        k = Kernel("k0", tag, "tvm", ("x",), ("x",), ("y",), 1, schedule=tag)
+        return Plan((k,), (), ("y",), SolverStats("optimal", 1, 1, 0.0, 0.0, 0), meta={"ranges": "seq=1..512"})
+    one = plan_of("one")
+    own = [plan_of(f"own{n}") for n in (1, 8, 64, 512)]
+    options = Options(threads=1, ranges=(("seq", 1, 512),))
+    at = ((1, 0.3), (8, 0.6), (64, 0.1), (512, 0.01))
+    measured = pipeline.Measured({}, MeasureStats(), at=at)
+
+    class Exe:
+        def __init__(self, plan):
+            self.plan = plan
+    emitted = []
+    monkeypatch.setattr(pipeline, "emit", lambda g, plan, o, m: (emitted.append(plan), Exe(plan))[1])
+    monkeypatch.setattr(dynamic, "bind", lambda g, binding: binding)
+    monkeypatch.setattr(executor, "random_feeds", lambda binding, seed=0: binding)  # the feeds: {"seq": n}
+
+    def runs(plan, n):  # the tag of the plan that runs length n in `plan`
+        parts = dynamic.plan_buckets(plan.meta)
+        return (plan.bucket(dynamic.bucket_of(parts, n)) if parts else plan).kernels[0].key
+
+    def run(choices, times):
+        """`times(tag, n)`: the dispatching executable's seconds at length n against the one plan's 1."""
+        monkeypatch.setattr(pipeline, "alternated", lambda a, b, feeds: (times(runs(a.plan, feeds["seq"]), feeds["seq"]),
+                                                                          1.0))
+        plan = pipeline.joined_samples(choices, one, measured, options, one.meta)
+        planned = pipeline.Planned(pipeline.Loaded("m", None, None), None, measured, plan, None, {}, Machine.host(),
+                                   one, tuple(choices))
+        emitted.clear()
+        return pipeline.measured_dispatch(Exe(plan), planned, options)
+
+    # own plans at 8 and 512: 8 runs 4 % slower, 512 5 % faster: 512 stays, 8 goes
+    speed = {"own8": 1.04, "own512": 0.95}
+    compiled, planned = run([one, own[1], one, own[3]], lambda tag, n: speed.get(tag, 1.0))
+    assert [runs(planned.plan, n) for n, _ in at] == ["one", "one", "one", "own512"]
+    assert compiled.plan is planned.plan and planned.dispatch[512] == 0.95
+    # an own plan at seq=1 that is faster there, but the one plan called as a bucket function runs
+    # the other lengths slower: it goes, and with nothing left the one plan's executable is the result
+    compiled, planned = run([own[0], one, one, one], lambda tag, n: 0.97 if tag == "own1" else 1.02)
+    assert planned.plan is one and compiled.plan is one and emitted == [one]
+    # the same own plan, the call unseen: it stays, nothing emitted but the one plan's executable
+    compiled, planned = run([own[0], one, one, one], lambda tag, n: 0.97 if tag == "own1" else 1.0)
+    assert [runs(planned.plan, n) for n, _ in at] == ["own1", "one", "one", "one"] and emitted == [one]
