@@ -1443,7 +1443,8 @@ def measured_dispatch(compiled, planned: Planned, options: Options):
     length keeps its own plan, the one plan runs the other buckets as a function call (only the
     first bucket is inline): if that shows (a length the one plan serves is DISPATCH_GAIN slower
     than in the one plan's executable), the shortest length's own plan goes too. Re-joined, emitted
-    (its kernels' objects are compiled already) and timed again until nothing changes. The own
+    (its kernels' objects are compiled already) and, while the shortest length keeps its own plan
+    (the one plan then runs as a call where it was inline), timed again until nothing changes. The own
     plans are chosen by their predicted times, and at short lengths those mislead: the
     transformer block over seq=1..512 (Xeon model 167), its own plans of seq=1 and 8 predicted
     9.5 % and 10 % faster than the one plan there, ran 1-3 % faster and 3-4 % slower (a plan's
@@ -1459,8 +1460,7 @@ def measured_dispatch(compiled, planned: Planned, options: Options):
     for _ in lengths:
         checked = {}
         for k, n in enumerate(lengths):
-            mine, ours = alternated(compiled, single, feeds[k])
-            checked[n] = mine / ours
+            checked[n], mine, ours = alternated(compiled, single, feeds[k])
             log.info("%s=%d: %.1f us in the dispatching executable against %.1f in the one plan's", name, n,
                      mine * 1e6, ours * 1e6)
         own = [k for k, c in enumerate(choices) if _kernels_of(c) != _kernels_of(one)]
@@ -1475,15 +1475,18 @@ def measured_dispatch(compiled, planned: Planned, options: Options):
         log.info("own plans kept at %s", ", ".join(f"{name}={lengths[k]}" for k in kept) or "no length")
         if plan is one:
             compiled = single
-            checked = {}
             break
         compiled = emit(graph, plan, options, planned.machine)
+        if 0 not in kept:  # the one plan runs the first bucket inline, as in its own executable, and
+            break          # every own plan kept runs as it was timed: nothing to time again
     return compiled, replace(planned, plan=plan, choices=tuple(choices), dispatch=checked)
 
 
-def alternated(a, b, feeds, rounds: int = 5, round_s: float = 0.02) -> tuple[float, float]:
-    """Median seconds per call of executables `a` and `b` on `feeds`, timed in turns: `rounds`
-    rounds of as many calls as take about `round_s` each (at least 3)."""
+def alternated(a, b, feeds, rounds: int = 7, round_s: float = 0.02) -> tuple[float, float, float]:
+    """Executables `a` and `b` on `feeds`, timed in turns: `rounds` rounds of as many calls as take
+    about `round_s` each (at least 3). Returns the median of the rounds' ratios of a's median call to
+    b's (two timings seconds apart: the host's slow phases last seconds to a minute), and each one's
+    median seconds per call."""
     import numpy as np
     once = [min(x.time(feeds, runs=3, warmup=3)) for x in (a, b)]
     calls = max(3, int(round_s / max(max(once), 1e-6)))
@@ -1491,7 +1494,7 @@ def alternated(a, b, feeds, rounds: int = 5, round_s: float = 0.02) -> tuple[flo
     for _ in range(rounds):
         for x, out in zip((a, b), got):
             out.append(float(np.median(x.time(feeds, runs=calls, warmup=0))))
-    return float(np.median(got[0])), float(np.median(got[1]))
+    return (float(np.median([x / y for x, y in zip(*got)])), float(np.median(got[0])), float(np.median(got[1])))
 
 
 def in_context(compiled, seed: int = 0, runs: int = 5) -> dict:

@@ -2057,7 +2057,7 @@ def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch)
     def run(choices, times):
         """`times(tag, n)`: the dispatching executable's seconds at length n against the one plan's 1."""
         monkeypatch.setattr(pipeline, "alternated", lambda a, b, feeds: (times(runs(a.plan, feeds["seq"]), feeds["seq"]),
-                                                                          1.0))
+                                                                          1.0, 1.0))
         plan = pipeline.joined_samples(choices, one, measured, options, one.meta)
         planned = pipeline.Planned(pipeline.Loaded("m", None, None), None, measured, plan, None, {}, Machine.host(),
                                    one, tuple(choices))
@@ -2072,7 +2072,7 @@ def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch)
     # an own plan at seq=1 that is faster there, but the one plan called as a bucket function runs
     # the other lengths slower: it goes, and with nothing left the one plan's executable is the result
     compiled, planned = run([own[0], one, one, one], lambda tag, n: 0.97 if tag == "own1" else 1.02)
-    assert planned.plan is one and compiled.plan is one and emitted == [one]
+    assert planned.plan is one and compiled.plan is one and emitted == [one] and planned.dispatch[8] == 1.02
     # the same own plan, the call unseen: it stays, nothing emitted but the one plan's executable
     compiled, planned = run([own[0], one, one, one], lambda tag, n: 0.97 if tag == "own1" else 1.0)
     assert [runs(planned.plan, n) for n, _ in at] == ["own1", "one", "one", "one"] and emitted == [one]
