@@ -573,12 +573,13 @@ def test_packed_weight_is_a_parameter_of_the_packed_shape(target):
 
 @pytest.mark.parametrize("m, n, tile, fetches", [(64, 64, "t8x32p", True), (64, 64, "t14x32p", False),
                                                   (64, 64, "t8x32pr", False), (64, 32, "t8x32p", False),
-                                                  (64, 64, "t8x32", False)])
+                                                  (64, 64, "t8x32", False), (1, 64, "t1x32p", False)])
 def test_packed_tiles_prefetch_the_next_weight_panel(m, n, tile, fetches, target):
     """A packed tile walking row tiles inside each weight panel prefetches its share of the next
     panel spread over its reduction loop (a line at each step k where k*share//K begins: 24 lines
     over 96 steps here); not with a guarded row tail (LLVM then keeps the accumulators in
-    memory), rows outside panels, one panel only, or an unpacked weight. Results exact either way."""
+    memory), rows outside panels, one panel only, an unpacked weight, or one row (a matrix-vector
+    product). Results exact either way."""
     graph, inputs = gemm_graph(m=m, k=96, n=n, const=tile.endswith("p") or tile.endswith("pr"))
     mod = _run_variant(graph, inputs, tile, target)
     text = mod["main"].script()

@@ -44,8 +44,8 @@ log = logging.getLogger(__name__)
 #: copies feeding a parallel contraction run in its parallel launch (`ONE_LAUNCH`). 55: where a
 #: whole vector of keys is inside the length, a mask added to the padded attention's scores is read
 #: by the key unguarded (`_inside`). 56: over symbolic rows a panel's first tiles prefetch the next
-#: one, a share each (`PREFETCH_SPREAD`), not its last tile alone.
-SCHEDULES_VERSION = 56
+#: one, a share each (`PREFETCH_SPREAD`), not its last tile alone. 57: a one-row tile prefetches nothing.
+SCHEDULES_VERSION = 57
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -1395,7 +1395,11 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None, threads: int =
     _schedule_rest(sch, set(names) - {cname} - moved, lanes)
     # over symbolic rows the number of row tiles per panel is known at run time only (padded: the
     # row tile loop's extent, e.g. (seq + 3) // 4)
-    if (tile is not None and tile.pack and not tile.rows_outer and par is not None
+    # (a one-row tile, a matrix-vector product, fetches nothing: two multiply-adds a step leave the
+    # fetches nothing to hide behind. seq x 1536 x 384 and seq x 384 x 1536 at seq=1, t8x32p, Xeon
+    # model 167, 2 threads: 51 -> 41 and 43 -> 41 us with the weights in L3 (as this model's run),
+    # 121 -> 122 and 114 -> 114 flushed; at two rows the fetches still pay with the weights flushed)
+    if (tile is not None and tile.pack and not tile.rows_outer and tile.mr > 1 and par is not None
             and vo is not None and (row is None or ext[row] % r == 0)):
         # (not where the tile leaves a short last tile: with it in a reduction loop of its own
         # (`_peeled_tail`) and the fetches in both, LLVM stored the accumulators to memory at every
