@@ -80,8 +80,13 @@ class BuiltKernel:
         self._fn(*args, *outs)
         return [o.numpy() for o in outs]
 
+    def tensors(self, *inputs: np.ndarray, out_shapes=None) -> tuple[list, list]:
+        """Device tensors of `inputs` and fresh outputs, for `time(tensors=...)` to time on again."""
+        return self._args(inputs, out_shapes)
+
     def time(self, *inputs: np.ndarray, number: int = 10, repeat: int = 5, warmup: int = 1,
-             min_repeat_ms: int = 0, out_shapes=None, cold: Sequence[int] = (), evict: int = 0) -> list[float]:
+             min_repeat_ms: int = 0, out_shapes=None, cold: Sequence[int] = (), evict: int = 0,
+             tensors: tuple[list, list] | None = None) -> list[float]:
         """Seconds per call, one value per repeat (each the mean of `number` calls), on
         preallocated tensors. Take the median yourself; never assert on it in tests.
 
@@ -90,8 +95,9 @@ class BuiltKernel:
         `evict`: bytes each of the pool's threads reads before each call, so that what the call
         touched last leaves the cores' own caches for the shared last level (as the model finds its
         weights when they all fit there). With either, each repeat is one call (`number` and
-        `min_repeat_ms` ignored) and `repeat` calls are made."""
-        args, outs = self._args(inputs, out_shapes)
+        `min_repeat_ms` ignored) and `repeat` calls are made. `tensors`: the device tensors of an
+        earlier `tensors()` call, in place of `inputs` (the same memory timed again)."""
+        args, outs = tensors if tensors is not None else self._args(inputs, out_shapes)
         for _ in range(max(warmup, 0)):
             self._fn(*args, *outs)
         if cold or evict:
