@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 #: whole vector of keys is inside the length, a mask added to the padded attention's scores is read
 #: by the key unguarded (`_inside`). 56: over symbolic rows a panel's first tiles prefetch the next
 #: one, a share each (`PREFETCH_SPREAD`), not its last tile alone. 57: a one-row tile prefetches nothing.
-SCHEDULES_VERSION = 57
+#: 58: over symbolic rows a panel's last tile runs the fetching loop too (its exact row copies).
+SCHEDULES_VERSION = 58
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -1666,11 +1667,15 @@ def _prefetch_next_panel(sch, par, red_loop, weight, panels: int, tiles) -> bool
         body = fetching(spread(t, -(-lines // tiles)))
     else:  # the number of tiles per panel is known at run time only: the panel's first PREFETCH_SPREAD
         # tiles fetch a share each, spread over their steps (a panel of fewer tiles fetches only
-        # their shares); the other tiles run the reduction loop as it was, without prefetch code.
-        # One loop for all, the fetch under its condition on k, took 1.3x as long hot on a Zen 3
-        # (AVX2; a seq x 384 x 384 t6x16p GEMM at seq=512: 1260 against 960 us) where only one tile
-        # in 86 fetched; a share computed at run time made LLVM spill the accumulators (2.3x slower).
-        body = tirx.IfThenElse(t < PREFETCH_SPREAD, fetching(spread(t, -(-lines // PREFETCH_SPREAD))), red)
+        # their shares); the other tiles run the reduction loop as it was, without prefetch code,
+        # but for the panel's last, which runs the fetching loop (its lines clamped to the panel's
+        # last: one line already there): the tile a length leaves short, whose exact copies
+        # `_exact_tail` makes of that loop. One loop for all, the fetch under its condition on k,
+        # took 1.3x as long hot on a Zen 3 (AVX2; a seq x 384 x 384 t6x16p GEMM at seq=512: 1260
+        # against 960 us) where only one tile in 86 fetched; a share computed at run time made LLVM
+        # spill the accumulators (2.3x slower).
+        body = tirx.IfThenElse(tirx.Or(t < PREFETCH_SPREAD, t == tiles - 1),
+                               fetching(spread(t, -(-lines // PREFETCH_SPREAD))), red)
     # (the loops share the body's blocks: no schedule primitive may look one up after this)
     seq[at] = body
     new = tirx.For(f, loop.min, loop.extent, loop.kind, tirx.SeqStmt(seq), loop.thread_binding, loop.annotations)
