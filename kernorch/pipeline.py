@@ -1432,7 +1432,8 @@ def optimize(model, options: Options, runs: int = 20):
 
 
 # an own plan of a sample length stays where the executable runs it this much faster than the one
-# plan's (medians of calls timed in turns in one process differ by about 1 % between runs)
+# plan's (two executables running the same code at a length differed by up to 2 % timed so: a
+# decision at the threshold is noise; the losses this is for were 3-4 %)
 DISPATCH_GAIN = 0.01
 
 
@@ -1447,9 +1448,10 @@ def measured_dispatch(compiled, planned: Planned, options: Options):
     (the one plan then runs as a call where it was inline), timed again until nothing changes. The own
     plans are chosen by their predicted times, and at short lengths those mislead: the
     transformer block over seq=1..512 (Xeon model 167), its own plans of seq=1 and 8 predicted
-    9.5 % and 10 % faster than the one plan there, ran 1-3 % faster and 3-4 % slower (a plan's
-    kernels of activations alone are timed hot, and run 2-10x that inside the model). Returns
-    (compiled, planned), `planned.dispatch` the last times against the one plan's per sample."""
+    9.5 % and 10 % faster than the one plan there, ran 1-3 % faster and 3-4 % slower (measured
+    before its kernels of activations alone were timed evicted and a kernel's timed calls ran on
+    the tensors of its sizing call: see measure._timed). Returns (compiled, planned),
+    `planned.dispatch` the last times against the one plan's per sample."""
     from . import executor
     from .dynamic import bind
     graph, name, one = planned.loaded.graph, options.ranges[0][0], planned.one
