@@ -1486,17 +1486,18 @@ def measured_dispatch(compiled, planned: Planned, options: Options):
 
 def alternated(a, b, feeds, rounds: int = 7, round_s: float = 0.02) -> tuple[float, float, float]:
     """Executables `a` and `b` on `feeds`, timed in turns: `rounds` rounds of as many calls as take
-    about `round_s` each (at least 3). Returns the median of the rounds' ratios of a's median call to
-    b's (two timings seconds apart: the host's slow phases last seconds to a minute), and each one's
-    median seconds per call."""
+    about `round_s` each (at least 3). Returns a's time over b's as the median of the rounds'
+    ratios (`peers.paired_ratio`: two timings seconds apart, in the same phase of the host), and
+    each one's median seconds per call."""
     import numpy as np
+    from .peers import paired_ratio
     once = [min(x.time(feeds, runs=3, warmup=3)) for x in (a, b)]
     calls = max(3, int(round_s / max(max(once), 1e-6)))
-    got: tuple[list, list] = ([], [])
+    times: dict[str, list[float]] = {"a": [], "b": []}
     for _ in range(rounds):
-        for x, out in zip((a, b), got):
-            out.append(float(np.median(x.time(feeds, runs=calls, warmup=0))))
-    return (float(np.median([x / y for x, y in zip(*got)])), float(np.median(got[0])), float(np.median(got[1])))
+        for x, name in ((a, "a"), (b, "b")):
+            times[name] += x.time(feeds, runs=calls, warmup=0)
+    return paired_ratio(times, "a", "b", calls), float(np.median(times["a"])), float(np.median(times["b"]))
 
 
 def in_context(compiled, seed: int = 0, runs: int = 5) -> dict:

@@ -198,6 +198,7 @@ def _emit_kernels(bb, graph: Graph, plan, indices, target, inputs, wvars, weight
     wvar = {(t, layout): v for (t, layout, _), v in zip(weight_params, wvars)}
     symbols = kernel_symbols(plan)
     funcs: dict = {}  # (a symbol serves one bucket: every call of it is in this block)
+    scheduled = {} if scheduled is None else scheduled
     env = {n: v for (n, _), v in zip(graph.inputs, inputs)}
     tune_dir = plan.meta.get("tune_dir")
     with bb.dataflow() if dataflow else contextlib.nullcontext():
@@ -222,13 +223,12 @@ def _emit_kernels(bb, graph: Graph, plan, indices, target, inputs, wvars, weight
             if native:
                 if name not in funcs:
                     ident = (k.key, k.impl, k.schedule, tuple(sorted(bounds.items())))
-                    if scheduled is None or ident not in scheduled:
+                    if ident not in scheduled:
                         mod = kernel_module(graph, k, target, tune_dir, bounds)
                         check_bounds(mod)
-                        obj = object_path(objects_dir, mod, target) if objects_dir is not None else None
-                        if scheduled is not None:
-                            scheduled[ident] = (mod, obj)
-                    mod, obj = scheduled[ident] if scheduled is not None else (mod, obj)
+                        scheduled[ident] = (mod, object_path(objects_dir, mod, target) if objects_dir is not None
+                                            else None)
+                    mod, obj = scheduled[ident]
                     if obj is not None:
                         linked[name] = obj
                         funcs[name] = None
