@@ -1298,23 +1298,36 @@ def refine_samples(graph: Graph, enumeration, measured: Measured, options: Optio
     of the transformer block, Zen 4, the plan at 512 came out 3.7 % faster than the one plan
     there, the one at 23 2 % and at 1 2.5 %). Every kernel measured is timed over the whole range."""
     clock = clock or Clock()
-    for k, (length, _) in enumerate(measured.at):
-        previous = None
-        while measured.pending:
-            with clock("orchestrate"):
-                plan = orchestrate(graph, enumeration, at_sample(measured, k), options, meta, previous, REFINE_GAP,
-                                   REFINE_BLOCK_SECONDS, db)
-            previous = plan
-            if not plan.estimated:
-                break
-            log.info("refine at %s=%d: measuring %d kernels its plan wants (%d unmeasured)",
-                     options.ranges[0][0], length, len(plan.estimated), len(measured.pending))
-            with clock("measure"):
-                measured = refine(measured, plan.estimated, db, options, machine, workers)
-            measured = replace(measured, stats=replace(measured.stats, rounds=measured.stats.rounds + 1))
+    while measured.pending:  # until a pass over every length wants nothing unmeasured: a round at one
+        # length moves the learned estimates every other length was solved with (residual, correction)
+        grew = False
+        for k, (length, _) in enumerate(measured.at):
+            previous = None
+            while measured.pending:
+                with clock("orchestrate"):
+                    plan = refine_solve(graph, enumeration, measured, k, options, meta, db, previous)
+                previous = plan
+                if not plan.estimated:
+                    break
+                log.info("refine at %s=%d: measuring %d kernels its plan wants (%d unmeasured)",
+                         options.ranges[0][0], length, len(plan.estimated), len(measured.pending))
+                with clock("measure"):
+                    measured = refine(measured, plan.estimated, db, options, machine, workers)
+                measured = replace(measured, stats=replace(measured.stats, rounds=measured.stats.rounds + 1))
+                grew = True
+        if not grew:
+            break
     with clock("measure"):
         measured = settled(measured, db, options, machine, workers)
     return replace(measured, stats=replace(measured.stats, estimated=len(measured.pending)))
+
+
+def refine_solve(graph: Graph, enumeration, measured: Measured, k: int, options: Options, meta: Mapping[str, str],
+                 db: ProfileDB | None = None, previous=None):
+    """A refine round's plan at the `k`-th sample length (`refine_samples`): within REFINE_GAP of
+    the optimum there, its kernels each measured or estimated (`Plan.estimated`)."""
+    return orchestrate(graph, enumeration, at_sample(measured, k), options, meta, previous, REFINE_GAP,
+                       REFINE_BLOCK_SECONDS, db)
 
 
 def sample_plans(graph: Graph, enumeration, measured: Measured, options: Options, meta: Mapping[str, str],

@@ -1279,7 +1279,9 @@ def test_each_sample_length_gets_the_fusions_its_plan_wants_measured(tmp_path):
     """pipeline.refine_samples: after the one plan's loop over seq=1..64, the loop again at each
     length the range is timed at. `at_sample` sees every measurement at its time there and every
     pending fusion at its bound and learned prediction there (their weighted sums are the one
-    plan's estimates); afterwards the plan solved at each length holds only measured kernels, and
+    plan's estimates); afterwards the plan solved at each length holds only measured kernels (the
+    passes over the lengths repeat until none wants one measured: a round at one length moves the
+    estimates the others were solved with, which CI once caught at 1 of the 4 lengths), and
     what was measured for it was measured over the whole range."""
     from kernorch import pipeline
     from kernorch.options import Machine, Options
@@ -1304,11 +1306,38 @@ def test_each_sample_length_gets_the_fusions_its_plan_wants_measured(tmp_path):
         after = pipeline.refine_samples(graph, planned.enumeration, measured, options, meta, db, Machine.host())
         assert set(after.measurements) >= set(measured.measurements)
         for k in range(4):
-            plan = pipeline.orchestrate(graph, planned.enumeration, pipeline.at_sample(after, k), options, meta,
-                                        rel_gap=pipeline.REFINE_GAP)
-            assert not plan.estimated
+            assert not pipeline.refine_solve(graph, planned.enumeration, after, k, options, meta, db).estimated
     new = set(after.measurements) - set(measured.measurements)
     assert all(len(after.measurements[i].samples_ns) >= 4 for i in new if after.measurements[i].ok)
+
+
+def test_refine_samples_repeats_its_pass_until_no_length_wants_a_fusion_measured(monkeypatch):
+    """pipeline.refine_samples: a round at a later length moves the estimates an earlier length was
+    solved with; the pass over the lengths runs again until every length's plan is measured only.
+    Scripted: length 1 wants nothing at first, length 8 wants b, and once b is measured length 1
+    wants a."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+    from kernorch import pipeline
+    from kernorch.measure import MeasureStats
+    from kernorch.options import Machine, Options
+    a, b, c = ("a", "tvm", "default"), ("b", "tvm", "default"), ("c", "tvm", "default")
+    measured = pipeline.Measured({}, MeasureStats(), pending={a: None, b: None, c: None}, at=((1, 0.5), (8, 0.5)))
+    solves = []
+
+    def solve(graph, enumeration, m, k, options, meta, db=None, previous=None):
+        wants = {(0, False): (), (1, False): (b,), (0, True): (a,), (1, True): ()}[(k, b not in m.pending)]
+        solves.append((k, tuple(i[0] for i in wants if i in m.pending)))
+        return SimpleNamespace(estimated=tuple(i for i in wants if i in m.pending))
+
+    def refine(m, idents, *args):
+        return replace(m, pending={i: j for i, j in m.pending.items() if i not in idents})
+
+    monkeypatch.setattr(pipeline, "refine_solve", solve)
+    monkeypatch.setattr(pipeline, "refine", refine)
+    out = pipeline.refine_samples(None, None, measured, Options(ranges=(("seq", 1, 8),)), {}, None, Machine.host())
+    assert set(out.pending) == {c} and out.stats.rounds == 2 and out.stats.estimated == 1
+    assert solves == [(0, ()), (1, ("b",)), (1, ()), (0, ("a",)), (0, ()), (1, ()), (0, ()), (1, ())]
 
 
 def test_the_python_api_takes_buckets_as_edges_or_samples(monkeypatch):
