@@ -23,7 +23,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-CALIBRATION_VERSION = 4
+CALIBRATION_VERSION = 5  # 5: the last level's capacity, measured (`measure_last_level`)
 # M, K, N of the peak measurement: square, and panels that fit the L2 of every machine seen
 GEMM_SHAPES = ((1024, 1024, 1024), (256, 512, 512), (512, 256, 1024))
 COPY_MIB = 64
@@ -164,6 +164,60 @@ def measure_bandwidth() -> dict:
     return {"bandwidth_gbs": 2.0 * src.nbytes / best / 1e9, "copy_mib": COPY_MIB}
 
 
+# the sweep of `measure_last_level`: buffers from LAST_LEVEL_FROM times L2 up to LAST_LEVEL_TO MiB,
+# each 1.5x or 2x the one before, read LAST_LEVEL_READS times (after one read that brings it in)
+LAST_LEVEL_FROM = 4
+LAST_LEVEL_TO = 512
+LAST_LEVEL_READS = 4
+
+
+def last_level_sizes(l2_kib: int, top_mib: int = LAST_LEVEL_TO) -> list[int]:
+    """The buffer sizes (KiB) the last level is swept with: 4x L2, 6x, 8x, 12x, ... up to `top_mib`."""
+    sizes, k = [], LAST_LEVEL_FROM * l2_kib
+    while k <= top_mib * 1024:
+        sizes.append(k)
+        k = k * 3 // 2 if len(sizes) % 2 else k * 4 // 3
+    return sizes
+
+
+def knee_kib(sizes_kib, gbs) -> int | None:
+    """The largest buffer read at least halfway between the smallest one's bandwidth (in the last
+    level) and the largest one's (from memory): the last level's capacity as a stream of reads finds
+    it. None where the largest is read at more than 4/5 of the smallest's rate (no level to see)."""
+    first, last = gbs[0], gbs[-1]
+    if last > 0.8 * first:
+        return None
+    mid = (first + last) / 2
+    held = [k for k, g in zip(sizes_kib, gbs) if g >= mid]
+    return max(held) if held else None
+
+
+def measure_last_level(l2_kib: int, l3_kib: int) -> dict:
+    """The last-level cache as a model's weights find it: one thread reads buffers of growing size
+    over and over (np.dot of a buffer with itself, best of LAST_LEVEL_READS), and the capacity is
+    where the rate falls from the cache's towards memory's (`knee_kib`). A VM's sysfs reports the
+    host's whole L3 (Xeon family 6 model 167: 480 MiB) where its neighbours share it: there the
+    rate fell from 26-29 GB/s at up to 48 MiB to 21 at 64 and 16 (memory) at 96, in another run
+    from 29 at 32 MiB to 18.5 at 48 (`measure.weights_fit` takes a share of it). The sweep stops at
+    twice the reported size (at most LAST_LEVEL_TO MiB); without a knee, the reported size."""
+    top = min(LAST_LEVEL_TO, max(2 * l3_kib // 1024, 4 * LAST_LEVEL_FROM * l2_kib // 1024))
+    sizes = last_level_sizes(l2_kib, top)
+    gbs = []
+    for k in sizes:
+        a = np.ones(k * 1024 // 4, np.float32)
+        np.dot(a, a)
+        best = float("inf")
+        for _ in range(LAST_LEVEL_READS):
+            t0 = time.perf_counter()
+            np.dot(a, a)
+            best = min(best, time.perf_counter() - t0)
+        gbs.append(a.nbytes / best / 1e9)
+        del a
+    knee = knee_kib(sizes, gbs) if len(sizes) >= 3 else None
+    return {"last_level_kib": min(l3_kib, knee) if knee else l3_kib,
+            "last_level_sweep": [[k, round(g, 1)] for k, g in zip(sizes, gbs)]}
+
+
 def _load_cache(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -185,6 +239,9 @@ def calibrate(threads: int = 2, force: bool = False, path: Path | None = None) -
     result.update(measure_gemm(threads))
     result.update(measure_bandwidth())
     result.update(measure_boundary(threads))
+    from .options import Machine
+    host = Machine.host()
+    result.update(measure_last_level(host.l2_kib, host.l3_kib))
     result["seconds"] = time.perf_counter() - t0
     result["load_average"] = _loadavg()
     result["cpu_pressure_avg10"] = cpu_pressure()
@@ -196,10 +253,12 @@ def calibrate(threads: int = 2, force: bool = False, path: Path | None = None) -
         # the boundary enters every kernel's cost: the first one measured stays, so that plans (and
         # the block solutions the database keeps for them) do not move with a re-calibration
         result["boundary_ns"] = old.get("boundary_ns", result["boundary_ns"])
+        # so does the last level: it decides how a model's kernels are timed, and their namespace
+        result["last_level_kib"] = old.get("last_level_kib", result["last_level_kib"])
         result["loaded"] = result["loaded"] and old.get("loaded", True)
-    log.info("calibration (%d threads): %.0f GFLOP/s (%s), %.1f GB/s, kernel boundary %.2f us in %.1f s", threads,
-             result["peak_gflops"], result["peak_kernel"], result["bandwidth_gbs"], result["boundary_ns"] / 1e3,
-             result["seconds"])
+    log.info("calibration (%d threads): %.0f GFLOP/s (%s), %.1f GB/s, kernel boundary %.2f us, last level %d MiB "
+             "in %.1f s", threads, result["peak_gflops"], result["peak_kernel"], result["bandwidth_gbs"],
+             result["boundary_ns"] / 1e3, result["last_level_kib"] // 1024, result["seconds"])
     cache[key] = result
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

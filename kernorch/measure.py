@@ -45,7 +45,7 @@ DOMINATED = 4.0  # a generated kernel this many times slower than the key's best
 # measured 856 us on a quiet machine (ONNX Runtime's: 711 and 908 us).
 REMEASURE_TRIES = 3
 RTOL, ATOL_SCALE = 1e-3, 1e-4
-TIMING_PROTOCOL = "cold-weights-big-outputs-unpinned-spin10k-same-tensors-evict-all"  # in the versions: how a kernel was timed (see _timed; threads: thread_env)
+TIMING_PROTOCOL = "cold-weights-big-outputs-unpinned-spin10k-same-tensors-evict-always"  # in the versions: how a kernel was timed (see _timed; threads: thread_env)
 # the count of samples a range's namespace does not name (what ranges were timed at before
 # Options.samples): without observed lengths or weights, only other counts name their lengths
 UNNAMED_SAMPLES = 3
@@ -274,13 +274,15 @@ def _build_task(job: KernelJob, threads: int, out_dir: str, verify: bool, tune_d
 
 
 def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: float, verify: bool,
-               cutoff_s: float | None = None, big_bytes: int | None = None, evict: int = 0) -> dict:
+               cutoff_s: float | None = None, big_bytes: int | None = None, evict: int = 0,
+               cached: bool | None = None) -> dict:
     """Time one kernel. `cutoff_s`: when one call already takes longer, that single run is the
     measurement (the kernel is dominated by another implementation of the same key). `big_bytes`:
-    outputs larger than this are flushed before each call too (`cold_args`). `evict`: the model's
-    weights fit in the last-level cache, so they are not flushed but evicted from the cores' own
-    caches, each thread reading this many bytes (`evict_bytes`) before each call of every kernel,
-    those of activations alone too: a kernel finds its activations in the last level as well,
+    outputs larger than this are flushed before each call too (`cold_args`). `cached`: the model's
+    weights fit in the last-level cache (`weights_fit`), so they are not flushed (None: where
+    `evict` is given). `evict`: each thread reads this many bytes (`evict_bytes`) before each call
+    of every kernel, of weights flushed or not, those of activations alone too, evicting what the
+    kernel touched from the cores' own caches: a kernel finds its activations in the last level,
     written by the kernel before it on other cores or pushed out by the kernels between (one of
     activations alone, timed hot, ran 2-10x that inside the model: the scores of the transformer
     block's attention at seq=8 took 2.2 us hot, 5.8 in the model, 5.4 evicted). With the same
@@ -289,6 +291,7 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
     hot (Xeon model 167, one cold optimize each, 8 lengths in turns: 0.953 at 32, 0.965 at 1, 0.983
     at 512; 14 kernels against 17), gpt_like in 0.97-0.99x at 1-32 and the same at 128 and 512
     (53 kernels against 68)."""
+    weights_cached = bool(evict) if cached is None else cached
     inputs = make_inputs(job) if not job.samples else []
     if not registry.native(job.impl):
         kernel = registry.python_kernel(job.impl, job.graph, job.graph.prims, job.inputs, job.outputs)
@@ -305,7 +308,7 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
             bj = job.at(binding)
             # the timing a static kernel gets, shared among the samples (their weighted sum averages them)
             runs = _timed(kernel, kernel_args(bj, make_inputs(bj)), repeats, min_repeat_ms / len(job.samples),
-                          cold_args(bj, big_bytes, cached=bool(evict)), evict,
+                          cold_args(bj, big_bytes, cached=weights_cached), evict,
                           max_calls=COLD_MAX_CALLS // len(job.samples),
                           out_shapes=[bj.graph.type_of(o).shape for o in bj.outputs])
             per_sample.append(weight * np.array(runs))
@@ -313,7 +316,7 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
         n = min(len(r) for r in per_sample)
         return {"runs": [float(r) for r in sum(r[:n] for r in per_sample)], "error": None, "at": at}
     inputs = kernel_args(job, inputs)
-    cold = cold_args(job, big_bytes, cached=bool(evict))
+    cold = cold_args(job, big_bytes, cached=weights_cached)
     if cutoff_s is not None:
         first = kernel.time(*inputs, number=1, repeat=1, cold=cold, evict=evict)
         if first[0] > cutoff_s:
@@ -365,19 +368,33 @@ def big_output_bytes(machine: Machine, threads: int) -> int:
     return machine.l2_kib * 1024 * max(1, min(threads, machine.cores))
 
 
-LAST_LEVEL_SHARE = 0.5  # of the last-level cache the model's weights may take and still be found there
+# of the last level (as `calibrate.measure_last_level` finds it) the model's weights may take and
+# still be found there from one inference to the next: the rest for its activations and, on a VM,
+# the neighbours. Xeon family 6 model 167, last level measured 32-48 MiB: segformer_b0 (14 MB of
+# weights) timed flushed ran 1.056x the time of its plan timed in the last level; gpt_like (30 MB)
+# ran flushed-timed static plans in 0.87-1.01x the time (one cold optimize each, alternated)
+LAST_LEVEL_SHARE = 0.5
 
 
-def weights_fit(graph: Graph, machine: Machine) -> bool:
+def weights_fit(graph: Graph, machine: Machine, last_level_kib: int | None = None) -> bool:
     """Whether a model's weights (all its constants) stay in the last-level cache from one
-    inference to the next: at most LAST_LEVEL_SHARE of it (the rest for the activations and, on a
-    VM, the neighbours). Then its kernels find their weights there, not in memory, and are timed so
-    (`evict_bytes`). Measured on a Xeon (family 6 model 207, 2 threads, 260 MB L3): a transformer
-    block (7 MB of weights) at 7 tokens ran its kernels in the model as timed with the weights in
-    the last level (its 7x1536x384 GEMM 60.5 us, timed so 62.4), not as timed flushed (159 us):
-    the plan's kernels summed to 202 us so against 212 in the model, 369 flushed."""
+    inference to the next: at most LAST_LEVEL_SHARE of it, as measured (`last_level_kib`, from the
+    calibration) where that is less than the machine reports. Then its kernels find their weights
+    there, not in memory, and are timed so (`evict_bytes`).
+
+    Measured on a Xeon (family 6 model 207, 2 threads, 260 MB L3): a transformer block (7 MB of
+    weights) at 7 tokens ran its kernels in the model as timed with the weights in the last level
+    (its 7x1536x384 GEMM 60.5 us, timed so 62.4), not as timed flushed (159 us): the plan's kernels
+    summed to 202 us so against 212 in the model, 369 flushed. On a Xeon of family 6 model 167
+    (a VM: sysfs says 480 MiB, the last level measured 32-48 MiB), gpt_like (4 such layers, 30 MB
+    of weights) ran its seq x 384 x 384 GEMMs at 32 rows as timed with the weights flushed: on one
+    thread the tile with rows outside the column panels took 98 us in the model, 61 timed in the
+    last level, 102 flushed; the one with column panels outside 62, 62 and 69 (two threads: 50, 35,
+    57 and 35-39, 34.5, 42). Timed in the last level the two tied, and the range plan took the first
+    (1.17x the static plan at seq=32)."""
     nbytes = sum(graph.type_of(c).nbytes for c in graph.constants)
-    return nbytes <= LAST_LEVEL_SHARE * machine.l3_kib * 1024
+    capacity = min(machine.l3_kib, last_level_kib) if last_level_kib else machine.l3_kib
+    return nbytes <= LAST_LEVEL_SHARE * capacity * 1024
 
 
 def evict_bytes(machine: Machine) -> int:
@@ -776,7 +793,7 @@ def _timing_args(job: KernelJob, path: str | None, options: Options, machine: Ma
                  cutoff_s: float | None = None) -> tuple:
     """`_time_task`'s arguments."""
     return (job, path, options.repeats, options.min_repeat_ms, options.verify, cutoff_s,
-            big_output_bytes(machine, options.threads), evict_bytes(machine) if options.weights_cached else 0)
+            big_output_bytes(machine, options.threads), evict_bytes(machine), options.weights_cached)
 
 
 def time_again(db: ProfileDB, options: Options, machine: Machine, workers: Workers,

@@ -136,14 +136,15 @@ def load(model, options: Options, clock: Clock | None = None) -> Loaded:
 
 def model_options(graph: Graph, options: Options, machine: Machine) -> Options:
     """What the model tells the measurements: where its kernels find their weights (in the
-    last-level cache when they all fit there, `measure.weights_fit`), and over a range, the weight
-    of each length timed, relative to the model's floor there (`dynamic.relative_weights`)."""
-    options = options.with_(weights_cached=meas.weights_fit(graph, machine))
+    last-level cache when they all fit there, as the calibration measured it: `measure.weights_fit`),
+    and over a range, the weight of each length timed, relative to the model's floor there
+    (`dynamic.relative_weights`)."""
+    from .calibrate import calibrate
+    cal = calibrate(options.threads)
+    options = options.with_(weights_cached=meas.weights_fit(graph, machine, cal.get("last_level_kib")))
     if options.ranges and not options.sample_weights:
-        from .calibrate import calibrate
         from .dynamic import relative_weights
         from .estimate import kernel_floor_ns
-        cal = calibrate(options.threads)
         options = options.with_(sample_weights=relative_weights(
             graph, options.ranges, options.lengths,
             lambda g: kernel_floor_ns(g, cal["peak_gflops"], cal["bandwidth_gbs"]), options.samples))

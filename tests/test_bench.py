@@ -115,7 +115,8 @@ def test_calibration_is_cached(cal_cache):
 
 def test_a_recalibration_keeps_the_kernel_boundary(tmp_path, monkeypatch):
     """A calibration taken under load is measured again; the ceilings keep their best, and the
-    boundary its first value (it is in every kernel's cost, and plans must not move with it)."""
+    boundary its first value (it is in every kernel's cost, and plans must not move with it), and
+    so does the last level's capacity (it decides how a model's kernels are timed)."""
     path = tmp_path / "calibration.json"
     runs = iter([(100.0, 10.0, 300.0, True), (200.0, 8.0, 250.0, False)])
 
@@ -125,6 +126,7 @@ def test_a_recalibration_keeps_the_kernel_boundary(tmp_path, monkeypatch):
                                                                   "gemm_gflops_by_tile": {"t": peak}})
         monkeypatch.setattr(calibrate, "measure_bandwidth", lambda: {"bandwidth_gbs": bw})
         monkeypatch.setattr(calibrate, "measure_boundary", lambda t: {"boundary_ns": boundary})
+        monkeypatch.setattr(calibrate, "measure_last_level", lambda l2, l3: {"last_level_kib": boundary * 100})
         monkeypatch.setattr(calibrate, "machine_busy", lambda: busy)
     fake_run()
     a = calibrate.calibrate(2, path=path)
@@ -132,6 +134,22 @@ def test_a_recalibration_keeps_the_kernel_boundary(tmp_path, monkeypatch):
     fake_run()
     b = calibrate.calibrate(2, path=path)  # the cached one was loaded and the machine is quiet: again
     assert (b["peak_gflops"], b["bandwidth_gbs"], b["boundary_ns"], b["loaded"]) == (200.0, 10.0, 300.0, False)
+    assert a["last_level_kib"] == b["last_level_kib"] == 30000
+
+
+def test_the_last_level_is_where_a_stream_of_reads_falls_halfway_to_memory():
+    """calibrate.knee_kib: the largest buffer read at least halfway between the smallest one's rate
+    and the largest one's; none where the rate hardly falls (no level seen). The sweep starts at 4x
+    L2 and grows by 1.5x and 4/3 in turn; measured, the capacity is never above what sysfs says."""
+    sizes = calibrate.last_level_sizes(2048, 512)
+    assert sizes[:6] == [8192, 12288, 16384, 24576, 32768, 49152] and sizes[-1] <= 512 * 1024
+    assert all(b > a for a, b in zip(sizes, sizes[1:]))
+    rates = [29.0, 28.9, 29.0, 28.5, 28.8, 18.5, 17.8, 16.2]   # a Xeon VM (family 6 model 167), GB/s
+    assert calibrate.knee_kib(sizes[:8], rates) == 32768
+    assert calibrate.knee_kib(sizes[:8], [29.0, 28, 27, 26, 25, 25, 24.5, 24]) is None   # memory as fast as cache
+    assert calibrate.knee_kib(sizes[:3], [29.0, 10.0, 9.0]) == 8192
+    m = calibrate.measure_last_level(64, 1024)   # small buffers: quick; at most the 1 MiB reported
+    assert 0 < m["last_level_kib"] <= 1024 and len(m["last_level_sweep"]) >= 3
 
 
 def test_kernel_benchmark_compares_every_contraction(tmp_path, cal_cache, model):

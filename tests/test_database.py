@@ -153,7 +153,7 @@ def test_workers_die_with_a_killed_parent(tmp_path):
 
 # -- measurement: a crashed or hung worker is retried, and never a verdict on its own ----------------
 
-def crash_first_time(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None, evict=0):
+def crash_first_time(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None, evict=0, cached=None):
     """Crash the worker the first time this job is timed (a flag file remembers), then time it."""
     import pathlib
     from kernorch import measure
@@ -161,7 +161,7 @@ def crash_first_time(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, b
     if not flag.exists():
         flag.write_text("crashed once")
         os.kill(os.getpid(), signal.SIGSEGV)
-    return measure._time_task(job, path, repeats, min_repeat_ms, verify, cutoff_s, big_bytes, evict)  # unpatched in the worker
+    return measure._time_task(job, path, repeats, min_repeat_ms, verify, cutoff_s, big_bytes, evict, cached)  # unpatched in the worker
 
 
 def test_measure_retries_a_crashed_worker_once(tmp_path, monkeypatch):
@@ -180,12 +180,12 @@ def test_measure_retries_a_crashed_worker_once(tmp_path, monkeypatch):
     assert res[job.ident].ok and stats.measured == 1 and stats.refused == 0
 
 
-def crash_bad_kernels(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None, evict=0):
+def crash_bad_kernels(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None, evict=0, cached=None):
     """The worker dies whenever it times a kernel whose key starts with "k-bad"."""
     from kernorch import measure
     if job.key.startswith("k-bad"):
         os.kill(os.getpid(), signal.SIGKILL)
-    return measure._time_task(job, path, repeats, min_repeat_ms, verify, cutoff_s, big_bytes, evict)
+    return measure._time_task(job, path, repeats, min_repeat_ms, verify, cutoff_s, big_bytes, evict, cached)
 
 
 def test_a_crashing_kernel_is_refused_only_when_it_crashes_again_in_a_healthy_run(tmp_path, monkeypatch):
@@ -426,6 +426,10 @@ def test_a_model_whose_weights_fit_in_the_last_level_is_timed_finding_them_there
     m = Machine.host()
     small, tiny = replace(m, l3_kib=1), replace(m, l3_kib=0)   # 96 bytes of weights: half of 1 KiB holds them
     assert measure.weights_fit(g, small) and not measure.weights_fit(g, tiny)
+    big = Graph(g.inputs, g.outputs, g.prims, constants={"w": np.ones((32, 8), np.float32)})  # 1 KiB
+    huge = replace(m, l3_kib=1 << 20)   # the host's L3 as a VM reports it; measured, the last level is less
+    assert measure.weights_fit(big, huge) and not measure.weights_fit(big, huge, last_level_kib=1)
+    assert measure.weights_fit(g, huge, last_level_kib=1) and measure.weights_fit(big, small, last_level_kib=1 << 20) is False
     assert measure.evict_bytes(m) == 2 * (m.l1d_kib + m.l2_kib) * 1024
     job = measure.KernelJob("k", "tvm", "default", g, ("x", "w"), ("y",))
     assert measure.cold_args(job, cached=True) == [] and measure.cold_args(job, 4 * 8 * 4 - 1, cached=True) == [2]
@@ -456,25 +460,38 @@ def test_a_kernel_is_timed_with_its_output_flushed():
     assert measure.big_output_bytes(m, 0) == m.l2_kib * 1024
 
 
-def test_where_weights_fit_every_kernel_is_timed_evicted_activations_alone_too(tmp_path, monkeypatch):
-    """A model whose weights fit in the last level has every kernel timed with the cores' caches
-    evicted before each call, a kernel that reads no weight as well (it finds its activations
-    there in the model); flushed timing (weights in memory) leaves such a kernel hot."""
+def test_every_kernel_is_timed_evicted_and_weights_that_do_not_fit_flushed_too(tmp_path, monkeypatch):
+    """Every kernel is timed with the cores' caches evicted before each call, a kernel that reads
+    no weight as well (it finds its activations in the last level in the model); a model's weights
+    that do not fit in the last level are flushed before each call besides (`cached` False), those
+    that fit are not."""
     from kernorch import measure
     from kernorch.backends import tvm as tb
     from kernorch.ir import Graph, TensorType, make_prim
+    from kernorch.options import Machine, Options
     t = TensorType((64, 64), "float32")
     g = Graph((("x", t),), ("y",), (make_prim("y", "relu", ["x"], t),))
+    w = Graph((("x", t),), ("y",), (make_prim("y", "matmul", ["x", "w"], t),), constants={"w": np.ones((64, 64), np.float32)})
     target = tb.make_target(1)
-    path = str(tmp_path / "relu.so")
-    tb.build(tb.schedule(tb.lower(g, g.prims, ["x"], ["y"], "default"), target, "default"), target).export(path)
-    job = measure.KernelJob("r", "tvm", "default", g, ("x",), ("y",))
+    paths = {}
+    for name, graph, ins in (("relu", g, ["x"]), ("mm", w, ["x", "w"])):
+        paths[name] = str(tmp_path / f"{name}.so")
+        tb.build(tb.schedule(tb.lower(graph, graph.prims, ins, ["y"], "default"), target, "default"), target).export(
+            paths[name])
+    relu = measure.KernelJob("r", "tvm", "default", g, ("x",), ("y",))
+    mm = measure.KernelJob("m", "tvm", "default", w, ("x", "w"), ("y",))
     seen = []
     monkeypatch.setattr(measure, "_timed", lambda k, inputs, repeats, ms, cold, evict=0, **kw: (
         seen.append((list(cold), evict)), [1e-6])[1])
-    measure._time_task(job, path, 3, 1.0, False, evict=1000)
-    measure._time_task(job, path, 3, 1.0, False)
-    assert seen == [([], 1000), ([], 0)]
+    measure._time_task(relu, paths["relu"], 3, 1.0, False, evict=1000, cached=False)
+    measure._time_task(mm, paths["mm"], 3, 1.0, False, evict=1000, cached=False)
+    measure._time_task(mm, paths["mm"], 3, 1.0, False, evict=1000, cached=True)
+    measure._time_task(relu, paths["relu"], 3, 1.0, False)
+    assert seen == [([], 1000), ([1], 1000), ([], 1000), ([], 0)]
+    o, m = Options(threads=2), Machine.host()
+    for cached in (False, True):
+        args = measure._timing_args(mm, paths["mm"], o.with_(weights_cached=cached), m)
+        assert args[-2:] == (measure.evict_bytes(m), cached)
 
 
 def test_versions_name_the_timing_protocol():
@@ -523,7 +540,7 @@ def first_call() -> bool:
     return not calls
 
 
-def disturbed_then_quiet(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None, evict=0):
+def disturbed_then_quiet(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None, evict=0, cached=None):
     """A kernel over seq timed twice: the first time slowed at seq=512, the second at seq=1."""
     first = first_call()
     at = [(1, 5e-6), (512, 9e-4)] if first else [(1, 8e-6), (512, 5e-4)]
@@ -563,7 +580,7 @@ def test_a_kernel_over_a_range_keeps_the_faster_of_two_timings_at_each_length(tm
         assert (tmp_path / "flag").read_text() == "x" and res[j.ident].runs_ns == (1000000, 1000000)
 
 
-def fast_then_slow(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None, evict=0):
+def fast_then_slow(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None, evict=0, cached=None):
     """A kernel at one shape: 1 ms the first time, 2 ms after."""
     return {"runs": [1e-3, 1e-3] if first_call() else [2e-3, 2e-3], "error": None}
 
