@@ -1585,6 +1585,29 @@ def test_the_one_row_copy_runs_at_one_row_whatever_its_time_there(block):
     _packed_gemm_right(kg, p, ins, name, tvm.compile(mod, target=target), (1, 2, 7, 24))
 
 
+def test_the_kernels_copy_cost_is_the_one_the_plan_reads():
+    """The run-time choice among row copies inside the kernel costs each as
+    kernorch.kernels.tiles.copy_cost: its curve at its passes, its padded rows counted against it
+    (a 14-row copy that times 2 % under an 8-row one at 7 rows computes twice the rows: the 8-row
+    one runs)."""
+    import tvm
+    from tvm import tirx
+    from kernorch.backends.tvm.schedule import _copy_cost
+    from kernorch.kernels import Tile
+    from kernorch.kernels.tiles import copy_cost
+    rng = np.random.default_rng(1)
+    for _ in range(8):
+        mr = int(rng.integers(2, 15))
+        ps = np.sort(rng.choice(np.arange(1, 40), 3, replace=False))
+        pts = tuple((int(p), int(rng.integers(0, 10**7))) for p in ps)
+        for rows in (3, 7, 8, 13, 31, 100, 511):
+            got = tvm.sym.Analyzer().simplify(_copy_cost(pts, mr, tirx.const(rows, "int64")))
+            assert int(got) == copy_cost(pts, mr, rows), (pts, mr, rows)
+    t = Tile.parse("t14x32p~14:1@95400,3@250000~8:1@97200,4@262000~1:1@83000")
+    assert t.pick(7) == 8 and t.pick(14) == 14 and copy_cost(((1, 100),), 8, 8) == 100
+    assert Tile.parse("t14x32p~14:1@85000,3@250000~8:1@97200,4@262000~1:1@83000").pick(7) == 14  # clearly faster
+
+
 def test_the_kernels_copy_curve_is_the_one_the_plan_reads():
     """The run-time test inside the kernel computes every curve as kernorch.kernels.tiles.curve_ns."""
     import tvm

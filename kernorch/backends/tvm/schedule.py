@@ -21,7 +21,7 @@ from tvm import s_tir
 
 from ...ir import KernorchError
 from ...kernels import Tile, Winograd, split
-from ...kernels.tiles import NARROW_KEYS, SERIAL_MAX_MACS, SMALL_ROWS, ran_copy, row_tile
+from ...kernels.tiles import NARROW_KEYS, PADDED_ROWS, SERIAL_MAX_MACS, SMALL_ROWS, ran_copy, row_tile
 from ...kernels.variants import CONVERSIONS
 from .lower import (AT_LENGTH_FUNC, AT_LENGTH_WHEN, BOUNDS_ATTR, NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, ROWS_OUT,
                     UNPACK, VIEW, bounds_of, divisible)
@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 #: by the key unguarded (`_inside`). 56: over symbolic rows a panel's first tiles prefetch the next
 #: one, a share each (`PREFETCH_SPREAD`), not its last tile alone. 57: a one-row tile prefetches nothing.
 #: 58: over symbolic rows a panel's last tile runs the fetching loop too (its exact row copies).
-SCHEDULES_VERSION = 58
+#: 59: the run-time choice among row copies counts a copy's padded rows against it (`_copy_cost`).
+SCHEDULES_VERSION = 59
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -482,14 +483,14 @@ def _small_first(out: tirx.PrimFunc, small: list, rows) -> tirx.PrimFunc:
 def _cheapest(copies: list, rows) -> tirx.PrimFunc:
     """One kernel of several schedules of the same contraction over a symbolic row extent `rows`
     (`copies`: ((mr, cost curve), func) pairs): at up to max(SMALL_ROWS) rows the least SMALL_ROWS
-    copy that holds them, else the copy whose curve is least at ceil(rows / mr) passes, the first
-    of equal ones (kernorch.kernels.Tile.pick, tiles.curve_ns)."""
+    copy that holds them, else the copy whose curve is least at ceil(rows / mr) passes, its padded
+    rows counted against it, the first of equal ones (kernorch.kernels.Tile.pick, tiles.copy_cost)."""
     small = [(mr, f) for (mr, _), f in copies if mr in SMALL_ROWS]
     others = [c for c in copies if c[0][0] not in SMALL_ROWS]
     if not others:  # (more rows than the largest small copy holds: that copy, in passes)
         out = max(small)[1]
     else:
-        costs = [_curve(points, _padded(rows, mr) // mr) for (mr, points), _ in others]
+        costs = [_copy_cost(points, mr, rows) for (mr, points), _ in others]
         out = others[-1][1]
         for i in range(len(others) - 2, -1, -1):  # the first copy's test outermost
             cond = costs[i] <= costs[i + 1]
@@ -498,6 +499,15 @@ def _cheapest(copies: list, rows) -> tirx.PrimFunc:
             out = _either(cond, others[i][1], out)
     out = _small_first(out, sorted(small)[:None if others else -1], rows)
     return out.with_attr("kernorch.row_copies", [c[0] for c, _ in copies])
+
+
+def _copy_cost(points, mr: int, rows):
+    """kernorch.kernels.tiles.copy_cost as an expression of `rows` (int64)."""
+    num, den = PADDED_ROWS
+    p = _padded(rows, mr) // mr
+    t = _curve(points, p)
+    computed = p * tirx.const(mr, "int64")
+    return t + tirx.floordiv(t * (computed - rows) * tirx.const(num, "int64"), computed * tirx.const(den, "int64"))
 
 
 def _curve(points, p):
