@@ -150,17 +150,23 @@ def measure_boundary(threads: int, n: int = BOUNDARY_CHAIN, size: int = BOUNDARY
     return r.value
 
 
+def _best_seconds(fn, repeats: int) -> float:
+    """The least wall time of `repeats` calls of `fn`, after one call that brings its data in."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
 def measure_bandwidth() -> dict:
     """np.copyto of 64 MiB, best of a few; bandwidth counts bytes read plus bytes written."""
     n = COPY_MIB * 2 ** 20 // 4
     src = np.ones(n, np.float32)
     dst = np.zeros(n, np.float32)
-    np.copyto(dst, src)
-    best = float("inf")
-    for _ in range(COPY_REPEATS):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
+    best = _best_seconds(lambda: np.copyto(dst, src), COPY_REPEATS)
     return {"bandwidth_gbs": 2.0 * src.nbytes / best / 1e9, "copy_mib": COPY_MIB}
 
 
@@ -205,13 +211,7 @@ def measure_last_level(l2_kib: int, l3_kib: int) -> dict:
     gbs = []
     for k in sizes:
         a = np.ones(k * 1024 // 4, np.float32)
-        np.dot(a, a)
-        best = float("inf")
-        for _ in range(LAST_LEVEL_READS):
-            t0 = time.perf_counter()
-            np.dot(a, a)
-            best = min(best, time.perf_counter() - t0)
-        gbs.append(a.nbytes / best / 1e9)
+        gbs.append(a.nbytes / _best_seconds(lambda: np.dot(a, a), LAST_LEVEL_READS) / 1e9)
         del a
     knee = knee_kib(sizes, gbs) if len(sizes) >= 3 else None
     return {"last_level_kib": min(l3_kib, knee) if knee else l3_kib,
