@@ -400,13 +400,15 @@ def test_a_row_reduction_after_a_bias_and_relu_runs_per_row_tile(tile, target):
     assert 'reduce_max_rf")' in mod["main"].script()  # the max by vector lanes, per row tile
 
 
-def attention_graph(m=50, d=32, n=128, batch=2, deferred=False):
+def attention_graph(m=50, d=32, n=128, batch=2, deferred=False, scaled=False):
     """Per batch: q[m, d] @ kt[d, n] scaled, a softmax over the n keys, @ v[n, d], heads moved
     next to the rows (the transpose of a multi-head attention's output). `deferred`: the softmax's
     normalization after the values, as kernorch.rewrite.after_attention leaves it (e @ v, times the
-    reciprocal of the sum)."""
+    reciprocal of the sum). `scaled`: q and kt each scaled first (segformer's attention)."""
     s, red, o = f32(batch, m, n), f32(batch, m, 1), f32(batch, m, d)
-    ps = [make_prim("s", "matmul", ["q", "kt"], s), make_prim("sc", "mul", ["s", "c"], s),
+    ps = [make_prim("qs", "mul", ["q", "c"], f32(batch, m, d)), make_prim("ks", "mul", ["kt", "c"], f32(batch, d, n)),
+          make_prim("s", "matmul", ["qs", "ks"], s)] if scaled else [make_prim("s", "matmul", ["q", "kt"], s)]
+    ps += [make_prim("sc", "mul", ["s", "c"], s),
           make_prim("mx", "reduce_max", ["sc"], red, axes=(-1,), keepdims=1), make_prim("sh", "sub", ["sc", "mx"], s),
           make_prim("e", "exp", ["sh"], s), make_prim("z", "reduce_sum", ["e"], red, axes=(-1,), keepdims=1)]
     if deferred:
@@ -432,6 +434,20 @@ def test_attention_runs_row_tile_by_row_tile_in_one_parallel_loop(tile, shape, t
     text = mod["main"].script()
     assert text.count("T.parallel(") == (0 if tile.endswith("s") else 1)
     assert '_rf")' in text  # the reductions over the keys by vector lanes
+
+
+def test_an_attention_whose_operands_come_from_stages_of_one_op_is_still_one(target):
+    """The scores' operands each computed by a `mul` (two buffers of one name): the kernel still
+    holds two contractions before its stages are inlined, so a tile wider than the values' columns
+    does not pad them (the attention rule would write the padded columns past its output:
+    segformer_b0's attentions in t4x64r crashed their workers with heap corruption)."""
+    from tvm import s_tir
+    from kernorch.backends.tvm.schedule import _contraction_blocks
+    graph, inputs = attention_graph(m=16, d=32, n=64, batch=1, scaled=True)
+    func = kt.lower(graph, list(graph.prims), inputs, list(graph.outputs), "t4x64r")["main"]
+    assert len(_contraction_blocks(s_tir.Schedule(func))) == 2
+    mod = _run_variant(graph, inputs, "t4x64r", target)
+    assert "_pad" not in mod["main"].script()
 
 
 @pytest.mark.parametrize("tile", ["t8x32r", "t4x64r", "t6x64rs"])

@@ -47,7 +47,8 @@ log = logging.getLogger(__name__)
 #: one, a share each (`PREFETCH_SPREAD`), not its last tile alone. 57: a one-row tile prefetches nothing.
 #: 58: over symbolic rows a panel's last tile runs the fetching loop too (its exact row copies).
 #: 59: the run-time choice among row copies counts a copy's padded rows against it (`_copy_cost`).
-SCHEDULES_VERSION = 59
+#: 60: a contraction's operands are told apart by buffer, not name (`_loaded_buffers`).
+SCHEDULES_VERSION = 60
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -1121,14 +1122,23 @@ def _contraction_operands(stmt):
                 rhs = rhs.value
             if isinstance(rhs, tirx.Mul) and _var_names(rhs.a) & rnames and _var_names(rhs.b) & rnames:
                 ba, bb = _loaded_buffers(rhs.a), _loaded_buffers(rhs.b)
-                if ba and bb and ba != bb:  # (x-mu)*(x-mu) in a variance is not a contraction
+                # (x-mu)*(x-mu) in a variance is not a contraction
+                if ba and bb and not (len(ba) == len(bb) and all(any(a.same_as(b) for b in bb) for a in ba)):
                     return rhs.a, rhs.b
     return None
 
 
-def _loaded_buffers(expr) -> set[str]:
-    """Names of the buffers an expression loads from."""
-    return {load.source.name for load in loads(expr)}
+def _loaded_buffers(expr) -> list:
+    """The buffers an expression loads from (compared by identity: two stages of one op, a query's
+    scaling and a key's, both write buffers named "mul"; compared by name, the scores of such an
+    attention were no contraction, its values' columns were padded to a tile of 64 as a lone
+    matmul's are, and the attention rule wrote the padded columns past its output: segformer_b0's
+    attentions in t4x64r crashed their workers with heap corruption)."""
+    out: list = []
+    for load in loads(expr):
+        if not any(load.source.same_as(b) for b in out):
+            out.append(load.source)
+    return out
 
 
 def _is_expensive(stmt) -> bool:
