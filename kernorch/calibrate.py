@@ -171,7 +171,8 @@ def measure_bandwidth() -> dict:
 
 
 # the sweep of `measure_last_level`: buffers from LAST_LEVEL_FROM times L2 up to LAST_LEVEL_TO MiB,
-# each 1.5x or 2x the one before, read LAST_LEVEL_READS times (after one read that brings it in)
+# each 1.5x or 4/3 the one before (4x, 6x, 8x, 12x L2, ...), read LAST_LEVEL_READS times after one
+# read that brings it in
 LAST_LEVEL_FROM = 4
 LAST_LEVEL_TO = 512
 LAST_LEVEL_READS = 4
