@@ -1122,23 +1122,19 @@ def _contraction_operands(stmt):
                 rhs = rhs.value
             if isinstance(rhs, tirx.Mul) and _var_names(rhs.a) & rnames and _var_names(rhs.b) & rnames:
                 ba, bb = _loaded_buffers(rhs.a), _loaded_buffers(rhs.b)
-                # (x-mu)*(x-mu) in a variance is not a contraction
-                if ba and bb and not (len(ba) == len(bb) and all(any(a.same_as(b) for b in bb) for a in ba)):
+                if ba and bb and ba != bb:  # (x-mu)*(x-mu) in a variance is not a contraction
                     return rhs.a, rhs.b
     return None
 
 
-def _loaded_buffers(expr) -> list:
-    """The buffers an expression loads from (compared by identity: two stages of one op, a query's
-    scaling and a key's, both write buffers named "mul"; compared by name, the scores of such an
-    attention were no contraction, its values' columns were padded to a tile of 64 as a lone
-    matmul's are, and the attention rule wrote the padded columns past its output: segformer_b0's
-    attentions in t4x64r crashed their workers with heap corruption)."""
-    out: list = []
-    for load in loads(expr):
-        if not any(load.source.same_as(b) for b in out):
-            out.append(load.source)
-    return out
+def _loaded_buffers(expr) -> frozenset[int]:
+    """The buffers an expression loads from, by object address as `tirwalk.buffers_in` keys them
+    (not by name: two stages of one op, a query's scaling and a key's, both write buffers named
+    "mul"; compared by name, the scores of such an attention were no contraction, its values'
+    columns were padded to a tile of 64 as a lone matmul's are, and the attention rule wrote the
+    padded columns past its output: segformer_b0's attentions in t4x64r crashed their workers with
+    heap corruption)."""
+    return frozenset(load.source.__chandle__() for load in loads(expr))
 
 
 def _is_expensive(stmt) -> bool:
