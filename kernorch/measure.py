@@ -275,14 +275,14 @@ def _build_task(job: KernelJob, threads: int, out_dir: str, verify: bool, tune_d
 
 def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: float, verify: bool,
                cutoff_s: float | None = None, big_bytes: int | None = None, evict: int = 0,
-               cached: bool | None = None) -> dict:
+               cached: bool = False) -> dict:
     """Time one kernel. `cutoff_s`: when one call already takes longer, that single run is the
     measurement (the kernel is dominated by another implementation of the same key). `big_bytes`:
     outputs larger than this are flushed before each call too (`cold_args`). `cached`: the model's
-    weights fit in the last-level cache (`weights_fit`), so they are not flushed (None: where
-    `evict` is given). `evict`: each thread reads this many bytes (`evict_bytes`) before each call
-    of every kernel, of weights flushed or not, those of activations alone too, evicting what the
-    kernel touched from the cores' own caches: a kernel finds its activations in the last level,
+    weights fit in the last-level cache (`weights_fit`), so they are not flushed. `evict`: each
+    thread reads this many bytes (`evict_bytes`) before each call of every kernel, of weights
+    flushed or not, those of activations alone too, evicting what the kernel touched from the
+    cores' own caches: a kernel finds its activations in the last level,
     written by the kernel before it on other cores or pushed out by the kernels between (one of
     activations alone, timed hot, ran 2-10x that inside the model: the scores of the transformer
     block's attention at seq=8 took 2.2 us hot, 5.8 in the model, 5.4 evicted). With the same
@@ -291,7 +291,6 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
     hot (Xeon model 167, one cold optimize each, 8 lengths in turns: 0.953 at 32, 0.965 at 1, 0.983
     at 512; 14 kernels against 17), gpt_like in 0.97-0.99x at 1-32 and the same at 128 and 512
     (53 kernels against 68)."""
-    weights_cached = bool(evict) if cached is None else cached
     inputs = make_inputs(job) if not job.samples else []
     if not registry.native(job.impl):
         kernel = registry.python_kernel(job.impl, job.graph, job.graph.prims, job.inputs, job.outputs)
@@ -308,7 +307,7 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
             bj = job.at(binding)
             # the timing a static kernel gets, shared among the samples (their weighted sum averages them)
             runs = _timed(kernel, kernel_args(bj, make_inputs(bj)), repeats, min_repeat_ms / len(job.samples),
-                          cold_args(bj, big_bytes, cached=weights_cached), evict,
+                          cold_args(bj, big_bytes, cached=cached), evict,
                           max_calls=COLD_MAX_CALLS // len(job.samples),
                           out_shapes=[bj.graph.type_of(o).shape for o in bj.outputs])
             per_sample.append(weight * np.array(runs))
@@ -316,7 +315,7 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
         n = min(len(r) for r in per_sample)
         return {"runs": [float(r) for r in sum(r[:n] for r in per_sample)], "error": None, "at": at}
     inputs = kernel_args(job, inputs)
-    cold = cold_args(job, big_bytes, cached=weights_cached)
+    cold = cold_args(job, big_bytes, cached=cached)
     if cutoff_s is not None:
         first = kernel.time(*inputs, number=1, repeat=1, cold=cold, evict=evict)
         if first[0] > cutoff_s:

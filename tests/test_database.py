@@ -153,7 +153,7 @@ def test_workers_die_with_a_killed_parent(tmp_path):
 
 # -- measurement: a crashed or hung worker is retried, and never a verdict on its own ----------------
 
-def crash_first_time(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None, evict=0, cached=None):
+def crash_first_time(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None, evict=0, cached=False):
     """Crash the worker the first time this job is timed (a flag file remembers), then time it."""
     import pathlib
     from kernorch import measure
@@ -180,7 +180,7 @@ def test_measure_retries_a_crashed_worker_once(tmp_path, monkeypatch):
     assert res[job.ident].ok and stats.measured == 1 and stats.refused == 0
 
 
-def crash_bad_kernels(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None, evict=0, cached=None):
+def crash_bad_kernels(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None, evict=0, cached=False):
     """The worker dies whenever it times a kernel whose key starts with "k-bad"."""
     from kernorch import measure
     if job.key.startswith("k-bad"):
@@ -540,7 +540,7 @@ def first_call() -> bool:
     return not calls
 
 
-def disturbed_then_quiet(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None, evict=0, cached=None):
+def disturbed_then_quiet(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None, evict=0, cached=False):
     """A kernel over seq timed twice: the first time slowed at seq=512, the second at seq=1."""
     first = first_call()
     at = [(1, 5e-6), (512, 9e-4)] if first else [(1, 8e-6), (512, 5e-4)]
@@ -580,7 +580,7 @@ def test_a_kernel_over_a_range_keeps_the_faster_of_two_timings_at_each_length(tm
         assert (tmp_path / "flag").read_text() == "x" and res[j.ident].runs_ns == (1000000, 1000000)
 
 
-def fast_then_slow(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None, evict=0, cached=None):
+def fast_then_slow(job, path, repeats, min_repeat_ms, verify, cutoff_s=None, big_bytes=None, evict=0, cached=False):
     """A kernel at one shape: 1 ms the first time, 2 ms after."""
     return {"runs": [1e-3, 1e-3] if first_call() else [2e-3, 2e-3], "error": None}
 
