@@ -387,9 +387,11 @@ def test_a_packed_tile_over_symbolic_rows_prefetches_the_next_weight_panel(monke
     """Over seq rows the number of row tiles sharing a weight panel is known at run time only: in
     each copy of the tile (the 2-row one and the main one) the panel's first PREFETCH_SPREAD tiles
     fetch a share of the next panel each (a quarter of its lines, from line t*share), spread over
-    the steps of their reduction loop as a static kernel's tiles do, and the panel's last tile runs
-    that loop too (the tile a length leaves short: its exact row copies are made of it); the other
-    tiles run a reduction loop with no prefetch code in it (on a Zen 3 the guard in every tile's
+    the steps of their reduction loop as a static kernel's tiles do. The panel's last tile runs a
+    loop of its own (the tile a length leaves short: its exact row copies are made of it) that
+    fetches its share and, where the panel has fewer than PREFETCH_SPREAD tiles, the shares of
+    the tiles it lacks (tile t the shares q > t), so the whole next panel arrives at any length;
+    the other tiles run a reduction loop with no prefetch code in it (on a Zen 3 the guard in every tile's
     loop made the GEMM 1.3x slower at seq=512). The one-row copy (seq=1), a matrix-vector product, fetches
     nothing, as a static kernel's one-row tile. The kernel stays right at lengths that use one tile per panel,
     fewer than PREFETCH_SPREAD, exactly that many, and many. (Built without the exact last tiles,
@@ -411,15 +413,19 @@ def test_a_packed_tile_over_symbolic_rows_prefetches_the_next_weight_panel(monke
     target = tb.make_target(1)
     mod = tb.schedule(tb.lower(g, g.prims, ["x", "w"], ["y"], "t6x64p"), target, "t6x64p", {"seq": 512})
     text = mod["main"].script()
-    # 96 x 64 floats a panel: 384 lines; tile t < 4 of a panel fetches lines t*96 + k at step k
+    # 96 x 64 floats a panel: 384 lines; tile t of a panel fetches lines t*96 + k at step k, its
+    # last tile t also 96*q + k for each q in 1..3 above t
     from kernorch.backends.tvm.schedule import PREFETCH_SPREAD
     assert PREFETCH_SPREAD == 4
-    fetching = re.findall(r"if (.*) % T.Cast\(\"int64\", .*\) < T.int64\(4\) or .*:\n"
-                          r"\s+for k in range\(T.int64\(96\)\):\n"
-                          r"\s+if k \* T.int64\(96\) % T.int64\(96\) < T.int64\(96\):\n"
-                          r"\s+T.prefetch\(.*T.min\(\1 % T.Cast\(\"int64\", .*\) \* T.int64\(96\) "
-                          r"\+ k \* T.int64\(96\) // T.int64\(96\), T.int64\(383\)\)", text)
-    assert len(fetching) == 2, text
+    own = (r"\s+for k in range\(T.int64\(96\)\):\n"
+           r"\s+if k \* T.int64\(96\) % T.int64\(96\) < T.int64\(96\):\n"
+           r"\s+T.prefetch\(.*T.min\(\1 % .* \* T.int64\(96\) \+ k \* T.int64\(96\) // T.int64\(96\), T.int64\(383\)\).*\n")
+    last = re.findall(r"if (\w+) % (T.Cast\(\"int64\", [^\n]*\)) == \2 - T.int64\(1\):\n" + own
+                      + "".join(rf"\s+if \1 % .* < T.int64\({q}\):\n\s+T.prefetch\(.*T.min\(T.int64\({96 * q}\) \+ k .*\n"
+                                for q in (1, 2, 3)), text)
+    assert len(last) == 2, text
+    first = re.findall(r"else:\n\s+if (\w+) % T.Cast\(\"int64\", .*\) < T.int64\(4\):\n" + own + r"(?!\s+if \1)", text)
+    assert len(first) == 2, text
     plain = re.findall(r"\n(\s+)else:\n\s+for k in range\(T.int64\(96\)\):\n((?:\1\s+.*\n)+)", text)
     assert len(plain) == 2 and not any("prefetch" in body for _, body in plain), text
     one_row = text[text.index("!= 0:"):text.index("\n    else:")]

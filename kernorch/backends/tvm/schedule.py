@@ -48,7 +48,8 @@ log = logging.getLogger(__name__)
 #: 58: over symbolic rows a panel's last tile runs the fetching loop too (its exact row copies).
 #: 59: the run-time choice among row copies counts a copy's padded rows against it (`_copy_cost`).
 #: 60: a contraction's operands are told apart by buffer, not name (`_loaded_buffers`).
-SCHEDULES_VERSION = 60
+#: 61: a panel's last tile over symbolic rows fetches the shares of the tiles its panel lacks.
+SCHEDULES_VERSION = 61
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -397,14 +398,11 @@ def _exact_tail(func: tirx.PrimFunc, rows, mr: int, lengths: Sequence[int]) -> t
     def c(v: int):
         return tirx.const(v, kind)
 
-    def prefetches(s) -> bool:
-        return bool(found(s, lambda x: isinstance(x, tirx.Evaluate) and is_call(x.value, "prefetch")))
-
     def visit(s):
-        if (isinstance(s, tirx.IfThenElse) and s.else_case is not None and prefetches(s.then_case)
-                and not prefetches(s.else_case)):
-            # a panel's last tile, the one a length leaves short, always runs the reduction loop
-            # that fetches the next panel (`_prefetch_next_panel`): the other one stays as it is
+        if (isinstance(s, tirx.IfThenElse) and s.else_case is not None and _fetches(s.then_case)
+                and _row_tail(s.then_case, mr) is not None):
+            # a panel's last tile, the one a length leaves short, runs a reduction loop of its own
+            # (`_prefetch_next_panel`): the other tiles' loops stay as they are
             return tirx.IfThenElse(s.condition, rewrite(s.then_case, visit), s.else_case)
         tail = _row_tail(s, mr)
         if tail is None:
@@ -417,6 +415,11 @@ def _exact_tail(func: tirx.PrimFunc, rows, mr: int, lengths: Sequence[int]) -> t
         return tirx.IfThenElse(tirx.Or(left >= c(mr), rows > _tail_max(mr, left)), s, out)
 
     return _rewritten(func, visit)
+
+
+def _fetches(stmt) -> bool:
+    """Whether `stmt` holds a prefetch (`_prefetch_next_panel`)."""
+    return bool(found(stmt, lambda x: isinstance(x, tirx.Evaluate) and is_call(x.value, "prefetch")))
 
 
 def _peeled_tail(func: tirx.PrimFunc, mr: int) -> tirx.PrimFunc:
@@ -1609,10 +1612,14 @@ def _packed_weight(stmt, fits):
 # Weights in L3, 2 threads, Xeon model 167, against the panel fetched by its last tile alone, two
 # lines a step: seq x 384 x 1536 t8x32p 111 us at seq=32 against 127 (the static kernel 110), 443
 # against 466 at 128, 1810 against 1871 at 512; seq x 1536 x 384 t8x32p 120 against 136 at 32 (static
-# 121), 46 against 52 at 4; over 3 or 8 tiles 127-133 us at 32. Where a panel has fewer tiles
-# (seq <= 24 here) only their shares are fetched: the same time or less at seq=1-16, but for
-# seq x 384 x 1536 t8x32p at 8 (48 against 45 us); its last tile fetching the rest too cost a
-# third copy of every reduction loop (compiles 1.6x as long).
+# 121), 46 against 52 at 4; over 3 or 8 tiles 127-133 us at 32. A panel of fewer tiles (seq < 32
+# here) has its last tile fetch the shares of the tiles it lacks too: with only their own shares
+# fetched, gpt_like (weights 30 MB, timed flushed) ran its fused LayerNorm + seq x 384 x 1536 +
+# GELU t8x32p at seq=7 in 171 us against 132 with the whole panel fetched (the static kernel 133),
+# and the one-plan executable 1.10x as long at seq=7, 1.07x at 16, the same from 32 on; the
+# transformer block (weights in L3) 1.03x and 1.07x. The last tile's loop of its own costs a copy
+# of the reduction loop: a fused GEMM's whole-range kernel compiled 1.4x as long, its measured
+# builds 1.0-1.15x.
 PREFETCH_SPREAD = 4
 
 
@@ -1664,9 +1671,12 @@ def _prefetch_next_panel(sch, par, red_loop, weight, panels: int, tiles) -> bool
         addr = tirx.address_of(tirx.BufferLoad(weight, [panel, *reversed(index)]))
         return tirx.Evaluate(tirx.call_intrin("void", "tirx.prefetch", addr, 0, 2, 1))
 
-    def spread(t, share):  # tile t's `share` lines of the next panel (from line t*share, clamped to its last), spread
+    def spread(t, share, also=()):  # tile t's `share` lines of the next panel (from line t*share, clamped
+        # to its last), spread; `also`: (condition, q) pairs, the shares q it fetches besides where their condition holds
         def prefetch(j):
-            return fetch_line(tirx.min(t * share + j, lines - 1))
+            first = fetch_line(tirx.min(t * share + j, lines - 1))
+            return tirx.SeqStmt([first, *(tirx.IfThenElse(cond, fetch_line(tirx.min(q * share + j, lines - 1)), None)
+                                          for cond, q in also)]) if also else first
         if share <= steps:  # at most a line per step: step k fetches line k*share//steps when it begins
             return tirx.IfThenElse(tirx.floormod(k * share, steps) < share, prefetch(tirx.floordiv(k * share, steps)),
                                    None)
@@ -1682,16 +1692,20 @@ def _prefetch_next_panel(sch, par, red_loop, weight, panels: int, tiles) -> bool
     if static:
         body = fetching(spread(t, -(-lines // tiles)))
     else:  # the number of tiles per panel is known at run time only: the panel's first PREFETCH_SPREAD
-        # tiles fetch a share each, spread over their steps (a panel of fewer tiles fetches only
-        # their shares); the other tiles run the reduction loop as it was, without prefetch code,
-        # but for the panel's last, which runs the fetching loop (its lines clamped to the panel's
-        # last: one line already there): the tile a length leaves short, whose exact copies
-        # `_exact_tail` makes of that loop. One loop for all, the fetch under its condition on k,
+        # tiles fetch a share each, spread over their steps; the other tiles run the reduction loop
+        # as it was, without prefetch code. The panel's last tile, the one a length leaves short,
+        # runs a fetching loop of its own (whose exact copies `_exact_tail` makes): its share (its
+        # lines clamped to the panel's last: one line already there) and, where the panel has fewer
+        # than PREFETCH_SPREAD tiles, the shares past its own (the tiles the panel lacks), each
+        # under a test of its index only. One loop for all, the fetch under its condition on k,
         # took 1.3x as long hot on a Zen 3 (AVX2; a seq x 384 x 384 t6x16p GEMM at seq=512: 1260
         # against 960 us) where only one tile in 86 fetched; a share computed at run time made LLVM
-        # spill the accumulators (2.3x slower).
-        body = tirx.IfThenElse(tirx.Or(t < PREFETCH_SPREAD, t == tiles - 1),
-                               fetching(spread(t, -(-lines // PREFETCH_SPREAD))), red)
+        # spill the accumulators (2.3x slower); the extra shares tested in the first tiles' loop
+        # too cost 2-5 % at seq=32-128 hot.
+        share = -(-lines // PREFETCH_SPREAD)
+        last = fetching(spread(t, share, [(t < q, q) for q in range(1, PREFETCH_SPREAD)]))
+        body = tirx.IfThenElse(t == tiles - 1, last,
+                               tirx.IfThenElse(t < PREFETCH_SPREAD, fetching(spread(t, share)), red))
     # (the loops share the body's blocks: no schedule primitive may look one up after this)
     seq[at] = body
     new = tirx.For(f, loop.min, loop.extent, loop.kind, tirx.SeqStmt(seq), loop.thread_binding, loop.annotations)
