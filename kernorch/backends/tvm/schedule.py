@@ -1616,8 +1616,9 @@ def _packed_weight(stmt, fits):
 # here) has its last tile fetch the shares of the tiles it lacks too: with only their own shares
 # fetched, gpt_like (weights 30 MB, timed flushed) ran its fused LayerNorm + seq x 384 x 1536 +
 # GELU t8x32p at seq=7 in 171 us against 132 with the whole panel fetched (the static kernel 133),
-# and the one-plan executable 1.10x as long at seq=7, 1.07x at 16, the same from 32 on; the
-# transformer block (weights in L3) 1.03x and 1.07x. The last tile's loop of its own costs a copy
+# and the one-plan executable 1.07x as long at seq=7, 1.08x at 16, the same from 32 on within
+# noise; the transformer block (weights in L3) 1.07x and 1.08x (each executable alone in its own
+# process, 5 turns each). The last tile's loop of its own costs a copy
 # of the reduction loop: a fused GEMM's whole-range kernel compiled 1.4x as long, its measured
 # builds 1.0-1.15x.
 PREFETCH_SPREAD = 4
