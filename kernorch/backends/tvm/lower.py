@@ -85,6 +85,7 @@ UNPACK = "unpack"  # TE stages that read a packed operand as its logical tensor 
 VIEW = "view"      # TE stages that read an operand re-indexed (rows clamped, columns masked; always inlined)
 BLOCK = "block"    # TE stages that write a kernel output in a blocked layout
 ROWS_OUT = "rows_out"  # the TE stage that copies a padded attention's real rows out
+QUERIES_PADDED = "queries_padded"  # the TE stage that copies a padded attention's queries into zero rows
 
 
 def symbol_vars(func) -> dict[str, tirx.Var]:
@@ -387,7 +388,7 @@ class _PaddedAttention:
         if p.name == self.scores:
             a, b = args
             if self.pad_rows:
-                a = _zero_padded(a, -2, self.rows, self.prows, "queries_padded")
+                a = _zero_padded(a, -2, self.rows, self.prows, QUERIES_PADDED)
             if self.pad_cols:
                 b = _zero_padded(b, -1, self.cols, self.pcols, "keys_padded")
             return [a, b]
