@@ -2086,6 +2086,33 @@ def test_a_masked_attention_over_seq_reads_its_mask_on_the_padded_domain(name):
     _right_at((kg, ins, kg.by_name[outs[0]]), done, 2, (1, 2, 3, 5, 17, 64), 1e-5)
 
 
+@pytest.mark.parametrize("name", ["bert_like", "gpt_like"])
+def test_a_masked_attention_over_static_keys_off_the_vectors_reads_its_mask_in_bounds(name):
+    """Over a static length that is no multiple of the vectors (seq=21: padded like a symbolic
+    one), the attention's mask is copied into zeros past the length as a stage of its own: inlined,
+    the simplifier dropped the clamp of its reads under the masked chain's Select (the key is inside
+    the length there), the Select loaded past the mask, and every tile of the fused attention was
+    refused (gpt_like at seq=300 ran its attention as three kernels, 1.1 ms against 0.61). It
+    builds, passes the bounds check and computes the reference."""
+    from kernorch import measure
+    from kernorch.backends import tvm as tb
+    from kernorch.backends.tvm.lower import OPERAND_PADDED, lower
+    from kernorch.backends.tvm.schedule import schedule
+    from kernorch.backends.tvm.target import make_target
+    model = getattr(examples, name)(seq="seq", vocab=64, dim=32, heads=2, hidden=64, layers=1)
+    g = dynamic.bind(dynamic.generic_graph(model, dynamic.parse_range("seq=1..64")), {"seq": 21})
+    kg, ins, outs = _attention_kernel(g)
+    target = make_target(2)
+    for tile in ("t4x16r", "t4x64r"):
+        mod = schedule(lower(kg, kg.prims, ins, outs, tile), target, tile)
+        assert f'T.sblock("{OPERAND_PADDED}_keys")' in mod["main"].script()
+        kernel = tb.build(mod, target)
+        job = measure.KernelJob("k", "tvm", tile, kg, tuple(ins), tuple(outs))
+        inputs = measure.make_inputs(job)
+        got = kernel(*measure.kernel_args(job, inputs), out_shapes=[kg.type_of(o).shape for o in outs])
+        assert measure.check(job, got, measure.reference(job, inputs)) < 1e-4
+
+
 def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch):
     """`measured_dispatch` times the dispatching executable against the one plan's at every sample
     length (here scripted) and keeps a sample's own plan only where it ran DISPATCH_GAIN faster;

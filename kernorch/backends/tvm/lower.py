@@ -86,6 +86,7 @@ VIEW = "view"      # TE stages that read an operand re-indexed (rows clamped, co
 BLOCK = "block"    # TE stages that write a kernel output in a blocked layout
 ROWS_OUT = "rows_out"  # the TE stage that copies a padded attention's real rows out
 QUERIES_PADDED = "queries_padded"  # the TE stage that copies a padded attention's queries into zero rows
+OPERAND_PADDED = "operand_padded"  # the TE stages that copy a padded attention's mask or bias into zeros
 
 
 def symbol_vars(func) -> dict[str, tirx.Var]:
@@ -420,9 +421,9 @@ class _PaddedAttention:
             raise KernorchError(f"padded attention: {p.name} ({p.op}) reads {t} of shape "
                                 f"{list(shape)} along the scores' rows or columns")
         if shape[-1] != 1 and self.pad_cols:
-            x = _zero_padded(x, -1, self.cols, self.pcols, "operand_padded_keys")
+            x = _zero_padded(x, -1, self.cols, self.pcols, f"{OPERAND_PADDED}_keys")
         if shape[-2] != 1 and self.pad_rows:
-            x = _zero_padded(x, -2, self.rows, self.prows, "operand_padded_rows")
+            x = _zero_padded(x, -2, self.rows, self.prows, f"{OPERAND_PADDED}_rows")
         return x
 
     def result(self, p: Prim, out):

@@ -23,8 +23,8 @@ from ...ir import KernorchError
 from ...kernels import Tile, Winograd, split
 from ...kernels.tiles import NARROW_KEYS, PADDED_ROWS, SERIAL_MAX_MACS, SMALL_ROWS, ran_copy, row_tile
 from ...kernels.variants import CONVERSIONS
-from .lower import (AT_LENGTH_FUNC, AT_LENGTH_WHEN, BOUNDS_ATTR, NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, QUERIES_PADDED,
-                    ROWS_OUT, UNPACK, VIEW, bounds_of, divisible)
+from .lower import (AT_LENGTH_FUNC, AT_LENGTH_WHEN, BOUNDS_ATTR, NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, OPERAND_PADDED,
+                    QUERIES_PADDED, ROWS_OUT, UNPACK, VIEW, bounds_of, divisible)
 from .passes import LAUNCH
 from .tirwalk import buffers_in, found, is_call, loads, map_expr, operands, rewrite, substitute_buffers, with_body
 from .target import vector_bits
@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 #: 60: a contraction's operands are told apart by buffer, not name (`_loaded_buffers`).
 #: 61: a panel's last tile over symbolic rows fetches the shares of the tiles its panel lacks.
 #: 62: a padded attention copies its queries tile by tile, inside its row tiles' loop.
-SCHEDULES_VERSION = 62
+#: 63: over static keys a padded attention's mask or bias copy stays a stage (`_inline_pass`).
+SCHEDULES_VERSION = 63
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -1185,6 +1186,7 @@ def _inline_pass(func) -> tirx.PrimFunc:
         if name.startswith((UNPACK, VIEW)):
             sch.compute_inline(sch.get_sblock(name))
     expensive = {n for n in _root_blocks(sch) if _is_expensive(sch.get(sch.get_sblock(n)))}
+    static = not bounds_of(func)
     changed = True
     while changed:
         changed = False
@@ -1193,6 +1195,11 @@ def _inline_pass(func) -> tirx.PrimFunc:
             stmt = sch.get(blk)
             if _is_reduction(stmt) or _writes_output(stmt, func) or name.startswith(ROWS_OUT):
                 continue  # (a padded attention's copy-out tells its rule that the rows were padded)
+            if static and name.startswith(OPERAND_PADDED):
+                # over static keys the simplifier drops the clamp of an inlined padded mask's reads
+                # under the masked chain's Select (it knows the key inside the length there), and
+                # the Select loads past the mask: kept a copy, the chain reads it in bounds
+                continue
             consumers = sch.get_consumers(blk)
             if not consumers:
                 continue
