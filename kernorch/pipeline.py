@@ -1268,6 +1268,13 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
             with clock("tune"):
                 plan, measured, tuning = tune.tune_loop(loaded.graph, enumeration, measured, plan, db, options,
                                                         machine, solve)
+        if options.ranges:
+            siblings = attention_siblings(measured)
+            if siblings:
+                log.info("measuring %d register tiles of the attentions measured in another", len(siblings))
+                with clock("measure"):
+                    measured = settled(refine(measured, siblings, db, options, machine, workers), db, options,
+                                       machine, workers)
         if options.ranges and options.sample_plans:
             measured = refine_samples(loaded.graph, enumeration, measured, options, meta, db, machine, workers, clock)
     one, choices = None, ()
@@ -1321,6 +1328,23 @@ def refine_samples(graph: Graph, enumeration, measured: Measured, options: Optio
     with clock("measure"):
         measured = settled(measured, db, options, machine, workers)
     return replace(measured, stats=replace(measured.stats, estimated=len(measured.pending)))
+
+
+def attention_siblings(measured: Measured) -> list:
+    """The pending jobs of every attention fusion (two contractions) measured in one register tile
+    and not yet in the others (`candidate_jobs` times an attention over a symbolic length in every
+    tile of its scores), so that the sample lengths' own plans choose among its tiles. The refine
+    loop measures what the one plan wants, and it weighs the long lengths little: over seq=1..512
+    (Xeon model 167) the transformer block's attention was measured in t14x32r alone (1.88 ms at
+    512), the plan of 512 ran it split in two kernels (1.55 + 0.57 ms alone), and its executable
+    took 1.11x the static plan's time there, whose attention is one t4x64r kernel (1.71 ms in the
+    model). From that run's database, the three other tiles measured (4 s): the plan of 512 fused it
+    in t4x64r and was kept, 0.95x the executable's time at 512, the same at 128 and 300."""
+    def attention(job) -> bool:
+        return sum(primitives.kind(p.op) == "linear" for p in job.graph.prims) == 2
+    pending_keys = {i[0] for i in measured.pending}
+    measured_keys = {i[0] for i, m in measured.measurements.items() if m.ok and i[0] in pending_keys}
+    return [i for i, j in measured.pending.items() if i[0] in measured_keys and attention(j)]
 
 
 def refine_solve(graph: Graph, enumeration, measured: Measured, k: int, options: Options, meta: Mapping[str, str],

@@ -2113,6 +2113,33 @@ def test_a_masked_attention_over_static_keys_off_the_vectors_reads_its_mask_in_b
         assert measure.check(job, got, measure.reference(job, inputs)) < 1e-4
 
 
+def test_an_attention_measured_in_one_tile_is_measured_in_its_others():
+    """Over a range, the pending tiles of every attention fusion (two contractions) measured in one
+    register tile are measured too before the sample lengths' plans are chosen
+    (`pipeline.attention_siblings`): neither an attention that no plan wanted (nothing measured for
+    its key), nor the other tiles of a fusion with one contraction."""
+    from kernorch import pipeline
+    from kernorch.database import Measurement
+    from kernorch.ir import Graph, TensorType, make_prim
+    from kernorch.measure import KernelJob, MeasureStats
+    t = TensorType((4, 4))
+    two = Graph((("q", t), ("k", t), ("v", t)), ("o",),
+                (make_prim("s", "matmul", ["q", "k"], t), make_prim("o", "matmul", ["s", "v"], t)), {})
+    one = Graph((("x", t), ("w", t)), ("y",), (make_prim("y", "matmul", ["x", "w"], t),), {})
+
+    def job(key, schedule, g):
+        return KernelJob(key, "tvm", schedule, g, tuple(n for n, _ in g.inputs), tuple(g.outputs))
+
+    def done(key, schedule):
+        return Measurement("m", key, "tvm", schedule, "v", "ok", 1000, (1000,), "", 0.1, "")
+    pending = {j.ident: j for j in (job("att", "t4x64r", two), job("att", "t8x32r", two),
+                                    job("other", "t4x64r", two), job("gemm", "t8x32p", one))}
+    measured = pipeline.Measured({("att", "tvm", "t14x32r"): done("att", "t14x32r"),
+                                  ("gemm", "tvm", "t14x32p"): done("gemm", "t14x32p")}, MeasureStats(),
+                                 pending=pending)
+    assert sorted(pipeline.attention_siblings(measured)) == [("att", "tvm", "t4x64r"), ("att", "tvm", "t8x32r")]
+
+
 def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch):
     """`measured_dispatch` times the dispatching executable against the one plan's at every sample
     length (here scripted) and keeps a sample's own plan only where it ran DISPATCH_GAIN faster;
