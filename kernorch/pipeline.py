@@ -1331,7 +1331,7 @@ def refine_samples(graph: Graph, enumeration, measured: Measured, options: Optio
 
 
 def attention_siblings(measured: Measured) -> list:
-    """The pending jobs of every attention fusion (two contractions) measured in one register tile
+    """The pending jobs of every attention fusion (`candidates.attention_parts`) measured in one register tile
     and not yet in the others (`candidate_jobs` times an attention over a symbolic length in every
     tile of its scores), so that the sample lengths' own plans choose among its tiles. The refine
     loop measures what the one plan wants, and it weighs the long lengths little: over seq=1..512
@@ -1340,11 +1340,10 @@ def attention_siblings(measured: Measured) -> list:
     took 1.11x the static plan's time there, whose attention is one t4x64r kernel (1.71 ms in the
     model). From that run's database, the three other tiles measured (4 s): the plan of 512 fused it
     in t4x64r and was kept, 0.95x the executable's time at 512, the same at 128 and 300."""
-    def attention(job) -> bool:
-        return sum(primitives.kind(p.op) == "linear" for p in job.graph.prims) == 2
     pending_keys = {i[0] for i in measured.pending}
     measured_keys = {i[0] for i, m in measured.measurements.items() if m.ok and i[0] in pending_keys}
-    return [i for i, j in measured.pending.items() if i[0] in measured_keys and attention(j)]
+    return [i for i, j in measured.pending.items() if i[0] in measured_keys
+            and cands.attention_parts(j.graph, [p.name for p in j.graph.prims]) is not None]
 
 
 def refine_solve(graph: Graph, enumeration, measured: Measured, k: int, options: Options, meta: Mapping[str, str],

@@ -2113,9 +2113,9 @@ def test_a_masked_attention_over_static_keys_off_the_vectors_reads_its_mask_in_b
         assert measure.check(job, got, measure.reference(job, inputs)) < 1e-4
 
 
-def test_an_attention_measured_in_one_tile_is_measured_in_its_others():
-    """Over a range, the pending tiles of every attention fusion (two contractions) measured in one
-    register tile are measured too before the sample lengths' plans are chosen
+def test_an_attention_measured_in_one_tile_is_measured_in_its_others(block):
+    """Over a range, the pending tiles of every attention fusion (`candidates.attention_parts`)
+    measured in one register tile are measured too before the sample lengths' plans are chosen
     (`pipeline.attention_siblings`): neither an attention that no plan wanted (nothing measured for
     its key), nor the other tiles of a fusion with one contraction."""
     from kernorch import pipeline
@@ -2123,17 +2123,16 @@ def test_an_attention_measured_in_one_tile_is_measured_in_its_others():
     from kernorch.ir import Graph, TensorType, make_prim
     from kernorch.measure import KernelJob, MeasureStats
     t = TensorType((4, 4))
-    two = Graph((("q", t), ("k", t), ("v", t)), ("o",),
-                (make_prim("s", "matmul", ["q", "k"], t), make_prim("o", "matmul", ["s", "v"], t)), {})
+    two, ins, outs = _attention_kernel(block[1])
     one = Graph((("x", t), ("w", t)), ("y",), (make_prim("y", "matmul", ["x", "w"], t),), {})
 
-    def job(key, schedule, g):
-        return KernelJob(key, "tvm", schedule, g, tuple(n for n, _ in g.inputs), tuple(g.outputs))
+    def job(key, schedule, g, inputs, outputs):
+        return KernelJob(key, "tvm", schedule, g, tuple(inputs), tuple(outputs))
 
     def done(key, schedule):
         return Measurement("m", key, "tvm", schedule, "v", "ok", 1000, (1000,), "", 0.1, "")
-    pending = {j.ident: j for j in (job("att", "t4x64r", two), job("att", "t8x32r", two),
-                                    job("other", "t4x64r", two), job("gemm", "t8x32p", one))}
+    pending = {j.ident: j for j in (job("att", "t4x64r", two, ins, outs), job("att", "t8x32r", two, ins, outs),
+                                    job("other", "t4x64r", two, ins, outs), job("gemm", "t8x32p", one, ["x", "w"], ["y"]))}
     measured = pipeline.Measured({("att", "tvm", "t14x32r"): done("att", "t14x32r"),
                                   ("gemm", "tvm", "t14x32p"): done("gemm", "t14x32p")}, MeasureStats(),
                                  pending=pending)
