@@ -26,7 +26,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from . import __version__, primitives, progress
+from . import __version__, masks, primitives, progress
 from .database import Measurement, ProfileDB
 from .database import best as best_of
 from .timing import time_repeats
@@ -141,6 +141,7 @@ def make_inputs(job: KernelJob, seed: int = 0) -> list[np.ndarray]:
     rng = np.random.default_rng(seed + zlib.crc32(job.key.encode()))
     out = []
     types = dict(job.graph.inputs)
+    causal = masks.causal_inputs(job.graph)  # (a causal mask the kernel skips keys by: kernorch.masks)
     for t in job.inputs:
         if t in job.graph.constants:
             out.append(np.asarray(job.graph.constants[t], order="C"))
@@ -150,7 +151,8 @@ def make_inputs(job: KernelJob, seed: int = 0) -> list[np.ndarray]:
         if ty.dtype.startswith("float"):
             n = math.prod(shape)
             at = int(rng.integers(0, NOISE_SPAN))
-            out.append(_noise(n)[at:at + n].reshape(shape).astype(ty.dtype, copy=False))
+            x = _noise(n)[at:at + n].reshape(shape).astype(ty.dtype, copy=False)
+            out.append(masks.impose(x) if t in causal else x)
         elif ty.dtype == "bool":
             out.append(rng.random(shape) < 0.5)
         else:

@@ -26,6 +26,7 @@ from typing import Any, Mapping, Sequence
 from . import candidates as cands
 from . import costmodel as cm
 from . import fission as fis
+from . import masks
 from . import measure as meas
 from . import primitives
 from .backends import registry
@@ -131,6 +132,7 @@ def load(model, options: Options, clock: Clock | None = None) -> Loaded:
             graph = generic_graph(model, Range(*options.ranges[0]), options.shape_dict, options.rewrites)
         else:
             graph = fis.fission(og)
+        graph = masks.annotate(graph)
     return Loaded(og.source, og, graph, rewritten)
 
 

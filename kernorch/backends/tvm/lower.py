@@ -16,6 +16,7 @@ from tvm import te, tirx, topi
 
 from ... import primitives
 from ...candidates import attention_parts
+from ...masks import CAUSAL_OPERAND
 from ...ir import Graph, KernorchError, Prim, SymDim, TensorType
 from ...kernels import Tile, Winograd, blocked, split, variant_out_packs, variant_packs
 from ...kernels.tiles import NARROW_KEYS, NARROW_KEYS_COST, SMALL_ROWS, row_tile
@@ -87,6 +88,7 @@ BLOCK = "block"    # TE stages that write a kernel output in a blocked layout
 ROWS_OUT = "rows_out"  # the TE stage that copies a padded attention's real rows out
 QUERIES_PADDED = "queries_padded"  # the TE stage that copies a padded attention's queries into zero rows
 OPERAND_PADDED = "operand_padded"  # the TE stages that copy a padded attention's mask or bias into zeros
+CAUSAL_ATTR = "kernorch.causal"  # an attention whose keys past each query row are masked (`causal_attention`)
 
 
 def symbol_vars(func) -> dict[str, tirx.Var]:
@@ -235,7 +237,33 @@ def _lowered(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outpu
     if sym.vars and out_packs:
         raise KernorchError("blocked output layouts need static shapes")
     func = te.create_prim_func(params + results, index_dtype_override="int64" if sym.vars else None)
+    if causal_attention(graph, members, outputs):
+        func = func.with_attr(CAUSAL_ATTR, True)
     return func.with_attr(NUM_INPUTS_ATTR, len(inputs)), padded
+
+
+def causal_attention(graph: Graph, members: Sequence[Prim], outputs: Sequence[str]) -> bool:
+    """Whether the kernel is an attention (kernorch.candidates.attention_parts) whose softmax input
+    is its scores plus a causal mask (kernorch.masks: an add marked CAUSAL_OPERAND read only by the
+    softmax's max and shift), and whose outputs hold no tensor along the keys: then each row tile
+    may skip the keys past its last row (the schedule's `_skip_masked_keys`)."""
+    parts = attention_parts(graph, [p.name for p in members])
+    if parts is None:
+        return False
+    scores, chain, values = parts
+    inside = {p.name for p in members}
+    for name in chain:
+        p = graph.by_name[name]
+        if p.op != "add" or p.attr(CAUSAL_OPERAND) is None:
+            continue
+        readers = [c for c in graph.consumers.get(name, ()) if c.name in inside]
+        if name in outputs or not readers or any(c.op not in ("reduce_max", "sub") for c in readers):
+            continue
+        keys = graph.type_of(scores).shape[-1]
+        along = [o for o in outputs if o != values and (o == scores or o in chain)
+                 and graph.type_of(o).shape[-1] == keys]
+        return not along
+    return False
 
 
 def _ceil(extent, k: int):

@@ -23,8 +23,8 @@ from ...ir import KernorchError
 from ...kernels import Tile, Winograd, split
 from ...kernels.tiles import NARROW_KEYS, PADDED_ROWS, SERIAL_MAX_MACS, SMALL_ROWS, ran_copy, row_tile
 from ...kernels.variants import CONVERSIONS
-from .lower import (AT_LENGTH_FUNC, AT_LENGTH_WHEN, BOUNDS_ATTR, NARROW_KEYS_FUNC, NARROW_KEYS_WHEN, OPERAND_PADDED,
-                    QUERIES_PADDED, ROWS_OUT, UNPACK, VIEW, bounds_of, divisible)
+from .lower import (AT_LENGTH_FUNC, AT_LENGTH_WHEN, BOUNDS_ATTR, CAUSAL_ATTR, NARROW_KEYS_FUNC, NARROW_KEYS_WHEN,
+                    OPERAND_PADDED, QUERIES_PADDED, ROWS_OUT, UNPACK, VIEW, bounds_of, divisible)
 from .passes import LAUNCH
 from .tirwalk import buffers_in, found, is_call, loads, map_expr, operands, rewrite, substitute_buffers, with_body
 from .target import vector_bits
@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 #: 61: a panel's last tile over symbolic rows fetches the shares of the tiles its panel lacks.
 #: 62: a padded attention copies its queries tile by tile, inside its row tiles' loop.
 #: 63: over static keys a padded attention's mask or bias copy stays a stage (`_inline_pass`).
-SCHEDULES_VERSION = 63
+#: 64: a causal attention's row tiles skip the keys past their last row (`_skip_masked_keys`).
+SCHEDULES_VERSION = 64
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -669,8 +670,9 @@ def _scheduled(sch: s_tir.Schedule, rule: str) -> tvm.IRModule:
 
 def _iterations(stmt) -> object:
     """How many times the innermost statements under `stmt` run (a PrimExpr over a range)."""
-    if isinstance(stmt, tirx.For):
-        return stmt.extent * _iterations(stmt.body)
+    if isinstance(stmt, tirx.For):  # (a loop over the keys a row tile skips: at most all of them)
+        skips = KEYS_OF in stmt.annotations and isinstance(stmt.extent, tirx.Min)
+        return (stmt.extent.a if skips else stmt.extent) * _iterations(stmt.body)
     if isinstance(stmt, tirx.SeqStmt):
         return sum((_iterations(s) for s in stmt.seq), 0)
     if isinstance(stmt, s_tir.stmt.SBlockRealize):
@@ -1609,7 +1611,125 @@ def _rule_attention(func, lanes: int, tile: Tile) -> s_tir.Schedule:
             moved = moved | {n}
     rest = set(names) - set(cons) - set(chain) - moved
     _schedule_rest(sch, rest, lanes)
+    if func.attrs is not None and func.attrs.get(CAUSAL_ATTR) is not None:
+        if not _skip_masked_keys(sch, par, [c1, *chain], stmt1.writes[0].source.shape[-2:]):
+            log.warning("a causal attention (%s) computes every key: its loops over the keys are not all "
+                        "bounded by its row tile", tile.name)
     return sch
+
+
+KEYS_OF = "kernorch.keys_of"  # a loop over keys bounded by its row tile (`_skip_masked_keys`): min(its keys, the tile's)
+
+
+def _skip_masked_keys(sch, par, stages: Sequence[str], shape) -> bool:
+    """An attention with a causal mask (lower.causal_attention: the keys past a query are masked,
+    their probabilities exactly zero, kernorch.masks) computes, in each row tile of the parallel
+    loop `par`, its scores, softmax and values only over the keys up to the tile's last row.
+
+    The buffers along the keys are those the blocks of `stages` (the scores, the chain; their
+    init, update, cache and rfactor blocks) write with the scores' `shape` in their two last axes.
+    Every block inside `par` that reads or writes one indexes its key axis as `C * L + r`, `L` a
+    serial loop inside `par` and `0 <= r < C` from loops inside `L`; that loop `L` then runs
+    min(extent, ceil((last row + 1) / C)) times, the last row read off the same access's row index
+    at its loops' largest values. A block whose keys are all in vector or unrolled loops computes
+    them all. All or nothing otherwise: a block reading keys their writer skipped would read
+    garbage, so where an access does not fit, nothing changes and False is returned. (The
+    loops share the body's blocks: no schedule primitive may look one up after this.)"""
+    from tvm.sym import IntervalSet, detect_linear_equation
+    from tvm.sym.analyzer import Analyzer
+    loop = sch.get(par)
+    ana = Analyzer()
+    suffixes = ("", "_init", "_update", "_local", "_rf")
+    names = {s + x for s in stages for x in suffixes}
+    realizes = found(loop.body, lambda s: isinstance(s, s_tir.stmt.SBlockRealize))
+    fors = found(loop.body, lambda s: isinstance(s, tirx.For))
+    once = [(f.loop_var, f.min) for f in fors if isinstance(f.extent, tirx.IntImm) and int(f.extent) == 1]
+    fors = [f for f in fors if not (isinstance(f.extent, tirx.IntImm) and int(f.extent) == 1)]
+
+    def along(buf) -> bool:
+        return len(buf.shape) >= 2 and all(ana.can_prove_equal(a, b) for a, b in zip(buf.shape[-2:], shape))
+    keyed = [w.source for r in realizes if r.block.name_hint in names for w in r.block.writes if along(w.source)]
+
+    def is_keyed(buf) -> bool:
+        return any(buf.same_as(k) for k in keyed)
+
+    def sub(e, pairs):
+        return map_expr(e, lambda x: next((v for k, v in pairs if x.same_as(k)), None))
+    needs: list = []      # (the loop, the iterations it needs)
+    users: list = []      # (the loop, a block bounded by it)
+    whole: list = []      # blocks that compute every key
+    for r in realizes:
+        regions = [a for a in [*r.block.reads, *r.block.writes] if is_keyed(a.source)]
+        if not regions:
+            continue
+        pairs = [(iv.var, v) for iv, v in zip(r.block.iter_vars, r.iter_values)]
+        for a in regions:
+            if not all(isinstance(x.extent, tirx.IntImm) and int(x.extent) == 1 for x in a.region[-2:]):
+                return False
+            row, col = (ana.simplify(sub(sub(x.min, pairs), once)) for x in a.region[-2:])
+            inner = [f for f in fors if _uses(col, f.loop_var)]
+            coefs = []
+            for f in inner:
+                lin = detect_linear_equation(col, [f.loop_var])
+                if len(lin) != 2 or not isinstance(lin[0], tirx.IntImm) or int(lin[0]) <= 0 or not _is_zero_int(f.min):
+                    return False
+                coefs.append(int(lin[0]))
+            if not inner:
+                return False
+            if all(f.kind != tirx.ForKind.SERIAL for f in inner):
+                whole.append(r.block)  # (its keys in one vector or unrolled loop: it computes them all)
+                continue
+            k = max(range(len(inner)), key=lambda i: coefs[i])
+            outer, c = inner[k], coefs[k]
+            if any(not isinstance(f.extent, tirx.IntImm) for i, f in enumerate(inner) if i != k):
+                return False
+            rest = sum(coefs[i] * (int(inner[i].extent) - 1) for i in range(len(inner)) if i != k)
+            base = ana.simplify(sub(col, [(f.loop_var, tirx.const(0, _dtype(f.loop_var))) for f in inner]))
+            if rest >= c or not _is_zero_int(base) or outer.kind != tirx.ForKind.SERIAL:
+                return False
+            dom = {f.loop_var: IntervalSet(f.min, f.min + f.extent - 1) for f in fors if _uses(row, f.loop_var)}
+            last = ana.int_set(row, dom).max_value
+            if any(_uses(last, f.loop_var) for f in fors):
+                return False
+            needs.append((outer, tirx.floordiv(last + c, c)))
+            users.append((outer, r.block))
+    if not needs:
+        return False
+    for b in whole:  # a block computing every key reads none that a bounded block writes
+        for a in b.reads:
+            if is_keyed(a.source) and any(w.source.same_as(a.source) and not any(x.same_as(r.block) for x in whole)
+                                          for r in realizes for w in r.block.writes):
+                return False
+    bounded: list = []    # (the loop, its new extent)
+    for f, need in needs:
+        at = next((i for i, (g, _) in enumerate(bounded) if g.same_as(f)), None)
+        need = tirx.Cast(_dtype(f.extent), need) if _dtype(need) != _dtype(f.extent) else need
+        if at is None:
+            bounded.append((f, need))
+        elif not tvm_ffi.structural_equal(bounded[at][1], need):
+            bounded[at] = (f, tirx.max(bounded[at][1], need))
+    for f, _ in bounded:  # every block under a bounded loop is one bounded by it
+        inside = found(f.body, lambda s: isinstance(s, s_tir.stmt.SBlockRealize))
+        if not all(any(g.same_as(f) and b.same_as(x.block) for g, b in users) for x in inside):
+            return False
+
+    def visit(s):
+        if not isinstance(s, tirx.For):
+            return None
+        ext = next((e for g, e in bounded if g.same_as(s)), None)
+        if ext is None:
+            return None
+        notes = {**{k: v for k, v in s.annotations.items()}, KEYS_OF: 1}
+        return tirx.For(s.loop_var, s.min, tirx.Min(s.extent, ana.simplify(ext)), s.kind, rewrite(s.body, visit),
+                        s.thread_binding, notes)
+    new = tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, rewrite(loop.body, visit), loop.thread_binding,
+                   loop.annotations)
+    sch.state.replace(sch.get_sref(par), new)
+    return True
+
+
+def _is_zero_int(e) -> bool:
+    return isinstance(e, tirx.IntImm) and int(e) == 0
 
 
 # -- software prefetch of the next weight panel ----------------------------------------------------
