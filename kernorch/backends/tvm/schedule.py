@@ -1658,6 +1658,7 @@ def _skip_masked_keys(sch, par, stages: Sequence[str], shape) -> bool:
     needs: list = []      # (the loop, the iterations it needs)
     users: list = []      # (the loop, a block bounded by it)
     whole: list = []      # blocks that compute every key
+    steps: list = []      # (a buffer along the keys, the keys a bounded loop's step covers, written there)
     for r in realizes:
         regions = [a for a in [*r.block.reads, *r.block.writes] if is_keyed(a.source)]
         if not regions:
@@ -1693,8 +1694,12 @@ def _skip_masked_keys(sch, par, stages: Sequence[str], shape) -> bool:
                 return False
             needs.append((outer, tirx.floordiv(last + c, c)))
             users.append((outer, r.block))
+            steps.append((a.source, c, any(w.source.same_as(a.source) for w in r.block.writes)))
     if not needs:
         return False
+    for buf, c, _ in steps:  # a bounded reader covers no key past its bounded writers' (whose steps it divides)
+        if any(w and b.same_as(buf) and d % c for b, d, w in steps):
+            return False
     for b in whole:  # a block computing every key reads none that a bounded block writes
         for a in b.reads:
             if is_keyed(a.source) and any(w.source.same_as(a.source) and not any(x.same_as(r.block) for x in whole)
