@@ -124,3 +124,40 @@ def test_an_attention_reading_its_scores_out_does_not_skip():
     assert causal_attention(kg, kg.prims, outs)
     marked = _marked(kg)[0].name
     assert not causal_attention(kg, kg.prims, [*outs, marked])
+
+
+@pytest.mark.parametrize("over", ["static", "range"])
+def test_a_mask_computed_from_constants_at_run_time_is_found_through_its_elementwise_prims(over):
+    """A mask that is not folded (`(1 - tri) * -10000` computed by prims from a constant, over a
+    range from a leading slice of one) is known through them; the same computed from an input is
+    not, nor is a constant masked below its diagonal, nor one added to scores of a single row."""
+    from kernorch.dynamic import SymDim
+    from kernorch.ir import Graph, TensorType, make_prim
+    n = SymDim("seq", (0, 1, 0)) if over == "range" else 8
+    big = 16
+    t, sq = TensorType((1, 2, n, n)), TensorType((n, n))
+    tri = np.tril(np.ones((big, big) if over == "range" else (n, n), np.float32))
+    consts = {"one": np.float32(1.0), "big": np.float32(-10000.0)}
+    if over == "range":
+        consts["tri.whole"] = tri
+        head = (make_prim("tri", "slice", ["tri.whole"], sq, axes=(0, 1), begins=(0, 0), ends=(n, n), steps=(1, 1)),)
+    else:
+        consts["tri"] = tri
+        head = ()
+
+    def graph(source, consts=consts, head=head):
+        prims = (*head, make_prim("open", "sub", ["one", source], sq), make_prim("mask", "mul", ["open", "big"], sq),
+                 make_prim("y", "add", ["x", "mask"], t))
+        ins = (("x", t),) + ((("m", sq),) if source == "m" else ())
+        return Graph(ins, ("y",), prims, consts)
+    marked = masks.annotate(graph("tri"))
+    assert marked.by_name["y"].attr(masks.CAUSAL_OPERAND) == 1
+    assert masks.causal_inputs(marked) == set()      # (the mask is computed inside, not an input)
+    assert masks.annotate(graph("m")).by_name["y"].attr(masks.CAUSAL_OPERAND) is None
+    flipped = {**consts, ("tri.whole" if over == "range" else "tri"): tri.T.copy()}
+    assert masks.annotate(graph("tri", flipped)).by_name["y"].attr(masks.CAUSAL_OPERAND) is None
+    # the other operand broadcast along the rows (one row of scores for every query): not marked
+    row = Graph((("x", TensorType((1, 2, 1, n))),), ("y",),
+                (*head, make_prim("open", "sub", ["one", "tri"], sq), make_prim("mask", "mul", ["open", "big"], sq),
+                 make_prim("y", "add", ["x", "mask"], t)), consts)
+    assert masks.annotate(row).by_name["y"].attr(masks.CAUSAL_OPERAND) is None
