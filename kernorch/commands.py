@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import pipeline, primitives
+from . import masks, pipeline, primitives
 from .database import ProfileDB
 from .dynamic import plan_buckets
 from .ir import KernorchError
@@ -57,6 +57,7 @@ def inspect_report(model, options: Options, verify: bool = False) -> dict:
         "primitive_ops": g.histogram(),
         "primitive_kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
         "weights": len(g.constants),
+        "causal_masks": masks.marked(g),  # adds of a causal mask: their attention skips the masked keys
         "seconds": {k: round(v, 3) for k, v in clock.seconds.items()},
     }
     if verify:
@@ -77,6 +78,8 @@ def cmd_inspect(args, options: Options) -> int:
                 f"({rep['onnx_nodes_after_folding']} after constant folding) → {rep['primitives']} primitives")
         if "rewrites" in rep:
             c.print(f"rewrites: {rewrite_summary(rep['rewrites'])}")
+        if rep["causal_masks"]:
+            c.print(f"causal masks added at {', '.join(rep['causal_masks'])}: their attention skips the masked keys")
         _table("ONNX operators", ["op", "count"], [[k, v] for k, v in rep["onnx_ops"].items()])
         _table("Primitive kinds", ["kind", "count"], [[k, v] for k, v in rep["primitive_kinds"].items()])
         _table("Primitives", ["op", "count"], [[k, v] for k, v in rep["primitive_ops"].items()])

@@ -100,6 +100,11 @@ def annotate(graph: Graph) -> Graph:
                  graph.name)
 
 
+def marked(graph: Graph) -> list[str]:
+    """The adds `annotate` marked, in graph order (their attention skips the masked keys)."""
+    return [p.name for p in graph.prims if p.op == "add" and p.attr(CAUSAL_OPERAND) is not None]
+
+
 def causal_inputs(graph: Graph) -> set[str]:
     """The inputs (not constants) of `graph` (a kernel's) that a marked add reads as its mask."""
     names = {n for n, _ in graph.inputs}

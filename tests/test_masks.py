@@ -161,3 +161,21 @@ def test_a_mask_computed_from_constants_at_run_time_is_found_through_its_element
                 (*head, make_prim("open", "sub", ["one", "tri"], sq), make_prim("mask", "mul", ["open", "big"], sq),
                  make_prim("y", "add", ["x", "mask"], t)), consts)
     assert masks.annotate(row).by_name["y"].attr(masks.CAUSAL_OPERAND) is None
+
+
+def test_inspect_names_the_causal_masks(tmp_path, capsys):
+    """`kernorch inspect` lists the adds of a causal mask (JSON and text); a model without one, none."""
+    import json
+    import onnx
+    from kernorch import cli
+    path = tmp_path / "gpt.onnx"
+    onnx.save(_decoder(16), str(path))
+    assert cli.main(["inspect", str(path), "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)["causal_masks"]
+    assert len(found) == LAYERS and found == masks.marked(masks.annotate(_static(_decoder(16))))
+    assert cli.main(["inspect", str(path)]) == 0
+    squeezed = "".join(capsys.readouterr().out.split())  # (the console may wrap the line anywhere)
+    assert "".join(f"causal masks added at {', '.join(found)}".split()) in squeezed
+    onnx.save(examples.transformer_block(seq=16), str(path))
+    assert cli.main(["inspect", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["causal_masks"] == []
