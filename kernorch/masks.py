@@ -108,8 +108,8 @@ def marked(graph: Graph) -> list[str]:
 def causal_inputs(graph: Graph) -> set[str]:
     """The inputs (not constants) of `graph` (a kernel's) that a marked add reads as its mask."""
     names = {n for n, _ in graph.inputs}
-    return {p.inputs[p.attr(CAUSAL_OPERAND)] for p in graph.prims
-            if p.op == "add" and p.attr(CAUSAL_OPERAND) is not None} & names
+    adds = (graph.by_name[a] for a in marked(graph))
+    return {p.inputs[p.attr(CAUSAL_OPERAND)] for p in adds} & names
 
 
 def impose(x: np.ndarray) -> np.ndarray:

@@ -247,6 +247,8 @@ def causal_attention(graph: Graph, members: Sequence[Prim], outputs: Sequence[st
     is its scores plus a causal mask (kernorch.masks: an add marked CAUSAL_OPERAND read only by the
     softmax's max and shift), and whose outputs hold no tensor along the keys: then each row tile
     may skip the keys past its last row (the schedule's `_skip_masked_keys`)."""
+    if not any(p.attr(CAUSAL_OPERAND) is not None for p in members):
+        return False  # (most kernels: no attention's parts to find)
     parts = attention_parts(graph, [p.name for p in members])
     if parts is None:
         return False

@@ -26,7 +26,8 @@ from ...kernels.variants import CONVERSIONS
 from .lower import (AT_LENGTH_FUNC, AT_LENGTH_WHEN, BOUNDS_ATTR, CAUSAL_ATTR, NARROW_KEYS_FUNC, NARROW_KEYS_WHEN,
                     OPERAND_PADDED, QUERIES_PADDED, ROWS_OUT, UNPACK, VIEW, bounds_of, divisible)
 from .passes import LAUNCH
-from .tirwalk import buffers_in, found, is_call, loads, map_expr, operands, rewrite, substitute_buffers, with_body
+from .tirwalk import (buffers_in, found, is_call, loads, map_expr, operands, rewrite, substitute,
+                      substitute_buffers, with_body)
 from .target import vector_bits
 
 log = logging.getLogger(__name__)
@@ -894,11 +895,8 @@ def _masked_loads(loop, load, first, length):
     from tvm.sym.analyzer import Analyzer
     ana = Analyzer()
 
-    def sub(e, pairs):
-        return map_expr(e, lambda x: next((v for k, v in pairs if x.same_as(k)), None))
-
     def at(indices, value):  # the indices in the loops' variables, the lane at `value`
-        return [ana.simplify(sub(sub(i, bound), [(lane, value)])) for i in indices]
+        return [ana.simplify(substitute(substitute(i, bound), [(lane, value)])) for i in indices]
     for indices in (store.indices, load.indices):  # the lane moves the innermost index, one by one
         i0, i1 = at(indices, loop.min), at(indices, loop.min + 1)
         if not all(ana.can_prove(b - a == (1 if k == len(indices) - 1 else 0))
@@ -1642,9 +1640,9 @@ def _skip_masked_keys(sch, par, stages: Sequence[str], shape) -> bool:
     suffixes = ("", "_init", "_update", "_local", "_rf")
     names = {s + x for s in stages for x in suffixes}
     realizes = found(loop.body, lambda s: isinstance(s, s_tir.stmt.SBlockRealize))
-    fors = found(loop.body, lambda s: isinstance(s, tirx.For))
-    once = [(f.loop_var, f.min) for f in fors if isinstance(f.extent, tirx.IntImm) and int(f.extent) == 1]
-    fors = [f for f in fors if not (isinstance(f.extent, tirx.IntImm) and int(f.extent) == 1)]
+    loops = found(loop.body, lambda s: isinstance(s, tirx.For))
+    once = [(f.loop_var, f.min) for f in loops if _is_const(f.extent, 1)]   # (their variable is their start)
+    fors = [f for f in loops if not _is_const(f.extent, 1)]
 
     def along(buf) -> bool:
         return len(buf.shape) >= 2 and all(ana.can_prove_equal(a, b) for a, b in zip(buf.shape[-2:], shape))
@@ -1653,8 +1651,6 @@ def _skip_masked_keys(sch, par, stages: Sequence[str], shape) -> bool:
     def is_keyed(buf) -> bool:
         return any(buf.same_as(k) for k in keyed)
 
-    def sub(e, pairs):
-        return map_expr(e, lambda x: next((v for k, v in pairs if x.same_as(k)), None))
     needs: list = []      # (the loop, the iterations it needs)
     users: list = []      # (the loop, a block bounded by it)
     whole: list = []      # blocks that compute every key
@@ -1667,12 +1663,12 @@ def _skip_masked_keys(sch, par, stages: Sequence[str], shape) -> bool:
         for a in regions:
             if not all(isinstance(x.extent, tirx.IntImm) and int(x.extent) == 1 for x in a.region[-2:]):
                 return False
-            row, col = (ana.simplify(sub(sub(x.min, pairs), once)) for x in a.region[-2:])
+            row, col = (ana.simplify(substitute(substitute(x.min, pairs), once)) for x in a.region[-2:])
             inner = [f for f in fors if _uses(col, f.loop_var)]
             coefs = []
             for f in inner:
                 lin = detect_linear_equation(col, [f.loop_var])
-                if len(lin) != 2 or not isinstance(lin[0], tirx.IntImm) or int(lin[0]) <= 0 or not _is_zero_int(f.min):
+                if len(lin) != 2 or not isinstance(lin[0], tirx.IntImm) or int(lin[0]) <= 0 or not _is_const(f.min, 0):
                     return False
                 coefs.append(int(lin[0]))
             if not inner:
@@ -1685,8 +1681,8 @@ def _skip_masked_keys(sch, par, stages: Sequence[str], shape) -> bool:
             if any(not isinstance(f.extent, tirx.IntImm) for i, f in enumerate(inner) if i != k):
                 return False
             rest = sum(coefs[i] * (int(inner[i].extent) - 1) for i in range(len(inner)) if i != k)
-            base = ana.simplify(sub(col, [(f.loop_var, tirx.const(0, _dtype(f.loop_var))) for f in inner]))
-            if rest >= c or not _is_zero_int(base) or outer.kind != tirx.ForKind.SERIAL:
+            base = ana.simplify(substitute(col, [(f.loop_var, tirx.const(0, _dtype(f.loop_var))) for f in inner]))
+            if rest >= c or not _is_const(base, 0) or outer.kind != tirx.ForKind.SERIAL:
                 return False
             dom = {f.loop_var: IntervalSet(f.min, f.min + f.extent - 1) for f in fors if _uses(row, f.loop_var)}
             last = ana.int_set(row, dom).max_value
@@ -1733,8 +1729,8 @@ def _skip_masked_keys(sch, par, stages: Sequence[str], shape) -> bool:
     return True
 
 
-def _is_zero_int(e) -> bool:
-    return isinstance(e, tirx.IntImm) and int(e) == 0
+def _is_const(e, value: int) -> bool:
+    return isinstance(e, tirx.IntImm) and int(e) == value
 
 
 # -- software prefetch of the next weight panel ----------------------------------------------------

@@ -2,7 +2,7 @@
 Python (and `s_tir.renew_defs` renews every buffer it meets, the parameters too), so kernorch's
 rewrites of scheduled kernels (kernorch.backends.tvm.schedule) and its TIR passes
 (kernorch.backends.tvm.passes) rebuild nodes here: statements through `rewrite`, expressions
-through `map_expr`, buffers through `substitute_buffers`.
+through `map_expr` (variables through `substitute`), buffers through `substitute_buffers`.
 """
 from __future__ import annotations
 
@@ -168,6 +168,12 @@ def map_expr(e, visit):
         a, b = map_expr(e.a, visit), map_expr(e.b, visit)
         return e if same((a, b), (e.a, e.b)) else type(e)(a, b)
     raise TypeError(f"no expression mapping through {type(e).__name__}")
+
+
+def substitute(e, pairs):
+    """`e` with every variable that is the first of one of `pairs` (by identity) replaced by the
+    second, an expression."""
+    return map_expr(e, lambda x: next((v for k, v in pairs if x.same_as(k)), None))
 
 
 def substitute_buffers(stmt, pairs):
