@@ -251,12 +251,16 @@ def _build_task(job: KernelJob, threads: int, out_dir: str, verify: bool, tune_d
                              target) if tune_dir else None
         if mod is None:
             raise KernorchError(f"no valid tuning record in {tune_dir}")
+        lowered = None
     else:
-        mod = tb.lower(job.graph, job.graph.prims, job.inputs, job.outputs, job.schedule)
-        mod = tb.schedule(mod, target, job.schedule, dict(job.bounds), job.lengths)
+        lowered = tb.lower(job.graph, job.graph.prims, job.inputs, job.outputs, job.schedule)
+        mod = tb.schedule(lowered, target, job.schedule, dict(job.bounds), job.lengths)
     path = str(Path(out_dir) / f"{job.key}-{job.schedule.replace('/', '_')}.so")
+    keep = tb.object_path(objects, mod, target) if objects else None
     # checked as the timer will load it: no second (just-in-time) code generation
-    tb.build(mod, target).export(path, tb.object_path(objects, mod, target) if objects else None)
+    tb.build(mod, target).export(path, keep)
+    if keep is not None and lowered is not None and (job.lengths is None or not tb.scheduled_for_lengths(job.schedule)):
+        tb.remember_object(objects, lowered, job.schedule, dict(job.bounds), target, keep)
     kernel = tb.load(path) if verify else None
     build_s = time.perf_counter() - t0
     err = None

@@ -2,6 +2,7 @@
 the graph fission gives at any value of the range; what cannot be one graph is refused by name."""
 import random
 import re
+from unittest import mock
 
 import numpy as np
 import onnx
@@ -970,6 +971,12 @@ def test_one_executable_serves_the_whole_range(tmp_path):
     assert any("seq" in str(planned.loaded.graph.type_of(k.outputs[0])) for k in planned.plan.kernels)
     compiled = pipeline.emit(planned.loaded.graph, planned.plan, options, planned.machine)
     assert compiled.ranges == {"seq": (1, 512)}
+    # emitted again (as a range's dispatch does), every kernel is found by its lowered module: the
+    # first emit named those it scheduled itself (a tile measured for its sample lengths only)
+    from kernorch.backends.tvm import relax as rx
+    with mock.patch.object(rx, "schedule", side_effect=AssertionError("scheduled again")):
+        again = pipeline.emit(planned.loaded.graph, planned.plan, options, planned.machine)
+    assert again.executable.linked == compiled.executable.linked
     # every kernel keeps its noalias parameters beside the VM's own shape function (without them
     # LLVM stores a micro-kernel's accumulators to memory on every step: 2x slower)
     from kernorch.backends.tvm import relax as rx

@@ -15,8 +15,9 @@ from Python that the schedules and the pipeline share in `tirwalk.py`.
 from .build import BuiltKernel, build, check_bounds, load, register_packed, relax_func
 from .lower import T, lower
 from .objects import object_path
-from .schedule import schedule
+from .objects import remember as remember_object
+from .schedule import schedule, scheduled_for_lengths
 from .target import make_target, set_threads, thread_env, vector_bits, versions
 
 __all__ = ["BuiltKernel", "T", "build", "check_bounds", "load", "lower", "make_target", "register_packed",
-           "object_path", "relax_func", "schedule", "set_threads", "thread_env", "vector_bits", "versions"]
+           "object_path", "relax_func", "remember_object", "schedule", "scheduled_for_lengths", "set_threads", "thread_env", "vector_bits", "versions"]

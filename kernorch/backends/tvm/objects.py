@@ -16,11 +16,21 @@ against 0.8). Over a range a kernel with row copies is measured as built for its
 only (`schedule`'s `at`: half the build), which is not the code the executable needs for every
 length, so those are compiled again (5 of that block's 12 kernels over seq=1..512 link): each
 alone into an object of its own, side by side (`build.compile_objects`), and linked like the others.
+
+Finding a kernel's object by its scheduled module means scheduling the kernel again, which over a
+range took longer than linking: 0.1-0.45 s a kernel in Python (an attention's row and narrow-key
+copies), gpt_like's 50 kernels over seq=1..512 scheduled again in every executable the range's
+dispatch emits (three or four). So each object is also named by what it was scheduled from
+(`remember`, `known`): the lowered module's structural hash, the schedule, the bounds, the target
+and every source file of kernorch (`package_digest`: the schedule rules, the tiles and the passes
+are all in it); the emitter links that object without scheduling. A build for its sample lengths
+only (a tile, whose `at` may drop copies) is not named so: the executable needs the whole kernel.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -56,6 +66,53 @@ def object_key(mod: tvm.IRModule, target) -> str:
 
 def object_path(directory: str | Path, mod: tvm.IRModule, target) -> Path:
     return Path(directory) / f"{object_key(mod, target)}.o"
+
+
+SCHEDULED = "scheduled"  # the subdirectory naming each object by what it was scheduled from
+
+
+@functools.lru_cache(maxsize=1)
+def package_digest() -> str:
+    """A digest of every source file of the kernorch package: what scheduling a lowered kernel can
+    depend on (a change anywhere in it names every kernel anew)."""
+    root = Path(__file__).resolve().parents[2]
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.py")):
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _entry(directory: str | Path, lowered: tvm.IRModule, mode: str, bounds, target) -> Path:
+    h = hashlib.sha256()
+    # (free variables mapped by their order: a tile's copies at fixed lengths name the length's
+    # variable in an attribute, where it is free and would otherwise hash by its address)
+    for part in (str(tvm_ffi.structural_hash(lowered, map_free_vars=True)), mode, json.dumps(sorted((bounds or {}).items())),
+                 str(target), *code_parts(), package_digest()):
+        h.update(part.encode() + b"\0")
+    return Path(directory) / SCHEDULED / h.hexdigest()[:32]
+
+
+def remember(directory: str | Path, lowered: tvm.IRModule, mode: str, bounds, target, obj: str | Path) -> None:
+    """Record that `lowered` (a kernel's module before scheduling), scheduled in `mode` for `bounds`
+    (over every length up to them), compiles to the object `obj` of `directory`."""
+    entry = _entry(directory, lowered, mode, bounds, target)
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.with_name(f".{entry.name}.{os.getpid()}")
+        tmp.write_text(Path(obj).name)
+        os.replace(tmp, entry)
+    except OSError as e:
+        log.debug("could not name the object %s by its lowered module: %s", obj, e)
+
+
+def known(directory: str | Path, lowered: tvm.IRModule, mode: str, bounds, target) -> Path | None:
+    """The object of `directory` that `remember` recorded for this kernel, when it is still there."""
+    try:
+        name = _entry(directory, lowered, mode, bounds, target).read_text().strip()
+    except OSError:
+        return None
+    obj = Path(directory) / name
+    return obj if name.endswith(".o") and "/" not in name and obj.exists() else None
 
 
 def available() -> bool:
@@ -107,3 +164,9 @@ def prune(directory: str | Path) -> None:
         return
     for old in sorted(kept, key=lambda q: q.stat().st_mtime, reverse=True)[OBJECTS_KEPT:]:
         old.unlink(missing_ok=True)
+    for entry in (Path(directory) / SCHEDULED).glob("*"):  # names of objects no longer there
+        try:
+            if not (Path(directory) / entry.read_text().strip()).exists():
+                entry.unlink(missing_ok=True)
+        except OSError:
+            continue

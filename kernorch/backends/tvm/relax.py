@@ -71,6 +71,29 @@ def kernel_module(graph: Graph, k, target, tune_dir: str | None = None,
     return schedule(lower(kg, kg.prims, io.inputs, io.outputs, k.schedule), target, k.schedule, bounds)
 
 
+def kernel_object(graph: Graph, k, target, objects_dir: str | Path | None, tune_dir: str | None = None,
+                  bounds: dict[str, int] | None = None) -> tuple[tvm.IRModule | None, Path | None]:
+    """A generated plan kernel as the executable takes it: (its scheduled, bounds-checked module,
+    its object file in `objects_dir`), or (None, the object) where a build already named that
+    object by the kernel's lowered module (kernorch.backends.tvm.objects.known: nothing scheduled)."""
+    lowered = None
+    if objects_dir is not None and k.impl == "tvm":
+        io = kernel_io(graph, k)
+        lowered = lower(io.graph, io.graph.prims, io.inputs, io.outputs, k.schedule)
+        obj = objects.known(objects_dir, lowered, k.schedule, bounds, target)
+        if obj is not None:
+            return None, obj
+    mod = schedule(lowered, target, k.schedule, bounds) if lowered is not None else \
+        kernel_module(graph, k, target, tune_dir, bounds)
+    check_bounds(mod)
+    if objects_dir is None:
+        return mod, None
+    obj = object_path(objects_dir, mod, target)
+    if lowered is not None:
+        objects.remember(objects_dir, lowered, k.schedule, bounds, target, obj)
+    return mod, obj
+
+
 def weights(graph: Graph, plan) -> list[tuple[str, str, np.ndarray]]:
     """The executable's weight parameters: (tensor, layout, array) in parameter order. A weight a
     kernel variant packs is passed packed ("KN>N32"); the same tensor in two layouts is two weights."""
@@ -224,10 +247,7 @@ def _emit_kernels(bb, graph: Graph, plan, indices, target, inputs, wvars, weight
                 if name not in funcs:
                     ident = (k.key, k.impl, k.schedule, tuple(sorted(bounds.items())))
                     if ident not in scheduled:
-                        mod = kernel_module(graph, k, target, tune_dir, bounds)
-                        check_bounds(mod)
-                        scheduled[ident] = (mod, object_path(objects_dir, mod, target) if objects_dir is not None
-                                            else None)
+                        scheduled[ident] = kernel_object(graph, k, target, objects_dir, tune_dir, bounds)
                     mod, obj = scheduled[ident]
                     if obj is not None:
                         linked[name] = obj

@@ -176,6 +176,12 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
     return mod
 
 
+def scheduled_for_lengths(mode: str) -> bool:
+    """Whether `schedule`'s `at` can change what `mode` schedules (a micro-kernel tile's copies and
+    branches; no other mode reads it)."""
+    return Tile.parse(split(mode)[1]) is not None
+
+
 def _tile_over_rows(func, lanes: int, tile: Tile, mode: str, threads: int = 1,
                     at: Sequence[int] | None = None, static: Sequence[int] = ()) -> tvm.IRModule:
     """The micro-kernel `tile` on `func`; over a symbolic row extent, a copy per row count of
