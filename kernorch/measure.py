@@ -498,18 +498,24 @@ class Workers:
         self._builders: WorkerPool | None = None
         self._timer: WorkerPool | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
+        self._runs = 0  # runs ended (`end_run`): the current one builds into its own directory
         self.timed: dict[tuple[str, str, str], tuple[KernelJob, str | None]] = {}
         self.again: dict[tuple[str, str, str], _Timed] = {}
         self.retimed: dict[tuple[str, str, str], Measurement] = {}  # timed again by a later `measure` call
 
     def build_dir(self) -> str:
         """The run's directory of built kernels (removed with the workers; one a killed run left
-        behind is removed by the next run on the host, `sweep_build_dirs`)."""
+        behind is removed by the next run on the host, `sweep_build_dirs`). Each run of the same
+        workers builds into a directory of its own: a library is named by its kernel and schedule,
+        and a process that loaded one path gets that library again from dlopen, whatever was
+        written there since (another bucket's build of the kernel, for other bounds)."""
         if self._dir is None:
             sweep_build_dirs()
             self._dir = tempfile.TemporaryDirectory(prefix=f"{_host_build_dirs()}{os.getpid()}-",
                                                     ignore_cleanup_errors=True)
-        return self._dir.name
+        run = Path(self._dir.name) / f"run{self._runs}"
+        run.mkdir(exist_ok=True)
+        return str(run)
 
     def time_later(self, measurements: dict) -> None:
         """Time these kernels (ident -> their measurement so far) once more, later in the run
@@ -540,6 +546,14 @@ class Workers:
             self._timer = WorkerPool(1, worker_env(self.options.threads))
         return self._timer
 
+    def end_run(self) -> None:
+        """Forget what the run queued to time again (as closing does): the processes stay for the
+        next user (another bucket's run, or the emitter's builds), which times none of it."""
+        self.timed.clear()
+        self.again.clear()
+        self.retimed.clear()
+        self._runs += 1
+
     def close(self) -> None:
         for p in (self._builders, self._timer):
             if p is not None:
@@ -548,9 +562,7 @@ class Workers:
         if self._dir is not None:  # (after the workers: an interrupted builder may still be writing into it)
             self._dir.cleanup()
             self._dir = None
-        self.timed.clear()
-        self.again.clear()
-        self.retimed.clear()
+        self.end_run()
 
     def __enter__(self) -> "Workers":
         return self
@@ -560,6 +572,20 @@ class Workers:
 
 
 BUILD_DIR = "kernorch-build-"  # a run's temporary directory of built kernels: + host digest + pid
+
+
+@contextlib.contextmanager
+def run_workers(options: Options, workers: Workers | None = None):
+    """The workers of one measuring run: `workers`, left open for the caller with the run's queue
+    dropped at its end (`Workers.end_run`), or the run's own, closed at its end."""
+    if workers is None:
+        with Workers(options) as own:
+            yield own
+        return
+    try:
+        yield workers
+    finally:
+        workers.end_run()
 
 
 def _host_build_dirs() -> str:
@@ -803,6 +829,26 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
         results.update(_timed_again(over_range, db, options, machine, workers, label))
     stats.seconds = time.perf_counter() - t_start
     return results, stats
+
+
+def build_objects(jobs: Sequence[KernelJob], options: Options, workers: Workers) -> int:
+    """Build `jobs` whole (over every length up to their bounds; nothing checked or timed) in the
+    run's builders, each kept as an object named by its lowered module
+    (kernorch.backends.tvm.objects) for an executable to link. A kernel that fails here is left to
+    the emitter, which compiles it itself and names the error. Returns how many were built."""
+    if not jobs:
+        return 0
+    tmp = workers.build_dir()
+    built = 0
+    with progress.bar("objects: build", len(jobs)) as bar:
+        for j, r in _run_with_retry(workers.builders(), _build_task, list(jobs),
+                                    lambda j: (j, options.threads, tmp, False, None, str(options.object_cache())),
+                                    options.build_timeout):
+            built += r.ok
+            if not r.ok:
+                log.info("building %s (%s) whole failed here: %s", j.description, j.schedule, r.error)
+            bar.advance()
+    return built
 
 
 def _timing_args(job: KernelJob, path: str | None, options: Options, machine: Machine,

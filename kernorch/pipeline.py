@@ -36,7 +36,7 @@ from .ir import Graph, KernorchError, kernel_graph
 from .kernels import Tile, Winograd, blocked, has_blocked_variant, prim_tiles, split
 from .kernels.tiles import curve_ns, fit_copies, passes
 from .kernels.variants import CONVERSIONS
-from .layouts import candidate_io, conversion, conversion_key, conversions
+from .layouts import candidate_io, conversion, conversion_key, conversions, kernel_io
 from .options import Machine, Options
 from .plan import Plan
 from .rewrite import rewrite
@@ -1153,23 +1153,25 @@ class Planned:
 
 
 def plan_model(model, options: Options, db: ProfileDB | None = None, machine: Machine | None = None,
-               clock: Clock | None = None) -> Planned:
+               clock: Clock | None = None, workers: meas.Workers | None = None) -> Planned:
     """load → enumerate → measure → orchestrate (→ tune within the budget). With buckets over a
-    symbolic range (`options.bucket_edges`): a plan per bucket, joined into one that dispatches."""
+    symbolic range (`options.bucket_edges`): a plan per bucket, joined into one that dispatches.
+    `workers`: the build and timing processes to measure with (else the run starts its own)."""
     machine = machine or Machine.host()
     clock = clock or Clock()
     own = db is None
     db = db or ProfileDB(options.resolved_db())
     try:
         if options.ranges and options.bucket_edges:
-            return _plan_buckets(model, options, db, machine, clock)
-        return _plan_range(model, options, db, machine, clock)
+            return _plan_buckets(model, options, db, machine, clock, workers)
+        return _plan_range(model, options, db, machine, clock, workers)
     finally:
         if own:
             db.close()
 
 
-def _plan_buckets(model, options: Options, db: ProfileDB, machine: Machine, clock: Clock) -> Planned:
+def _plan_buckets(model, options: Options, db: ProfileDB, machine: Machine, clock: Clock,
+                  workers: meas.Workers | None = None) -> Planned:
     """Each bucket of the range planned over its own lengths (its kernels measured there, in its own
     database namespace); the plans joined, each bucket weighted by its share of the range."""
     from .dynamic import bucket_of, buckets, example_bucket
@@ -1179,7 +1181,7 @@ def _plan_buckets(model, options: Options, db: ProfileDB, machine: Machine, cloc
         log.info("bucket %d of %d: %s=%d..%d", i + 1, len(parts), *part)
         lengths = tuple(v for v in options.lengths if bucket_of(parts, v) == i)  # none inside: its ends and middle
         planned.append(_plan_range(model, options.with_(ranges=(part,), lengths=lengths, bucket_edges=(),
-                                                        sample_gain=0.0), db, machine, clock))
+                                                        sample_gain=0.0), db, machine, clock, workers))
     plan = _dispatch([p.plan for p in planned], parts, options, plan_meta(planned[0].loaded.source, machine, options))
     # what the report shows of measurements: the bucket that serves the middle length (a kernel
     # measured in several buckets has a time in each); the counts of every bucket
@@ -1191,7 +1193,8 @@ def _plan_buckets(model, options: Options, db: ProfileDB, machine: Machine, cloc
                    machine)
 
 
-def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock: Clock) -> Planned:
+def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock: Clock,
+                workers: meas.Workers | None = None) -> Planned:
     """One plan over the range (or the static shapes) of `options`. Over a range, its lengths are
     weighted relative to the model's floor at each (dynamic.relative_weights)."""
     loaded = load(model, options, clock)
@@ -1200,7 +1203,7 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
         enumeration = enumerate_candidates(loaded.graph, options)
     meta = plan_meta(loaded.source, machine, options)
     near = {p: part.index for part in enumeration.partitions for p in part.prims} if FILL_NEAR else None
-    with meas.Workers(options) as workers:
+    with meas.run_workers(options, workers) as workers:
         with clock("measure"):
             measured = measure_candidates(loaded.graph, enumeration, db, options, machine, workers)
 
@@ -1437,11 +1440,20 @@ def _dispatch(plans: list, parts, options: Options, meta: Mapping[str, str]):
 # the whole pipeline
 # ------------------------------------------------------------------------------------------------
 
-def emit(graph: Graph, plan, options: Options, machine: Machine):
+def emit(graph: Graph, plan, options: Options, machine: Machine, workers: meas.Workers | None = None):
     """The plan as one compiled executable. A kernel that fails to build here is a bug (it was built,
-    checked and timed alone): the error names it and nothing is silently replaced."""
+    checked and timed alone): the error names it and nothing is silently replaced. With the run's
+    `workers`, its kernels without a named object (kernorch.backends.tvm.objects; over a range, the
+    tiles measured built for their sample lengths only) are built whole in the builder processes
+    first, side by side, where this process would schedule them one at a time."""
     from .runtime import CompiledModel
     from .backends.tvm import relax as rx
+    if workers is not None and rx.objects.available():
+        todo = rx.unnamed_kernels(graph, plan, options.threads, options.object_cache(), machine)
+        jobs = [meas.KernelJob(k.key, k.impl, k.schedule, io.graph, io.inputs, io.outputs,
+                               bounds=tuple(sorted(bounds.items())))
+                for k, bounds in todo for io in [kernel_io(graph, k)]]
+        meas.build_objects(jobs, options, workers)
     executable = rx.build_executable(graph, plan, options.threads, machine, options.executable_cache(),
                                      options.object_cache(), options.workers)
     return CompiledModel(graph, plan, executable, options.threads, machine)
@@ -1451,13 +1463,14 @@ def optimize(model, options: Options, runs: int = 20):
     """The whole pipeline: a verified CompiledModel with its report; returns (compiled, planned)."""
     from . import peers, verify
     clock = Clock()
-    planned = plan_model(model, options, clock=clock)
-    graph = planned.loaded.graph
-    with clock("emit"):
-        compiled = emit(graph, planned.plan, options, planned.machine)
-    if planned.one is not None:
-        with clock("dispatch"):
-            compiled, planned = measured_dispatch(compiled, planned, options)
+    with meas.Workers(options) as workers:  # (one set of build and timing processes for the run)
+        planned = plan_model(model, options, clock=clock, workers=workers)
+        graph = planned.loaded.graph
+        with clock("emit"):
+            compiled = emit(graph, planned.plan, options, planned.machine, workers)
+        if planned.one is not None:
+            with clock("dispatch"):
+                compiled, planned = measured_dispatch(compiled, planned, options, workers)
     with clock("verify"):
         check = verify.verify(compiled, model, options)
     timing = {}
@@ -1476,7 +1489,7 @@ def optimize(model, options: Options, runs: int = 20):
 DISPATCH_GAIN = 0.01
 
 
-def measured_dispatch(compiled, planned: Planned, options: Options):
+def measured_dispatch(compiled, planned: Planned, options: Options, workers: meas.Workers | None = None):
     """Over a range, keep a sample length's own plan only where the executable runs it at least
     DISPATCH_GAIN faster there than the one plan's executable, both timed in this process in turns
     (`alternated`) at every sample length; elsewhere the one plan serves. Where the shortest
@@ -1494,7 +1507,7 @@ def measured_dispatch(compiled, planned: Planned, options: Options):
     from . import executor
     from .dynamic import bind
     graph, name, one = planned.loaded.graph, options.ranges[0][0], planned.one
-    single = emit(graph, one, options, planned.machine)
+    single = emit(graph, one, options, planned.machine, workers)
     lengths = [length for length, _ in planned.measured.at]
     feeds = [executor.random_feeds(bind(graph, {name: n}), options.seed) for n in lengths]
     choices, plan, checked = list(planned.choices), planned.plan, {}
@@ -1517,7 +1530,7 @@ def measured_dispatch(compiled, planned: Planned, options: Options):
         if plan is one:
             compiled = single
             break
-        compiled = emit(graph, plan, options, planned.machine)
+        compiled = emit(graph, plan, options, planned.machine, workers)
         if 0 not in kept:  # the one plan runs the first bucket inline, as in its own executable, and
             break          # every own plan kept runs as it was timed: nothing to time again
     return compiled, replace(planned, plan=plan, choices=tuple(choices), dispatch=checked)

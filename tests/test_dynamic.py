@@ -969,17 +969,28 @@ def test_one_executable_serves_the_whole_range(tmp_path):
     assert any(v == {1, 2, 3, 8, 23, 64, 181, 512} for v in stored), stored
     assert any(Tile.parse(i[2]).copies for i in tiles) and not pipeline.superseded(planned.measured.measurements)
     assert any("seq" in str(planned.loaded.graph.type_of(k.outputs[0])) for k in planned.plan.kernels)
-    compiled = pipeline.emit(planned.loaded.graph, planned.plan, options, planned.machine)
-    assert compiled.ranges == {"seq": (1, 512)}
-    # emitted again (as a range's dispatch does), every kernel is found by its lowered module: the
-    # first emit named those it scheduled itself (a tile measured for its sample lengths only)
+    # the tiles measured built for their sample lengths only are built whole by the run's builders
+    # before the emit, which then links every kernel (nothing left to compile itself)
+    from kernorch import measure as meas
     from kernorch.backends.tvm import relax as rx
+    graph = planned.loaded.graph
+    assert rx.unnamed_kernels(graph, planned.plan, options.threads, options.object_cache(), planned.machine)
+    compiling = []
+    real_compile_objects = rx.compile_objects
+    def compile_objects(modules, *a):
+        compiling.append(len(modules))
+        return real_compile_objects(modules, *a)
+    with meas.Workers(options) as workers, mock.patch.object(rx, "compile_objects", compile_objects):
+        compiled = pipeline.emit(graph, planned.plan, options, planned.machine, workers)
+    assert compiling == [0]
+    assert not rx.unnamed_kernels(graph, planned.plan, options.threads, options.object_cache(), planned.machine)
+    assert compiled.ranges == {"seq": (1, 512)}
+    # emitted again (as a range's dispatch does), every kernel is found by its lowered module
     with mock.patch.object(rx, "schedule", side_effect=AssertionError("scheduled again")):
         again = pipeline.emit(planned.loaded.graph, planned.plan, options, planned.machine)
     assert again.executable.linked == compiled.executable.linked
     # every kernel keeps its noalias parameters beside the VM's own shape function (without them
     # LLVM stores a micro-kernel's accumulators to memory on every step: 2x slower)
-    from kernorch.backends.tvm import relax as rx
     target = rx.make_target(options.threads, planned.machine)
     mod = rx.build_module(planned.loaded.graph, planned.plan, target, rx.weights(planned.loaded.graph, planned.plan))
     ll = rx.compile_module(mod, target).mod.imports[0].inspect_source("ll")   # (the executable runs its library)
@@ -1258,9 +1269,9 @@ def test_a_plan_per_sample_from_one_measurement(tmp_path, capsys, monkeypatch):
     # its buckets' kernels are built for the whole range, as they were measured (and link their
     # builders' objects); buckets planned each over its own lengths are built for their ends
     from kernorch.backends.tvm import relax as rx
-    built, kernel_module, idents = [], rx.kernel_module, []
-    monkeypatch.setattr(rx, "kernel_module", lambda *a: (built.append(dict(a[4])), idents.append(
-        (a[1].key, a[1].impl, a[1].schedule)), kernel_module(*a))[2])
+    built, kernel_object, idents = [], rx.kernel_object, []
+    monkeypatch.setattr(rx, "kernel_object", lambda *a: (built.append(dict(a[5])), idents.append(
+        (a[1].key, a[1].impl, a[1].schedule)), kernel_object(*a))[2])
     assert plan.meta[dynamic.BUCKET_BOUNDS] == "range"
     compiled = pipeline.emit(graph, plan, options, Machine.host())
     assert built and all(b == {"seq": 64} for b in built), built
@@ -2170,7 +2181,7 @@ def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch)
         def __init__(self, plan):
             self.plan = plan
     emitted = []
-    monkeypatch.setattr(pipeline, "emit", lambda g, plan, o, m: (emitted.append(plan), Exe(plan))[1])
+    monkeypatch.setattr(pipeline, "emit", lambda g, plan, o, m, *_: (emitted.append(plan), Exe(plan))[1])
     monkeypatch.setattr(dynamic, "bind", lambda g, binding: binding)
     monkeypatch.setattr(executor, "random_feeds", lambda binding, seed=0: binding)  # the feeds: {"seq": n}
 

@@ -157,7 +157,7 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
     scheduled: dict = {}  # a kernel in several buckets, built for the same bounds: scheduled once
     bb = relax.BlockBuilder()
     sym = Symbols()
-    bounds = {name: hi for name, (_, hi) in plan_ranges(plan.meta).items()}
+    bounds = _bucket_bounds(plan, None)
     attrs = {"tir_var_upper_bound": bounds} if bounds else None
 
     def emit(indices, inputs, wvars, upper: dict[str, int], dataflow: bool = True) -> relax.Expr:
@@ -179,14 +179,11 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
     def in_bucket(b: int) -> list[int]:
         return [i for i, k in enumerate(plan.kernels) if k.bucket == b]
 
-    def upper(hi: int) -> dict[str, int]:  # what a bucket's kernels were measured for (BUCKET_BOUNDS)
-        return dict(bounds) if plan.meta.get(BUCKET_BOUNDS) == "range" else {n: hi for n in bounds}
-
     funcs = []
-    for b, (_, hi) in enumerate(parts[1:], start=1):
+    for b in range(1, len(parts)):
         inputs, wvars = params()
         with bb.function(f"bucket{b}", inputs + wvars, attrs=attrs, private=True):
-            funcs.append(bb.emit_func_output(emit(in_bucket(b), inputs, wvars, upper(hi))))
+            funcs.append(bb.emit_func_output(emit(in_bucket(b), inputs, wvars, _bucket_bounds(plan, b))))
     inputs, wvars = params()
     (name, _), = plan_ranges(plan.meta).items()
     with bb.function("main", inputs + wvars, attrs=attrs):
@@ -195,12 +192,41 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
             call = relax.If(relax.prim_value(sym.vars[name] <= parts[b][1]),
                             relax.SeqExpr([], relax.Call(funcs[b - 1], inputs + wvars)), relax.SeqExpr([], call))
         bb._begin_binding_block()  # the first bucket's kernels in main itself, the others' functions called
-        first = emit(in_bucket(0), inputs, wvars, upper(parts[0][1]), dataflow=False)
+        first = emit(in_bucket(0), inputs, wvars, _bucket_bounds(plan, 0), dataflow=False)
         first = relax.SeqExpr([bb._end_block()], first)
         bb._begin_binding_block()
         bb.emit_func_output(bb.emit(relax.If(relax.prim_value(sym.vars[name] <= parts[0][1]), first,
                                              relax.SeqExpr([], call))))
     return bb.get()
+
+
+def _bucket_bounds(plan, bucket: int | None) -> dict[str, int]:
+    """The largest value of each symbol the kernels of `bucket` are scheduled for (None: the
+    plan's range): what they were measured for, the bucket's end, or the range's where the
+    buckets' plans were chosen among kernels measured over the whole range (BUCKET_BOUNDS)."""
+    bounds = {name: hi for name, (_, hi) in plan_ranges(plan.meta).items()}
+    parts = plan_buckets(plan.meta)
+    if bucket is None or not parts or plan.meta.get(BUCKET_BOUNDS) == "range":
+        return bounds
+    return {n: parts[bucket][1] for n in bounds}
+
+
+def unnamed_kernels(graph: Graph, plan, threads: int, objects_dir: str | Path, machine=None) -> list[tuple]:
+    """The plan's generated kernels (one per key, schedule and bounds) whose object no build has
+    named by their lowered module yet (`objects.known`): (kernel, the bounds the executable
+    schedules it for). Over a range, the tiles measured for their sample lengths only."""
+    target = make_target(threads, machine)
+    out: dict[tuple, tuple] = {}
+    for k in plan.kernels:
+        bounds = _bucket_bounds(plan, k.bucket if plan_buckets(plan.meta) else None)
+        ident = (k.key, k.impl, k.schedule, tuple(sorted(bounds.items())))
+        if k.impl != "tvm" or ident in out:
+            continue
+        io = kernel_io(graph, k)
+        if objects.known(objects_dir, lower(io.graph, io.graph.prims, io.inputs, io.outputs, k.schedule),
+                         k.schedule, bounds, target) is None:
+            out[ident] = (k, bounds)
+    return list(out.values())
 
 
 def _tensor_type(t, sym: Symbols) -> relax.TensorType:
