@@ -1357,3 +1357,38 @@ def test_kernels_sharing_an_object_file_are_compiled_once(tmp_path, monkeypatch)
     files = {"k0": tmp_path / "a.o", "k1": tmp_path / "a.o", "k2": tmp_path / "b.o"}
     build.compile_objects({"k0": "A", "k1": "A", "k2": "B"}, files, None, 2)
     assert sorted(compiled) == ["A", "B"] and all(q.exists() for q in files.values())
+
+
+def test_an_object_is_found_by_what_it_was_scheduled_from(tmp_path, monkeypatch):
+    """`objects.remember` names an object by the lowered module, schedule, bounds and target it was
+    built from; `known` finds it by the same four (a module lowered again, its free length variable
+    a new object, hashes alike), and by no other; an object gone is not found, and pruning drops the
+    names of the objects it removed."""
+    import importlib
+    objects = importlib.import_module("kernorch.backends.tvm.objects")
+
+    def lowered(n):
+        seq = tvm.tirx.Var("seq", "int64")
+        a = tvm.tirx.decl_buffer((seq, n), "float32", "a")
+        b = tvm.tirx.decl_buffer((seq, n), "float32", "b")
+        body = tvm.tirx.Evaluate(tvm.tirx.const(0, "int32"))
+        func = tvm.tirx.PrimFunc([a, b], body).with_attr("kernorch.when", seq == 1)
+        return tvm.IRModule({"main": func})
+    target = kt.make_target(1)
+    obj = tmp_path / "k.o"
+    obj.write_bytes(b"o")
+    objects.remember(tmp_path, lowered(8), "t8x32p", {"seq": 64}, target, obj)
+    assert objects.known(tmp_path, lowered(8), "t8x32p", {"seq": 64}, target) == obj
+    for other in ((lowered(16), "t8x32p", {"seq": 64}), (lowered(8), "t8x32pr", {"seq": 64}),
+                  (lowered(8), "t8x32p", {"seq": 512}), (lowered(8), "t8x32p", {})):
+        assert objects.known(tmp_path, *other, target) is None
+    other = tmp_path / "other.o"
+    other.write_bytes(b"o")
+    objects.remember(tmp_path, lowered(16), "t8x32p", {"seq": 64}, target, other)
+    os.utime(obj, (1, 1))  # the older: pruned first
+    monkeypatch.setattr(objects, "OBJECTS_KEPT", 1)
+    objects.prune(tmp_path)
+    assert not obj.exists() and other.exists()
+    assert objects.known(tmp_path, lowered(8), "t8x32p", {"seq": 64}, target) is None
+    assert len(list((tmp_path / objects.SCHEDULED).iterdir())) == 1
+    assert objects.known(tmp_path, lowered(16), "t8x32p", {"seq": 64}, target) == other

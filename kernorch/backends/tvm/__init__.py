@@ -20,4 +20,5 @@ from .schedule import schedule, scheduled_for_lengths
 from .target import make_target, set_threads, thread_env, vector_bits, versions
 
 __all__ = ["BuiltKernel", "T", "build", "check_bounds", "load", "lower", "make_target", "register_packed",
-           "object_path", "relax_func", "remember_object", "schedule", "scheduled_for_lengths", "set_threads", "thread_env", "vector_bits", "versions"]
+           "object_path", "relax_func", "remember_object", "schedule", "scheduled_for_lengths", "set_threads",
+           "thread_env", "vector_bits", "versions"]

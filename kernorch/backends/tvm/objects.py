@@ -14,7 +14,8 @@ as before.
 Every kernel of a static plan links (the transformer block at seq=128, Zen 4: emit 0.2-0.6 s
 against 0.8). Over a range a kernel with row copies is measured as built for its sample lengths
 only (`schedule`'s `at`: half the build), which is not the code the executable needs for every
-length, so those are compiled again (5 of that block's 12 kernels over seq=1..512 link): each
+length, so those are built again whole (5 of that block's 12 kernels over seq=1..512 link): by
+the run's builder processes before the emit (`pipeline.emit`, `measure.build_objects`), else each
 alone into an object of its own, side by side (`build.compile_objects`), and linked like the others.
 
 Finding a kernel's object by its scheduled module means scheduling the kernel again, which over a
@@ -86,8 +87,8 @@ def _entry(directory: str | Path, lowered: tvm.IRModule, mode: str, bounds, targ
     h = hashlib.sha256()
     # (free variables mapped by their order: a tile's copies at fixed lengths name the length's
     # variable in an attribute, where it is free and would otherwise hash by its address)
-    for part in (str(tvm_ffi.structural_hash(lowered, map_free_vars=True)), mode, json.dumps(sorted((bounds or {}).items())),
-                 str(target), *code_parts(), package_digest()):
+    for part in (str(tvm_ffi.structural_hash(lowered, map_free_vars=True)), mode,
+                 json.dumps(sorted((bounds or {}).items())), str(target), *code_parts(), package_digest()):
         h.update(part.encode() + b"\0")
     return Path(directory) / SCHEDULED / h.hexdigest()[:32]
 
