@@ -833,24 +833,21 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
     return results, stats
 
 
-def build_objects(jobs: Sequence[KernelJob], options: Options, workers: Workers) -> int:
+def build_objects(jobs: Sequence[KernelJob], options: Options, workers: Workers) -> None:
     """Build `jobs` whole (over every length up to their bounds; nothing checked or timed) in the
     run's builders, each kept as an object named by its lowered module
     (kernorch.backends.tvm.objects) for an executable to link. A kernel that fails here is left to
-    the emitter, which compiles it itself and names the error. Returns how many were built."""
+    the emitter, which compiles it itself and names the error."""
     if not jobs:
-        return 0
+        return
     tmp = workers.build_dir()
-    built = 0
     with progress.bar("objects: build", len(jobs)) as bar:
         for j, r in _run_with_retry(workers.builders(), _build_task, list(jobs),
                                     lambda j: (j, options.threads, tmp, False, None, str(options.object_cache())),
                                     options.build_timeout):
-            built += r.ok
             if not r.ok:
                 log.info("building %s (%s) whole failed here: %s", j.description, j.schedule, r.error)
             bar.advance()
-    return built
 
 
 def _timing_args(job: KernelJob, path: str | None, options: Options, machine: Machine,

@@ -1442,13 +1442,14 @@ def _dispatch(plans: list, parts, options: Options, meta: Mapping[str, str]):
 
 def emit(graph: Graph, plan, options: Options, machine: Machine, workers: meas.Workers | None = None):
     """The plan as one compiled executable. A kernel that fails to build here is a bug (it was built,
-    checked and timed alone): the error names it and nothing is silently replaced. With the run's
-    `workers`, its kernels without a named object (kernorch.backends.tvm.objects; over a range, the
+    checked and timed alone): the error names it and nothing is silently replaced. Over a range,
+    with the run's `workers`, its kernels without a named object (kernorch.backends.tvm.objects: the
     tiles measured built for their sample lengths only) are built whole in the builder processes
-    first, side by side, where this process would schedule them one at a time."""
+    first, side by side, where this process would schedule them one at a time. (A static plan's
+    builders named every object; looking would only lower each kernel once more.)"""
     from .runtime import CompiledModel
     from .backends.tvm import relax as rx
-    if workers is not None and rx.objects.available():
+    if workers is not None and options.ranges and rx.objects.available():
         todo = rx.unnamed_kernels(graph, plan, options.threads, options.object_cache(), machine)
         jobs = [meas.KernelJob(k.key, k.impl, k.schedule, io.graph, io.inputs, io.outputs,
                                bounds=tuple(sorted(bounds.items())))

@@ -54,21 +54,27 @@ def kernel_symbols(plan) -> list[str]:
     return out
 
 
+def _lowered(graph: Graph, k) -> tvm.IRModule:
+    """Plan kernel `k` lowered for its schedule (its layouts), before scheduling."""
+    io = kernel_io(graph, k)
+    return lower(io.graph, io.graph.prims, io.inputs, io.outputs, k.schedule)
+
+
 def kernel_module(graph: Graph, k, target, tune_dir: str | None = None,
                   bounds: dict[str, int] | None = None) -> tvm.IRModule:
     """The scheduled PrimFunc module of one generated plan kernel, exactly as it was measured
     (`bounds`: over a range, the largest value of each symbol, as kernorch.measure gave it)."""
-    io = kernel_io(graph, k)
-    kg = io.graph
     if k.impl == "tvm-tuned":  # the best MetaSchedule record
         from .metaschedule import best_module, open_db
+        io = kernel_io(graph, k)
+        kg = io.graph
         mod = lower(kg, kg.prims, io.inputs, io.outputs)
         best = best_module(open_db(tune_dir), mod, target) if tune_dir else None
         if best is None:
             raise KernorchError(f"kernel {k.id} ({'+'.join(p.op for p in kg.prims)}) was chosen tuned, but its "
                                 f"tuning record is gone from {tune_dir}; optimize again")
         return best
-    return schedule(lower(kg, kg.prims, io.inputs, io.outputs, k.schedule), target, k.schedule, bounds)
+    return schedule(_lowered(graph, k), target, k.schedule, bounds)
 
 
 def kernel_object(graph: Graph, k, target, objects_dir: str | Path | None, tune_dir: str | None = None,
@@ -78,8 +84,7 @@ def kernel_object(graph: Graph, k, target, objects_dir: str | Path | None, tune_
     object by the kernel's lowered module (kernorch.backends.tvm.objects.known: nothing scheduled)."""
     lowered = None
     if objects_dir is not None and k.impl == "tvm":
-        io = kernel_io(graph, k)
-        lowered = lower(io.graph, io.graph.prims, io.inputs, io.outputs, k.schedule)
+        lowered = _lowered(graph, k)
         obj = objects.known(objects_dir, lowered, k.schedule, bounds, target)
         if obj is not None:
             return None, obj
@@ -218,13 +223,11 @@ def unnamed_kernels(graph: Graph, plan, threads: int, objects_dir: str | Path, m
     target = make_target(threads, machine)
     out: dict[tuple, tuple] = {}
     for k in plan.kernels:
-        bounds = _bucket_bounds(plan, k.bucket if plan_buckets(plan.meta) else None)
+        bounds = _bucket_bounds(plan, k.bucket)
         ident = (k.key, k.impl, k.schedule, tuple(sorted(bounds.items())))
         if k.impl != "tvm" or ident in out:
             continue
-        io = kernel_io(graph, k)
-        if objects.known(objects_dir, lower(io.graph, io.graph.prims, io.inputs, io.outputs, k.schedule),
-                         k.schedule, bounds, target) is None:
+        if objects.known(objects_dir, _lowered(graph, k), k.schedule, bounds, target) is None:
             out[ident] = (k, bounds)
     return list(out.values())
 

@@ -2287,7 +2287,7 @@ def _schedule_block(sch, blk, lanes: int) -> None:
         # whole ones unguarded and the one across the length lane by lane
         # (`_whole_vectors_unguarded`); the loop of vectors stays a plain loop inside the parallel
         # ones (alone, it is the parallel one)
-        if divisible(sch.get(loops[-1]).extent, lanes) and _tile_transpose(sch, blk, lanes):
+        if _tile_transpose(sch, blk, lanes):
             return
         lo, li = _split(sch, loops[-1], lanes)
         sch.vectorize(li)
@@ -2330,19 +2330,16 @@ def _tile_transpose(sch, blk, lanes: int) -> bool:
     if a is None:
         return False
     ea, eb = _extent(sch, loops[a]), _extent(sch, loops[-1])
-    if ea is None or ea < lanes or ea % lanes:
+    whole_b = divisible(sch.get(loops[-1]).extent, lanes) if eb is None else eb >= lanes and eb % lanes == 0
+    if ea is None or ea < lanes or ea % lanes or not whole_b:
         return False
-    if eb is None and not divisible(sch.get(loops[-1]).extent, lanes):
-        return False
-    if eb is not None and (eb < lanes or eb % lanes):
-        return False
-    eb = eb if eb is not None else ea  # (symbolic: its tiles outermost)
     ao, ai = sch.split(loops[a], factors=[None, lanes])
     bo, bi = _split(sch, loops[-1], lanes)
     # the shorter axis innermost among the tiles: one outer step then covers `lanes` whole short
     # rows of both tensors (measured on [16384, 128] <-> [128, 16384]: 456 and 682 us; the other
-    # order 1487 and 1150 us, the untiled copy 5674 and 990)
-    outer = [lp for i, lp in enumerate(loops[:-1]) if i != a] + ([bo, ao] if eb >= ea else [ao, bo])
+    # order 1487 and 1150 us, the untiled copy 5674 and 990); a symbolic one counts as the longer
+    b_longer = eb is None or eb >= ea
+    outer = [lp for i, lp in enumerate(loops[:-1]) if i != a] + ([bo, ao] if b_longer else [ao, bo])
     sch.reorder(*outer, ai, bi)
     sch.vectorize(bi)
     _parallel(sch, outer, min_work=lanes * lanes)
