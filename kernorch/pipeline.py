@@ -32,7 +32,7 @@ from . import primitives
 from .backends import registry
 from .database import Measurement, ProfileDB
 from .frontend import onnx as frontend
-from .ir import Graph, KernorchError, kernel_graph
+from .ir import Graph, KernorchError, kernel_graph, structural_key
 from .kernels import Tile, Winograd, blocked, has_blocked_variant, prim_tiles, split
 from .kernels.tiles import curve_ns, fit_copies, passes
 from .kernels.variants import CONVERSIONS
@@ -1274,12 +1274,8 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
                 plan, measured, tuning = tune.tune_loop(loaded.graph, enumeration, measured, plan, db, options,
                                                         machine, solve)
         if options.ranges:
-            siblings = attention_siblings(measured)
-            if siblings:
-                log.info("measuring %d register tiles of the attentions measured in another", len(siblings))
-                with clock("measure"):
-                    measured = settled(refine(measured, siblings, db, options, machine, workers), db, options,
-                                       machine, workers)
+            with clock("measure"):
+                measured = measure_attention_tiles(measured, db, options, machine, workers)
         if options.ranges and options.sample_plans:
             measured = refine_samples(loaded.graph, enumeration, measured, options, meta, db, machine, workers, clock)
     one, choices = None, ()
@@ -1335,20 +1331,83 @@ def refine_samples(graph: Graph, enumeration, measured: Measured, options: Optio
     return replace(measured, stats=replace(measured.stats, estimated=len(measured.pending)))
 
 
-def attention_siblings(measured: Measured) -> list:
-    """The pending jobs of every attention fusion (`candidates.attention_parts`) measured in one register tile
-    and not yet in the others (`candidate_jobs` times an attention over a symbolic length in every
-    tile of its scores), so that the sample lengths' own plans choose among its tiles. The refine
-    loop measures what the one plan wants, and it weighs the long lengths little: over seq=1..512
-    (Xeon model 167) the transformer block's attention was measured in t14x32r alone (1.88 ms at
-    512), the plan of 512 ran it split in two kernels (1.55 + 0.57 ms alone), and its executable
-    took 1.11x the static plan's time there, whose attention is one t4x64r kernel (1.71 ms in the
-    model). From that run's database, the three other tiles measured (4 s): the plan of 512 fused it
-    in t4x64r and was kept, 0.95x the executable's time at 512, the same at 128 and 300."""
+def measure_attention_tiles(measured: Measured, db: ProfileDB, options: Options, machine: Machine,
+                            workers: meas.Workers | None = None) -> Measured:
+    """Over a range, before the sample lengths' plans are chosen: the other register tiles of the
+    attention fusions measured in one (`candidate_jobs` times an attention over a symbolic length in
+    every tile of its scores), so that each length's plan chooses among them. The refine loop
+    measures what the one plan wants, and it weighs the long lengths little: over seq=1..512 (Xeon
+    model 167) the transformer block's attention was measured in t14x32r alone (1.88 ms at 512),
+    the plan of 512 ran it split in two kernels (1.55 + 0.57 ms alone), and its executable took
+    1.11x the static plan's time there, whose attention is one t4x64r kernel (1.71 ms in the model).
+    From that run's database, the three other tiles measured (4 s): the plan of 512 fused it in
+    t4x64r and was kept, 0.95x the executable's time at 512, the same at 128 and 300.
+
+    The fusions that hold the same attention (`attention_groups`) rank its tiles alike: one of them
+    is measured in every tile (`attention_representatives`), the others in the tiles that were the
+    fastest of it at some length (`attention_siblings`). gpt_like over seq=1..512 (Xeon model 167)
+    held six fusions of one attention (with and without its reshapes and transposes), each measured
+    in all four tiles: 24 kernels of about 1.1 s to build each, a third of the measuring's builds;
+    the same tile was the fastest of five of them, 0.7 % behind the fastest in the sixth."""
+    groups = attention_groups(measured)
+    batches = 0
+    for pick, what in ((attention_representatives, "every register tile of one fusion per attention"),
+                       (attention_siblings, "the other fusions of each attention in its fastest tiles")):
+        batch = pick(measured, groups)
+        if batch:
+            log.info("measuring %d kernels: %s", len(batch), what)
+            measured = refine(measured, batch, db, options, machine, workers)
+            batches += 1
+    return settled(measured, db, options, machine, workers) if batches else measured
+
+
+def attention_groups(measured: Measured) -> list[dict[str, list]]:
+    """The pending register tiles of the attention fusions (`candidates.attention_parts`) measured
+    in some tile, grouped by the attention they hold (its scores, the members between and its
+    values, whichever layout members the fusion took in beside them): per group, {fusion key: its
+    pending idents}. Neither an attention no plan wanted (nothing measured of it) nor a fusion with
+    one contraction."""
     pending_keys = {i[0] for i in measured.pending}
     measured_keys = {i[0] for i, m in measured.measurements.items() if m.ok and i[0] in pending_keys}
-    return [i for i, j in measured.pending.items() if i[0] in measured_keys
-            and cands.attention_parts(j.graph, [p.name for p in j.graph.prims]) is not None]
+    groups: dict[str, dict[str, list]] = {}
+    for i, j in measured.pending.items():
+        if i[0] in measured_keys:
+            parts = cands.attention_parts(j.graph, [p.name for p in j.graph.prims])
+            if parts is not None:
+                scores, between, values = parts
+                core = structural_key([j.graph.by_name[n] for n in (scores, *between, values)], j.graph)
+                groups.setdefault(core, {}).setdefault(i[0], []).append(i)
+    return [groups[c] for c in sorted(groups)]
+
+
+def attention_representatives(measured: Measured, groups: Sequence[Mapping[str, list]]) -> list:
+    """Per attention group: the pending tiles of the fusion measured the fastest in its tile."""
+    def fastest(key: str) -> tuple:
+        return min(m.median_ns for i, m in measured.measurements.items() if i[0] == key and m.ok), key
+    return [i for g in groups for i in g[min(g, key=fastest)]]
+
+
+def attention_siblings(measured: Measured, groups: Sequence[Mapping[str, list]]) -> list:
+    """Per attention group, once a fusion of it is measured in every tile: the other fusions'
+    pending tiles among those fastest of it at some length it was timed at (`_fastest_tiles`)."""
+    out = []
+    for g in groups:
+        whole = [k for k, idents in g.items() if not any(i in measured.pending for i in idents)]
+        fastest = {t for k in whole for t in _fastest_tiles(measured, k)}
+        out += [i for k, idents in g.items() if k not in whole for i in idents
+                if i in measured.pending and split(i[2])[1] in fastest]
+    return out
+
+
+def _fastest_tiles(measured: Measured, key: str) -> set[str]:
+    """The tiles (inner schedules) of fusion `key` fastest at some length of the range it was timed
+    at (`Measured.at`), or over the whole range."""
+    timed = [(i, m) for i, m in measured.measurements.items() if i[0] == key and m.ok]
+    if not timed:
+        return set()
+    lengths = [length for length, _ in measured.at if length] + [0]
+    return {split(min(timed, key=lambda im: (_at_length(im[1], length).median_ns, im[0]))[0][2])[1]
+            for length in lengths}
 
 
 def refine_solve(graph: Graph, enumeration, measured: Measured, k: int, options: Options, meta: Mapping[str, str],

@@ -2180,10 +2180,14 @@ def test_a_masked_attention_over_static_keys_off_the_vectors_reads_its_mask_in_b
 
 
 def test_an_attention_measured_in_one_tile_is_measured_in_its_others(block):
-    """Over a range, the pending tiles of every attention fusion (`candidates.attention_parts`)
-    measured in one register tile are measured too before the sample lengths' plans are chosen
-    (`pipeline.attention_siblings`): neither an attention that no plan wanted (nothing measured for
-    its key), nor the other tiles of a fusion with one contraction."""
+    """Over a range, before the sample lengths' plans are chosen, the attention fusions
+    (`candidates.attention_parts`) measured in one register tile are grouped by the attention they
+    hold (`pipeline.attention_groups`); the fusion of each group measured the fastest is measured in
+    its other tiles (`attention_representatives`), then the others in the tiles fastest of it at
+    some length (`attention_siblings`). Neither an attention that no plan wanted (nothing measured
+    for its key), nor the other tiles of a fusion with one contraction."""
+    from dataclasses import replace
+
     from kernorch import pipeline
     from kernorch.database import Measurement
     from kernorch.ir import Graph, TensorType, make_prim
@@ -2195,14 +2199,30 @@ def test_an_attention_measured_in_one_tile_is_measured_in_its_others(block):
     def job(key, schedule, g, inputs, outputs):
         return KernelJob(key, "tvm", schedule, g, tuple(inputs), tuple(outputs))
 
-    def done(key, schedule):
-        return Measurement("m", key, "tvm", schedule, "v", "ok", 1000, (1000,), "", 0.1, "")
-    pending = {j.ident: j for j in (job("att", "t4x64r", two, ins, outs), job("att", "t8x32r", two, ins, outs),
+    def done(key, schedule, ns, at=()):
+        return Measurement("m", key, "tvm", schedule, "v", "ok", ns, (ns,), "", 0.1, "", samples_ns=at)
+    tiles = ("t4x64r", "t8x32r", "t14x32r", "t6x64r")
+    pending = {j.ident: j for j in (*(job(k, s, two, ins, outs) for k in ("att", "att2") for s in tiles),
                                     job("other", "t4x64r", two, ins, outs), job("gemm", "t8x32p", one, ["x", "w"], ["y"]))}
-    measured = pipeline.Measured({("att", "tvm", "t14x32r"): done("att", "t14x32r"),
-                                  ("gemm", "tvm", "t14x32p"): done("gemm", "t14x32p")}, MeasureStats(),
-                                 pending=pending)
-    assert sorted(pipeline.attention_siblings(measured)) == [("att", "tvm", "t4x64r"), ("att", "tvm", "t8x32r")]
+    first = {("att", "tvm", "t14x32r"): done("att", "t14x32r", 6000, ((1, 1100), (512, 10900))),
+             ("att2", "tvm", "t8x32r"): done("att2", "t8x32r", 5500, ((1, 1000), (512, 10000))),
+             ("gemm", "tvm", "t14x32p"): done("gemm", "t14x32p", 500)}
+    pending = {i: j for i, j in pending.items() if i not in first}
+    measured = pipeline.Measured(first, MeasureStats(), pending=pending, at=((1, 0.5), (512, 0.5)))
+    groups = pipeline.attention_groups(measured)
+    assert [sorted(g) for g in groups] == [["att", "att2"]]
+    # the faster of the two is measured in its other tiles first ...
+    assert sorted(pipeline.attention_representatives(measured, groups)) == [
+        ("att2", "tvm", "t14x32r"), ("att2", "tvm", "t4x64r"), ("att2", "tvm", "t6x64r")]
+    assert pipeline.attention_siblings(measured, groups) == []
+    # ... then the other in the tiles fastest of it at some length: t6x64r at 1, t4x64r at 512 and
+    # over the range; t14x32r nowhere, and t8x32r the other has been measured in
+    at = {"t4x64r": ((1, 900), (512, 9000)), "t14x32r": ((1, 950), (512, 9900)), "t6x64r": ((1, 800), (512, 9500))}
+    measured = replace(measured, measurements={**measured.measurements,
+                                               **{("att2", "tvm", s): done("att2", s, sum(ns for _, ns in a) // 2, a)
+                                                  for s, a in at.items()}},
+                       pending={i: j for i, j in pending.items() if i[0] != "att2"})
+    assert sorted(pipeline.attention_siblings(measured, groups)) == [("att", "tvm", "t4x64r"), ("att", "tvm", "t6x64r")]
 
 
 def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch):
