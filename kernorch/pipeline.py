@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import math
+import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -1551,42 +1552,50 @@ DISPATCH_GAIN = 0.01
 
 def measured_dispatch(compiled, planned: Planned, options: Options, workers: meas.Workers | None = None):
     """Over a range, keep a sample length's own plan only where the executable runs it at least
-    DISPATCH_GAIN faster there than the one plan's executable, both timed in this process in turns
-    (`alternated`) at every sample length; elsewhere the one plan serves. Where the shortest
-    length keeps its own plan, the one plan runs the other buckets as a function call (only the
-    first bucket is inline): if that shows (a length the one plan serves is DISPATCH_GAIN slower
-    than in the one plan's executable), the shortest length's own plan goes too. Re-joined, emitted
-    (its kernels' objects are compiled already) and, while the shortest length keeps its own plan
-    (the one plan then runs as a call where it was inline), timed again until nothing changes. The own
-    plans are chosen by their predicted times, and at short lengths those mislead: the
-    transformer block over seq=1..512 (Xeon model 167), its own plans of seq=1 and 8 predicted
-    9.5 % and 10 % faster than the one plan there, ran 1-3 % faster and 3-4 % slower (measured
-    before its kernels of activations alone were timed evicted and a kernel's timed calls ran on
-    the tensors of its sizing call: see measure._timed). Returns (compiled, planned),
-    `planned.dispatch` the last times against the one plan's per sample."""
+    DISPATCH_GAIN faster over its bucket than the one plan's executable: both timed in this process
+    in turns (`alternated`) at the sample and the two ends of its bucket (`dispatch_probes`), the
+    ratios' geometric mean; elsewhere the one plan serves. Where the shortest length keeps its own
+    plan, the one plan runs the other buckets as a function call (only the first bucket is inline):
+    if that shows (a bucket the one plan serves is DISPATCH_GAIN slower than in the one plan's
+    executable), the shortest length's own plan goes too. Re-joined, emitted (its kernels' objects
+    are compiled already) and, while the shortest length keeps its own plan (the one plan then runs
+    as a call where it was inline), timed again until nothing changes. The own plans are chosen by
+    their predicted times, and at short lengths those mislead: the transformer block over
+    seq=1..512 (Xeon model 167), its own plans of seq=1 and 8 predicted 9.5 % and 10 % faster than
+    the one plan there, ran 1-3 % faster and 3-4 % slower (measured before its kernels of
+    activations alone were timed evicted and a kernel's timed calls ran on the tensors of its sizing
+    call: see measure._timed). A bucket is timed at its ends too since a plan made for one length
+    can serve the rest of its bucket much better or worse than it serves that length: gpt_like's own
+    plan of seq=64, 0.99x the one plan's time at 64, was dropped, and at 32 (its bucket is 23..181)
+    the one plan, made mostly for 1 and 8, ran its attention in a 14-row tile (22 us a layer against
+    10 in the static plan of 32) and took 1.12x the static plan's time. Returns (compiled, planned),
+    `planned.dispatch` the last times against the one plan's at every length timed."""
     from . import executor
     from .dynamic import bind
     graph, name, one = planned.loaded.graph, options.ranges[0][0], planned.one
     single = emit(graph, one, options, planned.machine, workers)
-    lengths = [length for length, _ in planned.measured.at]
-    feeds = [executor.random_feeds(bind(graph, {name: n}), options.seed) for n in lengths]
+    probes = dispatch_probes(options.ranges[0], [length for length, _ in planned.measured.at])
+    timed = sorted({n for ns in probes for n in ns})
+    feeds = {n: executor.random_feeds(bind(graph, {name: n}), options.seed) for n in timed}
     choices, plan, checked = list(planned.choices), planned.plan, {}
-    for _ in lengths:
+    for _ in probes:
         checked = {}
-        for k, n in enumerate(lengths):
-            checked[n], mine, ours = alternated(compiled, single, feeds[k])
+        for n in timed:
+            checked[n], mine, ours = alternated(compiled, single, feeds[n])
             log.info("%s=%d: %.1f us in the dispatching executable against %.1f in the one plan's", name, n,
                      mine * 1e6, ours * 1e6)
+        over = [math.exp(statistics.fmean(math.log(checked[n]) for n in ns)) for ns in probes]
         own = [k for k, c in enumerate(choices) if _kernels_of(c) != _kernels_of(one)]
-        kept = [k for k in own if checked[lengths[k]] <= 1.0 - DISPATCH_GAIN]
+        kept = [k for k in own if over[k] <= 1.0 - DISPATCH_GAIN]
         called = [k for k, c in enumerate(choices) if _kernels_of(c) == _kernels_of(one) and k > 0]
-        if 0 in kept and any(checked[lengths[k]] > 1.0 + DISPATCH_GAIN for k in called):
+        if 0 in kept and any(over[k] > 1.0 + DISPATCH_GAIN for k in called):
             kept.remove(0)
         if kept == own:
             break
         choices = [c if k in kept else one for k, c in enumerate(choices)]
         plan = joined_samples(choices, one, planned.measured, options, planned.plan.meta)
-        log.info("own plans kept at %s", ", ".join(f"{name}={lengths[k]}" for k in kept) or "no length")
+        log.info("own plans kept at %s", ", ".join(f"{name}={probes[k][0]}..{probes[k][-1]}" for k in kept)
+                 or "no length")
         if plan is one:
             compiled = single
             break
@@ -1594,6 +1603,16 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
         if 0 not in kept:  # the one plan runs the first bucket inline, as in its own executable, and
             break          # every own plan kept runs as it was timed: nothing to time again
     return compiled, replace(planned, plan=plan, choices=tuple(choices), dispatch=checked)
+
+
+def dispatch_probes(rng: tuple[str, int, int], lengths: Sequence[int]) -> list[tuple[int, ...]]:
+    """Per sample length of `lengths` (ascending, in the range `rng`): the lengths its bucket is
+    timed at by `measured_dispatch`, its first, the sample and its last (dynamic.sample_edges)."""
+    from .dynamic import sample_edges
+    _, lo, hi = rng
+    edges = sample_edges(rng, lengths)
+    firsts, lasts = (lo, *(e + 1 for e in edges)), (*edges, hi)
+    return [tuple(sorted({a, n, b})) for a, n, b in zip(firsts, lengths, lasts)]
 
 
 def alternated(a, b, feeds, rounds: int = 7, round_s: float = 0.02) -> tuple[float, float, float]:

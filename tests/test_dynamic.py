@@ -2227,7 +2227,8 @@ def test_an_attention_measured_in_one_tile_is_measured_in_its_others(block):
 
 def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch):
     """`measured_dispatch` times the dispatching executable against the one plan's at every sample
-    length (here scripted) and keeps a sample's own plan only where it ran DISPATCH_GAIN faster;
+    length and the ends of its bucket (here scripted) and keeps a sample's own plan only where it ran
+    DISPATCH_GAIN faster over them (the ratios' geometric mean);
     an own plan of the shortest length goes too when the one plan, now called as a bucket
     function, runs a length it serves slower; re-joined until nothing changes, and without any own
     plan left the one plan's executable is the result."""
@@ -2279,3 +2280,11 @@ def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch)
     # the same own plan, the call unseen: it stays, nothing emitted but the one plan's executable
     compiled, planned = run([own[0], one, one, one], lambda tag, n: 0.97 if tag == "own1" else 1.0)
     assert [runs(planned.plan, n) for n, _ in at] == ["own1", "one", "one", "one"] and emitted == [one]
+    # the ends of a bucket count: the own plan of 64, level at 64 but 10 % faster at 23, stays; the
+    # own plan of 512, 3 % faster at 512 but 5 % slower at 182, goes
+    assert pipeline.dispatch_probes(options.ranges[0], [n for n, _ in at]) == [(1, 2), (3, 8, 22), (23, 64, 181),
+                                                                              (182, 512)]
+    speed = {("own64", 23): 0.9, ("own512", 512): 0.97, ("own512", 182): 1.05}
+    compiled, planned = run([one, one, own[2], own[3]], lambda tag, n: speed.get((tag, n), 1.0))
+    assert [runs(planned.plan, n) for n in (1, 8, 23, 64, 181, 182, 512)] == ["one"] * 2 + ["own64"] * 3 + ["one"] * 2
+    assert sorted(planned.dispatch) == [1, 2, 3, 8, 22, 23, 64, 181, 182, 512]
