@@ -1202,6 +1202,7 @@ def test_a_plan_per_bucket_dispatched_inside_one_executable(tmp_path, capsys):
     for s in range(1, 65):
         x = np.random.default_rng(s).standard_normal((1, s, 64)).astype(np.float32)
         np.testing.assert_allclose(compiled.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=1e-4, atol=1e-4)
+    checks = []
     for s, b in ((5, 0), (30, 1)):
         feeds = {"x": np.zeros((1, s, 64), np.float32)}
         calls = compiled.profile(feeds, runs=1)
@@ -1209,6 +1210,9 @@ def test_a_plan_per_bucket_dispatched_inside_one_executable(tmp_path, capsys):
         assert ran == {b} and compiled.plan_for(feeds) == plan.bucket(b)
         # the first bucket runs inline in main (a called function checks every parameter again)
         assert [p["call"] for p in calls if p["call"].startswith("bucket")] == ([] if b == 0 else [f"bucket{b}"])
+        checks.append(sum(p["call"] == "vm.builtin.check_tensor_info" for p in calls))
+    # ... but not the weights, which main checked: the called bucket checks the model's inputs alone
+    assert checks[1] - checks[0] == len(planned.loaded.graph.inputs) and checks[0] > 10, checks
     compiled.save(tmp_path / "out")
     loaded = runtime.load(tmp_path / "out")
     assert loaded.plan == plan
