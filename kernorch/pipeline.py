@@ -1553,8 +1553,8 @@ DISPATCH_GAIN = 0.01
 def measured_dispatch(compiled, planned: Planned, options: Options, workers: meas.Workers | None = None):
     """Over a range, keep a sample length's own plan only where the executable runs it at least
     DISPATCH_GAIN faster over its bucket than the one plan's executable: both timed in this process
-    in turns (`alternated`) at the sample and the two ends of its bucket (`dispatch_probes`), the
-    ratios' geometric mean; elsewhere the one plan serves. Where the shortest length keeps its own
+    in turns (`alternated`) at the sample, the ends and the middle of its bucket (`dispatch_probes`),
+    the ratios' geometric mean; elsewhere the one plan serves. Where the shortest length keeps its own
     plan, the one plan runs the other buckets as a function call (only the first bucket is inline):
     if that shows (a bucket the one plan serves is DISPATCH_GAIN slower than in the one plan's
     executable), the shortest length's own plan goes too. Re-joined, emitted (its kernels' objects
@@ -1568,7 +1568,10 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
     can serve the rest of its bucket much better or worse than it serves that length: gpt_like's own
     plan of seq=64, 0.99x the one plan's time at 64, was dropped, and at 32 (its bucket is 23..181)
     the one plan, made mostly for 1 and 8, ran its attention in a 14-row tile (22 us a layer against
-    10 in the static plan of 32) and took 1.12x the static plan's time. Returns (compiled, planned),
+    10 in the static plan of 32) and took 1.12x the static plan's time. (The middle: the last bucket's
+    sample is its end, and timed at 182 and 512 alone, gpt_like's own plan of 512, 0.97x the one
+    plan's time at 512 and 1.02x at 182, was dropped; the one plan took 1.11x the static plan's time
+    at 512 and 1.04x at 300.) Returns (compiled, planned),
     `planned.dispatch` the last times against the one plan's at every length timed."""
     from . import executor
     from .dynamic import bind
@@ -1607,12 +1610,13 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
 
 def dispatch_probes(rng: tuple[str, int, int], lengths: Sequence[int]) -> list[tuple[int, ...]]:
     """Per sample length of `lengths` (ascending, in the range `rng`): the lengths its bucket is
-    timed at by `measured_dispatch`, its first, the sample and its last (dynamic.sample_edges)."""
+    timed at by `measured_dispatch`: its first, its geometric middle, the sample and its last
+    (dynamic.sample_edges; the middle is the sample but at the ends of the range)."""
     from .dynamic import sample_edges
     _, lo, hi = rng
     edges = sample_edges(rng, lengths)
     firsts, lasts = (lo, *(e + 1 for e in edges)), (*edges, hi)
-    return [tuple(sorted({a, n, b})) for a, n, b in zip(firsts, lengths, lasts)]
+    return [tuple(sorted({a, math.isqrt(a * b), n, b})) for a, n, b in zip(firsts, lengths, lasts)]
 
 
 def alternated(a, b, feeds, rounds: int = 7, round_s: float = 0.02) -> tuple[float, float, float]:
