@@ -1559,7 +1559,7 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
     if that shows (a bucket the one plan serves is DISPATCH_GAIN slower than in the one plan's
     executable), the shortest length's own plan goes too. Re-joined, emitted (its kernels' objects
     are compiled already) and, while the shortest length keeps its own plan (the one plan then runs
-    as a call where it was inline), timed again until nothing changes. The own plans are chosen by
+    as a call where it was inline), timed again until nothing changes: the buckets whose plan changed. The own plans are chosen by
     their predicted times, and at short lengths those mislead: the transformer block over
     seq=1..512 (Xeon model 167), its own plans of seq=1 and 8 predicted 9.5 % and 10 % faster than
     the one plan there, ran 1-3 % faster and 3-4 % slower (measured before its kernels of
@@ -1578,12 +1578,11 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
     graph, name, one = planned.loaded.graph, options.ranges[0][0], planned.one
     single = emit(graph, one, options, planned.machine, workers)
     probes = dispatch_probes(options.ranges[0], [length for length, _ in planned.measured.at])
-    timed = sorted({n for ns in probes for n in ns})
-    feeds = {n: executor.random_feeds(bind(graph, {name: n}), options.seed) for n in timed}
+    feeds = {n: executor.random_feeds(bind(graph, {name: n}), options.seed) for ns in probes for n in ns}
     choices, plan, checked = list(planned.choices), planned.plan, {}
+    todo = range(len(probes))  # the buckets timed (again: those whose plan changed since)
     for _ in probes:
-        checked = {}
-        for n in timed:
+        for n in (n for k in todo for n in probes[k]):
             checked[n], mine, ours = alternated(compiled, single, feeds[n])
             log.info("%s=%d: %.1f us in the dispatching executable against %.1f in the one plan's", name, n,
                      mine * 1e6, ours * 1e6)
@@ -1595,6 +1594,7 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
             kept.remove(0)
         if kept == own:
             break
+        todo = [k for k in own if k not in kept]
         choices = [c if k in kept else one for k, c in enumerate(choices)]
         plan = joined_samples(choices, one, planned.measured, options, planned.plan.meta)
         log.info("own plans kept at %s", ", ".join(f"{name}={probes[k][0]}..{probes[k][-1]}" for k in kept)

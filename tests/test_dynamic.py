@@ -2262,10 +2262,13 @@ def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch)
         parts = dynamic.plan_buckets(plan.meta)
         return (plan.bucket(dynamic.bucket_of(parts, n)) if parts else plan).kernels[0].key
 
+    timed = []
+
     def run(choices, times):
         """`times(tag, n)`: the dispatching executable's seconds at length n against the one plan's 1."""
-        monkeypatch.setattr(pipeline, "alternated", lambda a, b, feeds: (times(runs(a.plan, feeds["seq"]), feeds["seq"]),
-                                                                          1.0, 1.0))
+        monkeypatch.setattr(pipeline, "alternated", lambda a, b, feeds: (
+            timed.append(feeds["seq"]), times(runs(a.plan, feeds["seq"]), feeds["seq"]), 1.0, 1.0)[1:])
+        timed.clear()
         plan = pipeline.joined_samples(choices, one, measured, options, one.meta)
         planned = pipeline.Planned(pipeline.Loaded("m", None, None), None, measured, plan, None, {}, Machine.host(),
                                    one, tuple(choices))
@@ -2292,3 +2295,8 @@ def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch)
     compiled, planned = run([one, one, own[2], own[3]], lambda tag, n: speed.get((tag, n), 1.0))
     assert [runs(planned.plan, n) for n in (1, 8, 23, 64, 181, 182, 512)] == ["one"] * 2 + ["own64"] * 3 + ["one"] * 2
     assert sorted(planned.dispatch) == [1, 2, 3, 8, 22, 23, 64, 181, 182, 305, 512]
+    # an own plan at seq=1 kept, the own plan of 512 not: timed again, the bucket that changed alone
+    speed = {"own1": 0.97, "own512": 1.05}
+    compiled, planned = run([own[0], one, one, own[3]], lambda tag, n: speed.get(tag, 1.0))
+    assert [runs(planned.plan, n) for n, _ in at] == ["own1", "one", "one", "one"]
+    assert timed == [1, 2, 3, 8, 22, 23, 64, 181, 182, 305, 512, 182, 305, 512]
