@@ -900,6 +900,47 @@ def test_an_attention_over_a_range_copies_its_transposed_keys_in_tiles(block):
             np.testing.assert_allclose(g, want[o], rtol=1e-4, atol=1e-4, err_msg=f"seq={n}")
 
 
+def test_an_attention_switches_its_tile_by_the_length(block):
+    """A length switch (kernels.LengthSwitch, "t14x32r|22|t6x64r") is one kernel holding the
+    attention in both tiles, each scheduled for the lengths it serves (the first with its static
+    copies at seq=1 and 2, the second without them), the length choosing at run time; right at
+    lengths on both sides of the switch and of the tiles. Built for some lengths only (`at`), it
+    holds only the tiles they run."""
+    from kernorch.backends.tvm.build import build
+    from kernorch.backends.tvm.lower import lower
+    from kernorch.backends.tvm.schedule import schedule, scheduled_for_lengths
+    from kernorch.backends.tvm.target import make_target
+    from kernorch.candidates import kernel_io
+    from kernorch.executor import run as reference
+    from kernorch.ir import kernel_graph
+    from kernorch.kernels import LengthSwitch
+    mode = "t14x32r|22|t6x64r"
+    assert LengthSwitch.parse(mode) == LengthSwitch("t14x32r", 22, "t6x64r") and LengthSwitch.parse(mode).name == mode
+    assert LengthSwitch.parse("t14x32r|x|t6x64r") is None and LengthSwitch.parse("t14x32r") is None
+    assert scheduled_for_lengths(mode) and scheduled_for_lengths("b16/" + mode)
+    generic = block[1]
+    members = _attention_members(generic)
+    ins, outs = kernel_io(generic, members)
+    kg = kernel_graph(generic, members, ins, outs)
+    target = make_target(2)
+    lowered = lower(kg, kg.prims, ins, outs, mode)
+    both = schedule(lowered, target, mode, {"seq": 512})["main"].script()
+    rules = {t: schedule(lower(kg, kg.prims, ins, outs, t), target, t, {"seq": 512})["main"].script()
+             for t in ("t14x32r", "t6x64r")}
+    assert len(both) > max(len(r) for r in rules.values())  # (both tiles, neither's code for the other's lengths)
+    short = schedule(lowered, target, mode, {"seq": 512}, [1, 8])["main"].script()
+    assert len(short) < len(both) and "branch" in both
+    kernel = build(schedule(lowered, target, mode, {"seq": 512}), target)
+    for n in (1, 2, 7, 22, 23, 64, 65, 300, 512):
+        b = dynamic.bind(kg, {"seq": n})
+        xs = [np.asarray(b.constants[i]) if i in b.constants else
+              np.random.default_rng(n).standard_normal(b.type_of(i).shape).astype(np.float32) for i in ins]
+        got = kernel(*xs, out_shapes=[b.type_of(o).shape for o in outs])
+        want = reference(b, {i: x for i, x in zip(ins, xs) if i not in b.constants})
+        for o, g in zip(outs, got):
+            np.testing.assert_allclose(g, want[o], rtol=1e-4, atol=1e-4, err_msg=f"seq={n}")
+
+
 def test_twin_loops_over_a_range_keep_their_register_tiles_apart(block):
     """An attention's scores over seq run static copies in the default schedule at seq=1 and 2
     (lower.AT_LENGTH_FUNC: their tile's one-row and 2-row copies are run by no length and dropped,

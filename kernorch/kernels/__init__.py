@@ -10,10 +10,10 @@ Measurement, the database and the emitted executable agree because all of them g
 `variants`.
 """
 from .pack import Pack
-from .tiles import Tile, contraction_tiles
+from .tiles import LengthSwitch, Tile, contraction_tiles
 from .winograd import Winograd
 from .variants import (blocked, has_blocked_variant, layout_of, pack_args, prim_tiles, split, unpack_outputs,
                        variant_out_packs, variant_packs)
 
-__all__ = ["Pack", "Tile", "blocked", "contraction_tiles", "has_blocked_variant", "layout_of", "pack_args",
+__all__ = ["LengthSwitch", "Pack", "Tile", "blocked", "contraction_tiles", "has_blocked_variant", "layout_of", "pack_args",
            "prim_tiles", "split", "unpack_outputs", "variant_out_packs", "variant_packs", "Winograd"]

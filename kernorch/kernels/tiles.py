@@ -116,6 +116,31 @@ class Tile:
         return self.mr * v + v + 1
 
 
+@dataclass(frozen=True)
+class LengthSwitch:
+    """One kernel over a symbolic length in two register tiles, the length choosing at run time:
+    `first` (a Tile's name) at lengths up to `until`, `then` above ("t14x32r|22|t6x64r"). An
+    attention's tile is sized for the range's end and its fastest tile changes with the length (at
+    gpt_like's 8 rows a 14-row tile, at 64 and 512 a 6- or 8-row one), while a plan over the range
+    is weighed by its short lengths: its kernel then ran its 14-row tile at 32 rows (22 us a layer
+    against 10 in the static plan of 32). Micro-kernels chosen by the length, as a tile's row
+    copies are (HAOTuner)."""
+    first: str
+    until: int
+    then: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.first}|{self.until}|{self.then}"
+
+    @staticmethod
+    def parse(name: str) -> "LengthSwitch | None":
+        parts = name.split("|")
+        if len(parts) != 3 or not parts[1].isdigit() or Tile.parse(parts[0]) is None or Tile.parse(parts[2]) is None:
+            return None
+        return LengthSwitch(parts[0], int(parts[1]), parts[2])
+
+
 def row_options(lanes: int, registers: int, widths=(2, 4)) -> list[tuple[int, int]]:
     """(mr, nb) pairs the register rule allows, before the shape is known, for `widths` vectors."""
     out: list[tuple[int, int]] = []

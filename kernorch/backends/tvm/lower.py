@@ -18,7 +18,7 @@ from ... import primitives
 from ...candidates import attention_parts
 from ...masks import CAUSAL_OPERAND
 from ...ir import Graph, KernorchError, Prim, SymDim, TensorType
-from ...kernels import Tile, Winograd, blocked, split, variant_out_packs, variant_packs
+from ...kernels import LengthSwitch, Tile, Winograd, blocked, split, variant_out_packs, variant_packs
 from ...kernels.tiles import NARROW_KEYS, NARROW_KEYS_COST, SMALL_ROWS, row_tile
 from ...kernels.winograd import te_conv as winograd_conv
 
@@ -107,6 +107,7 @@ NARROW_KEYS_FUNC = "narrow_keys"  # the module's copy of an attention in narrow 
 NARROW_KEYS_WHEN = "kernorch.narrow_keys_when"  # its attribute: the length condition it runs under
 AT_LENGTH_FUNC = "at_length_"  # + n: the module's static copy of a kernel at length n ...
 AT_LENGTH_WHEN = "kernorch.at_length_when"  # ... and its attribute: the condition on main's length
+SWITCH_FIRST = "first_"  # the functions of a length switch's first tile (kernels.LengthSwitch) are named so
 
 
 def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs: Sequence[str],
@@ -129,7 +130,19 @@ def lower(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outputs:
     scores) also gets a static copy at each length of SMALL_ROWS (`AT_LENGTH_FUNC` + n, lowered on
     the graph bound to that length, unpadded, with the condition `AT_LENGTH_WHEN` on `main`'s
     length), which `schedule` runs under the default rule there (`_static_copies`).
+
+    A length switch (kernels.LengthSwitch) is lowered once per tile: its `then` tile's module, and
+    its `first` tile's functions named with SWITCH_FIRST before them; `schedule` joins the two.
     """
+    layout, inner = split(schedule)
+    switch = LengthSwitch.parse(inner)
+    if switch is not None:
+        def tile(name: str) -> str:
+            return name if layout is None else blocked(layout, name)
+        first = lower(graph, members, inputs, outputs, tile(switch.first))
+        then = lower(graph, members, inputs, outputs, tile(switch.then))
+        return tvm.IRModule({**{SWITCH_FIRST + gv.name_hint: first[gv] for gv in first.get_global_vars()},
+                             **{gv.name_hint: then[gv] for gv in then.get_global_vars()}})
     func, padded = _lowered(graph, members, inputs, outputs, schedule)
     funcs = {"main": func}
     if padded is not None and padded.narrow:

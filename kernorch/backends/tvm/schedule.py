@@ -20,11 +20,12 @@ from tvm import tirx
 from tvm import s_tir
 
 from ...ir import KernorchError
-from ...kernels import Tile, Winograd, split
+from ...kernels import LengthSwitch, Tile, Winograd, blocked, split
 from ...kernels.tiles import NARROW_KEYS, PADDED_ROWS, SERIAL_MAX_MACS, SMALL_ROWS, ran_copy, row_tile
 from ...kernels.variants import CONVERSIONS
 from .lower import (AT_LENGTH_FUNC, AT_LENGTH_WHEN, BOUNDS_ATTR, CAUSAL_ATTR, NARROW_KEYS_FUNC, NARROW_KEYS_WHEN,
-                    OPERAND_PADDED, QUERIES_PADDED, ROWS_OUT, UNPACK, VIEW, bounds_of, divisible)
+                    OPERAND_PADDED, QUERIES_PADDED, ROWS_OUT, SWITCH_FIRST, UNPACK, VIEW, bounds_of, divisible,
+                    symbol_vars)
 from .passes import LAUNCH
 from .tirwalk import (buffers_in, found, is_call, loads, map_expr, operands, rewrite, substitute,
                       substitute_buffers, with_body)
@@ -136,6 +137,9 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
         except Exception as e:  # noqa: BLE001 - the variant does not apply to this kernel
             raise KernorchError(f"winograd {mode} does not apply: {type(e).__name__}: {_first_line(e)}") from None
         return _scheduled(sch, f"winograd {mode}")
+    switch = LengthSwitch.parse(inner)
+    if switch is not None:
+        return _length_switch(mod, target, mode, switch, bounds, at)
     tile = Tile.parse(inner)
     if tile is not None:  # a micro-kernel variant: exactly this tile, or a refusal (never another rule)
         statics = {n: f for n, f in _at_length_copies(mod).items() if at is None or n in at}
@@ -179,8 +183,38 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
 
 def scheduled_for_lengths(mode: str) -> bool:
     """Whether `schedule`'s `at` can change what `mode` schedules (a micro-kernel tile's copies and
-    branches; no other mode reads it)."""
-    return Tile.parse(split(mode)[1]) is not None
+    branches, a length switch's tiles; no other mode reads it)."""
+    inner = split(mode)[1]
+    return Tile.parse(inner) is not None or LengthSwitch.parse(inner) is not None
+
+
+def _length_switch(mod: tvm.IRModule, target, mode: str, switch: LengthSwitch, bounds: dict[str, int] | None,
+                   at: Sequence[int] | None) -> tvm.IRModule:
+    """A kernel over one symbolic length in two tiles (kernels.LengthSwitch; lower.lower gave each
+    tile's functions, the first's named with SWITCH_FIRST): each scheduled for the lengths it serves
+    of those the build runs at (`at`, or every length up to the bound), so that neither holds the
+    copies and branches only the other's lengths reach, and joined under a test of the length."""
+    if not bounds or len(bounds) != 1:
+        raise KernorchError(f"length switch {mode}: one symbolic length with its bound expected")
+    (name, hi), = bounds.items()
+    layout = split(mode)[0]
+    lengths = list(at) if at is not None else list(range(1, int(hi) + 1))
+    parts = []
+    for first, tile, served in ((True, switch.first, [n for n in lengths if n <= switch.until]),
+                                (False, switch.then, [n for n in lengths if n > switch.until])):
+        funcs = {gv.name_hint[len(SWITCH_FIRST):] if first else gv.name_hint: mod[gv]
+                 for gv in mod.get_global_vars() if gv.name_hint.startswith(SWITCH_FIRST) == first}
+        if served:
+            parts.append(schedule(tvm.IRModule(funcs), target, tile if layout is None else blocked(layout, tile),
+                                  bounds, served)["main"])
+        else:
+            parts.append(None)
+    first, then = parts
+    if first is None or then is None:
+        return tvm.IRModule({"main": first if then is None else then})
+    length = symbol_vars(then)[name]
+    return tvm.IRModule({"main": _either(length <= tirx.IntImm(length.ty.dtype, switch.until), first, then)
+                         .with_attr("kernorch.rule", f"contraction {mode}")})
 
 
 def _tile_over_rows(func, lanes: int, tile: Tile, mode: str, threads: int = 1,
