@@ -34,8 +34,8 @@ from .backends import registry
 from .database import Measurement, ProfileDB
 from .frontend import onnx as frontend
 from .ir import Graph, KernorchError, kernel_graph, structural_key
-from .kernels import Tile, Winograd, blocked, has_blocked_variant, prim_tiles, split
-from .kernels.tiles import curve_ns, fit_copies, passes
+from .kernels import LengthSwitch, Tile, Winograd, blocked, has_blocked_variant, prim_tiles, split
+from .kernels.tiles import SMALL_ROWS, curve_ns, fit_copies, passes
 from .kernels.variants import CONVERSIONS
 from .layouts import candidate_io, conversion, conversion_key, conversions, kernel_io
 from .options import Machine, Options
@@ -1276,7 +1276,11 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
                                                         machine, solve)
         if options.ranges:
             with clock("measure"):
-                measured = measure_attention_tiles(measured, db, options, machine, workers)
+                measured, more = measure_attention_tiles(measured, db, options, machine, workers, plan)
+            if more:  # the one plan again, over the kernels measured: it was solved before these
+                with clock("orchestrate"):
+                    plan = orchestrate(loaded.graph, enumeration, measured_only(measured), options, meta, plan, 0.0,
+                                       None, db)
         if options.ranges and options.sample_plans:
             measured = refine_samples(loaded.graph, enumeration, measured, options, meta, db, machine, workers, clock)
     one, choices = None, ()
@@ -1333,7 +1337,7 @@ def refine_samples(graph: Graph, enumeration, measured: Measured, options: Optio
 
 
 def measure_attention_tiles(measured: Measured, db: ProfileDB, options: Options, machine: Machine,
-                            workers: meas.Workers | None = None) -> Measured:
+                            workers: meas.Workers | None = None, plan=None) -> tuple[Measured, bool]:
     """Over a range, before the sample lengths' plans are chosen: the other register tiles of the
     attention fusions measured in one (`candidate_jobs` times an attention over a symbolic length in
     every tile of its scores), so that each length's plan chooses among them. The refine loop
@@ -1349,8 +1353,15 @@ def measure_attention_tiles(measured: Measured, db: ProfileDB, options: Options,
     fastest of it at some length (`attention_siblings`). gpt_like over seq=1..512 (Xeon model 167)
     held six fusions of one attention (with and without its reshapes and transposes), each measured
     in all four tiles: 24 kernels of about 1.1 s to build each, a third of the measuring's builds;
-    the same tile was the fastest of five of them, 0.7 % behind the fastest in the sixth."""
+    the same tile was the fastest of five of them, 0.7 % behind the fastest in the sixth.
+
+    Then each attention fusion of `plan` (the one plan) whose fastest tile changes with the length
+    is measured as one kernel in two tiles, switched by the length (`length_switches`). Returns
+    (measured, whether it measured anything): the one plan, solved before, is solved again. (It
+    chose among the tiles its refine loop had measured: a gpt_like one plan ran its attention in
+    t14x32r, 21-22 us a layer at seq=32 against 10 in the static plan's t8x32r.)"""
     groups = attention_groups(measured)
+    jobs = {i[0]: measured.pending[i] for g in groups for idents in g.values() for i in idents}
     batches = 0
     for pick, what in ((attention_representatives, "every register tile of one fusion per attention"),
                        (attention_siblings, "the other fusions of each attention in its fastest tiles")):
@@ -1359,7 +1370,55 @@ def measure_attention_tiles(measured: Measured, db: ProfileDB, options: Options,
             log.info("measuring %d kernels: %s", len(batch), what)
             measured = refine(measured, batch, db, options, machine, workers)
             batches += 1
-    return settled(measured, db, options, machine, workers) if batches else measured
+    measured = settled(measured, db, options, machine, workers) if batches else measured
+    keys = [k.key for k in plan.kernels] if plan is not None else []
+    switches = [replace(jobs[key], schedule=blocked(split(jobs[key].schedule)[0], s.name)
+                        if split(jobs[key].schedule)[0] else s.name)
+                for key, s in length_switches(measured, [k for k in dict.fromkeys(keys) if k in jobs],
+                                              options.ranges[0]).items()]
+    if not switches:
+        return measured, batches > 0
+    log.info("measuring %d attentions in two tiles, switched by the length", len(switches))
+    results, stats = meas.measure(switches, db, options, machine, label="switch", workers=workers)
+    return replace(measured, measurements={**measured.measurements, **results}, stats=measured.stats.merged(stats)), True
+
+
+# a fusion is measured switching tiles with the length (`length_switches`) where at some sample length
+# the switch is predicted this much faster than the fusion's tile fastest over the range
+SWITCH_GAIN = 0.03
+
+
+def length_switches(measured: Measured, keys: Sequence[str], rng: tuple[str, int, int]) -> dict[str, LengthSwitch]:
+    """Per attention fusion of `keys` measured in several register tiles whose fastest changes
+    with the length: the switch (kernels.LengthSwitch) that runs the tile fastest at the shortest
+    sample up to the edge before the first sample another is fastest at (dynamic.sample_edges),
+    above it the tile fastest relative to the others over the samples from there on; where at some
+    sample it is SWITCH_GAIN faster than the fusion's tile fastest over the range (its tiles' times
+    there). The samples of SMALL_ROWS do not count: every tile runs its static copy there."""
+    from .dynamic import sample_edges
+    lengths = [n for n, _ in measured.at if n]
+    tiled = [k for k, n in enumerate(lengths) if n > max(SMALL_ROWS)]
+    if len(tiled) < 2:
+        return {}
+    edges = sample_edges(rng, lengths)
+    out = {}
+    for key in keys:
+        timed = {split(i[2])[1]: m for i, m in measured.measurements.items()
+                 if i[0] == key and m.ok and Tile.parse(split(i[2])[1]) is not None}
+        if len(timed) < 2:
+            continue
+        at = {t: {k: _at_length(m, lengths[k]).median_ns for k in tiled} for t, m in sorted(timed.items())}
+        best = {k: min(at, key=lambda t: at[t][k]) for k in tiled}
+        j = next((k for k in tiled if best[k] != best[tiled[0]]), None)
+        if j is None:
+            continue
+        first = best[tiled[0]]
+        then = min(at, key=lambda t: (sum(at[t][k] / at[best[k]][k] for k in tiled if k >= j), t))
+        overall = min(timed, key=lambda t: (timed[t].median_ns, t))
+        switched = {k: at[first if k < j else then][k] for k in tiled}
+        if then != first and any(at[overall][k] >= (1 + SWITCH_GAIN) * switched[k] for k in tiled):
+            out[key] = LengthSwitch(first, edges[j - 1], then)
+    return out
 
 
 def attention_groups(measured: Measured) -> list[dict[str, list]]:

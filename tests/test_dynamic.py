@@ -2270,6 +2270,43 @@ def test_an_attention_measured_in_one_tile_is_measured_in_its_others(block):
     assert sorted(pipeline.attention_siblings(measured, groups)) == [("att", "tvm", "t4x64r"), ("att", "tvm", "t6x64r")]
 
 
+def test_an_attention_whose_fastest_tile_changes_with_the_length_gets_a_switch():
+    """`pipeline.length_switches`: an attention fusion of the plan measured in several tiles, the
+    fastest of them at the short samples another than at the long ones, is switched at the edge
+    between them (dynamic.sample_edges: 22 between 8 and 64 over 1..512) to the tile fastest
+    relative to the others from there on; none where the switch is within SWITCH_GAIN of the tile
+    fastest over the range at every sample, nor for a fusion measured in one tile. seq=1 does not
+    count (every tile runs its static copy there)."""
+    from kernorch import pipeline
+    from kernorch.database import Measurement
+    from kernorch.kernels import LengthSwitch
+    from kernorch.measure import MeasureStats
+    at = ((1, 0.3), (8, 0.6), (64, 0.09), (512, 0.01))
+
+    def done(key, schedule, times):
+        samples = tuple(zip((n for n, _ in at), times))
+        ns = int(sum(w * t for (_, w), t in zip(at, times)))
+        return (key, "tvm", schedule), Measurement("m", key, "tvm", schedule, "v", "ok", ns, (ns,), "", 0.1, "",
+                                                   samples_ns=samples)
+    measured = pipeline.Measured(dict([
+        done("att", "t14x32r", (10, 20, 200, 4000)), done("att", "t6x64r", (12, 24, 150, 3000)),
+        done("att", "t8x32r", (11, 23, 140, 3300)),
+        done("level", "t14x32r", (10, 20, 200, 4000)), done("level", "t6x64r", (10.2, 20.3, 199, 3950)),
+        done("static", "t14x32r", (9, 30, 300, 4000)), done("static", "t6x64r", (11, 20, 200, 3000)),
+        done("one", "t14x32r", (10, 20, 200, 4000))]), MeasureStats(), at=at)
+    got = pipeline.length_switches(measured, ["att", "level", "static", "one", "absent"], ("seq", 1, 512))
+    # att: t14x32r fastest at 8; from 64 on t8x32r takes 1.00x and 1.10x the fastest there, t6x64r
+    # 1.07x and 1.00x; static: t14x32r fastest at seq=1 alone, which does not count
+    assert got == {"att": LengthSwitch("t14x32r", 22, "t6x64r")}
+    early = pipeline.Measured(dict([done("e", "t14x32r", (10, 20, 300, 4000)), done("e", "t6x64r", (10, 21, 200, 3000)),
+                                    done("e", "t8x32r", (10, 22, 195, 3200))]), MeasureStats(), at=at)
+    # the switch against t6x64r, the fastest over the range: 1.05x at 8, 1.00x at 64 and 512
+    assert pipeline.length_switches(early, ["e"], ("seq", 1, 512)) == {"e": LengthSwitch("t14x32r", 22, "t6x64r")}
+    early = pipeline.Measured(dict([done("e", "t14x32r", (10, 20.5, 300, 4000)), done("e", "t6x64r", (10, 21, 200, 3000))]),
+                              MeasureStats(), at=at)
+    assert pipeline.length_switches(early, ["e"], ("seq", 1, 512)) == {}  # 1.02x at 8: not enough
+
+
 def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch):
     """`measured_dispatch` times the dispatching executable against the one plan's at every sample
     length and the ends of its bucket (here scripted) and keeps a sample's own plan only where it ran
