@@ -1428,6 +1428,34 @@ def test_each_sample_length_gets_the_fusions_its_plan_wants_measured(tmp_path):
     assert all(len(after.measurements[i].samples_ns) >= 4 for i in new if after.measurements[i].ok)
 
 
+def test_the_one_plan_is_solved_again_after_the_attention_tiles(tmp_path, monkeypatch):
+    """Over a range, the one plan is solved before the attentions' other tiles are measured
+    (`pipeline.measure_attention_tiles`); when that measured anything, it is solved again over the
+    measured kernels. Scripted: the step finds a fused kernel of the plan a second slower at every
+    length, and the one plan then does without it."""
+    from dataclasses import replace
+    from kernorch import pipeline
+    from kernorch.options import Options
+    path = tmp_path / "block.onnx"
+    onnx.save(examples.transformer_block(seq="seq"), str(path))
+    options = Options(threads=1, max_kernel_size=2, repeats=3, min_repeat_ms=1.0, workers=2, compare_untuned=0,
+                      db_path=str(tmp_path / "db.sqlite"), ranges=(("seq", 1, 64),), sample_gain=0.0)
+    seen = {}
+
+    def slower(measured, db, options, machine, workers=None, plan=None):
+        k = next(k for k in plan.kernels if len(k.members) > 1)
+        seen["key"] = k.key
+        slow = {i: replace(m, median_ns=10**9, samples_ns=tuple((n, 10**9) for n, _ in m.samples_ns))
+                for i, m in measured.measurements.items() if i[0] == k.key}
+        return replace(measured, measurements={**measured.measurements, **slow}), True
+    monkeypatch.setattr(pipeline, "measure_attention_tiles", slower)
+    planned = pipeline.plan_model(str(path), options)
+    assert seen["key"] not in {k.key for k in planned.plan.kernels}
+    monkeypatch.setattr(pipeline, "measure_attention_tiles", lambda m, *a, **k: (m, False))
+    planned = pipeline.plan_model(str(path), options)  # (measured already: the same run without the step)
+    assert seen["key"] in {k.key for k in planned.plan.kernels}
+
+
 def test_refine_samples_repeats_its_pass_until_no_length_wants_a_fusion_measured(monkeypatch):
     """pipeline.refine_samples: a round at a later length moves the estimates an earlier length was
     solved with; the pass over the lengths runs again until every length's plan is measured only.
