@@ -1372,15 +1372,16 @@ def measure_attention_tiles(measured: Measured, db: ProfileDB, options: Options,
             batches += 1
     measured = settled(measured, db, options, machine, workers) if batches else measured
     keys = [k.key for k in plan.kernels] if plan is not None else []
-    switches = [replace(jobs[key], schedule=blocked(split(jobs[key].schedule)[0], s.name)
-                        if split(jobs[key].schedule)[0] else s.name)
+    switches = [replace(jobs[key], schedule=_in_class(split(jobs[key].schedule)[0], s.name))
                 for key, s in length_switches(measured, [k for k in dict.fromkeys(keys) if k in jobs],
                                               options.ranges[0]).items()]
     if not switches:
         return measured, batches > 0
     log.info("measuring %d attentions in two tiles, switched by the length", len(switches))
     results, stats = meas.measure(switches, db, options, machine, label="switch", workers=workers)
-    return replace(measured, measurements={**measured.measurements, **results}, stats=measured.stats.merged(stats)), True
+    measured = replace(measured, measurements={**measured.measurements, **results},
+                       stats=measured.stats.merged(stats))
+    return measured, True
 
 
 # a fusion is measured switching tiles with the length (`length_switches`) where at some sample length
@@ -1618,8 +1619,9 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
     if that shows (a bucket the one plan serves is DISPATCH_GAIN slower than in the one plan's
     executable), the shortest length's own plan goes too. Re-joined, emitted (its kernels' objects
     are compiled already) and, while the shortest length keeps its own plan (the one plan then runs
-    as a call where it was inline), timed again until nothing changes: the buckets whose plan changed. The own plans are chosen by
-    their predicted times, and at short lengths those mislead: the transformer block over
+    as a call where it was inline), timed again until nothing changes: the buckets whose plan
+    changed. The own plans are chosen by their predicted times, and at short lengths those mislead:
+    the transformer block over
     seq=1..512 (Xeon model 167), its own plans of seq=1 and 8 predicted 9.5 % and 10 % faster than
     the one plan there, ran 1-3 % faster and 3-4 % slower (measured before its kernels of
     activations alone were timed evicted and a kernel's timed calls ran on the tensors of its sizing
@@ -1630,8 +1632,8 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
     10 in the static plan of 32) and took 1.12x the static plan's time. (The middle: the last bucket's
     sample is its end, and timed at 182 and 512 alone, gpt_like's own plan of 512, 0.97x the one
     plan's time at 512 and 1.02x at 182, was dropped; the one plan took 1.11x the static plan's time
-    at 512 and 1.04x at 300.) Returns (compiled, planned),
-    `planned.dispatch` the last times against the one plan's at every length timed."""
+    at 512 and 1.04x at 300.) Returns (compiled, planned), `planned.dispatch` the last times against
+    the one plan's at every length timed."""
     from . import executor
     from .dynamic import bind
     graph, name, one = planned.loaded.graph, options.ranges[0][0], planned.one

@@ -865,7 +865,6 @@ def test_an_attention_over_a_range_copies_its_transposed_keys_in_tiles(block):
     from kernorch.backends.tvm.target import make_target, vector_bits
     from kernorch.backends.tvm.tirwalk import found
     from kernorch.candidates import attention_parts, kernel_io
-    from kernorch.executor import run as reference
     from kernorch.ir import kernel_graph
     generic = block[1]
     names = [q.name for q in generic.prims]
@@ -890,14 +889,7 @@ def test_an_attention_over_a_range_copies_its_transposed_keys_in_tiles(block):
              and any(v.same_as(g) for g in found(f.body, lambda x: isinstance(x, tirx.For)) for v in vector)]
     assert tiles, mod["main"].script()
     kernel = build(mod, target)
-    for n in (1, 7, 16, 17, 100, 512):
-        b = dynamic.bind(kg, {"seq": n})
-        xs = [np.asarray(b.constants[i]) if i in b.constants else
-              np.random.default_rng(n).standard_normal(b.type_of(i).shape).astype(np.float32) for i in ins]
-        got = kernel(*xs, out_shapes=[b.type_of(o).shape for o in outs])
-        want = reference(b, {i: x for i, x in zip(ins, xs) if i not in b.constants})
-        for o, g in zip(outs, got):
-            np.testing.assert_allclose(g, want[o], rtol=1e-4, atol=1e-4, err_msg=f"seq={n}")
+    _right_at(kernel, kg, ins, outs, (1, 7, 16, 17, 100, 512))
 
 
 def test_an_attention_switches_its_tile_by_the_length(block):
@@ -911,7 +903,6 @@ def test_an_attention_switches_its_tile_by_the_length(block):
     from kernorch.backends.tvm.schedule import schedule, scheduled_for_lengths
     from kernorch.backends.tvm.target import make_target
     from kernorch.candidates import kernel_io
-    from kernorch.executor import run as reference
     from kernorch.ir import kernel_graph
     from kernorch.kernels import LengthSwitch
     mode = "t14x32r|22|t6x64r"
@@ -931,7 +922,13 @@ def test_an_attention_switches_its_tile_by_the_length(block):
     short = schedule(lowered, target, mode, {"seq": 512}, [1, 8])["main"].script()
     assert len(short) < len(both) and "branch" in both
     kernel = build(schedule(lowered, target, mode, {"seq": 512}), target)
-    for n in (1, 2, 7, 22, 23, 64, 65, 300, 512):
+    _right_at(kernel, kg, ins, outs, (1, 2, 7, 22, 23, 64, 65, 300, 512))
+
+
+def _right_at(kernel, kg, ins, outs, lengths):
+    """A built kernel over seq against the numpy reference of its graph, at each of `lengths`."""
+    from kernorch.executor import run as reference
+    for n in lengths:
         b = dynamic.bind(kg, {"seq": n})
         xs = [np.asarray(b.constants[i]) if i in b.constants else
               np.random.default_rng(n).standard_normal(b.type_of(i).shape).astype(np.float32) for i in ins]

@@ -15,5 +15,5 @@ from .winograd import Winograd
 from .variants import (blocked, has_blocked_variant, layout_of, pack_args, prim_tiles, split, unpack_outputs,
                        variant_out_packs, variant_packs)
 
-__all__ = ["LengthSwitch", "Pack", "Tile", "blocked", "contraction_tiles", "has_blocked_variant", "layout_of", "pack_args",
-           "prim_tiles", "split", "unpack_outputs", "variant_out_packs", "variant_packs", "Winograd"]
+__all__ = ["LengthSwitch", "Pack", "Tile", "blocked", "contraction_tiles", "has_blocked_variant", "layout_of",
+           "pack_args", "prim_tiles", "split", "unpack_outputs", "variant_out_packs", "variant_packs", "Winograd"]
