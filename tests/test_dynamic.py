@@ -859,7 +859,6 @@ def test_an_attention_over_a_range_copies_its_transposed_keys_in_tiles(block):
     not key by key with a gather of loads 1.5 KB apart per vector (gpt_like's t8x32r attention,
     hot: 0.94x the time at seq=512, 0.89x at 300). Right at lengths around the tiles."""
     from tvm import tirx
-    from kernorch.backends.tvm.build import build
     from kernorch.backends.tvm.lower import lower
     from kernorch.backends.tvm.schedule import schedule
     from kernorch.backends.tvm.target import make_target, vector_bits
@@ -888,8 +887,8 @@ def test_an_attention_over_a_range_copies_its_transposed_keys_in_tiles(block):
              and isinstance(f.extent, tirx.IntImm) and int(f.extent) == lanes
              and any(v.same_as(g) for g in found(f.body, lambda x: isinstance(x, tirx.For)) for v in vector)]
     assert tiles, mod["main"].script()
-    kernel = build(mod, target)
-    _right_at(kernel, kg, ins, outs, (1, 7, 16, 17, 100, 512))
+    (out,) = outs
+    _right_at((kg, ins, kg.by_name[out]), mod, 2, (1, 7, 16, 17, 100, 512))
 
 
 def test_an_attention_switches_its_tile_by_the_length(block):
@@ -898,7 +897,6 @@ def test_an_attention_switches_its_tile_by_the_length(block):
     copies at seq=1 and 2, the second without them), the length choosing at run time; right at
     lengths on both sides of the switch and of the tiles. Built for some lengths only (`at`), it
     holds only the tiles they run."""
-    from kernorch.backends.tvm.build import build
     from kernorch.backends.tvm.lower import lower
     from kernorch.backends.tvm.schedule import schedule, scheduled_for_lengths
     from kernorch.backends.tvm.target import make_target
@@ -921,21 +919,9 @@ def test_an_attention_switches_its_tile_by_the_length(block):
     assert len(both) > max(len(r) for r in rules.values())  # (both tiles, neither's code for the other's lengths)
     short = schedule(lowered, target, mode, {"seq": 512}, [1, 8])["main"].script()
     assert len(short) < len(both) and "branch" in both
-    kernel = build(schedule(lowered, target, mode, {"seq": 512}), target)
-    _right_at(kernel, kg, ins, outs, (1, 2, 7, 22, 23, 64, 65, 300, 512))
-
-
-def _right_at(kernel, kg, ins, outs, lengths):
-    """A built kernel over seq against the numpy reference of its graph, at each of `lengths`."""
-    from kernorch.executor import run as reference
-    for n in lengths:
-        b = dynamic.bind(kg, {"seq": n})
-        xs = [np.asarray(b.constants[i]) if i in b.constants else
-              np.random.default_rng(n).standard_normal(b.type_of(i).shape).astype(np.float32) for i in ins]
-        got = kernel(*xs, out_shapes=[b.type_of(o).shape for o in outs])
-        want = reference(b, {i: x for i, x in zip(ins, xs) if i not in b.constants})
-        for o, g in zip(outs, got):
-            np.testing.assert_allclose(g, want[o], rtol=1e-4, atol=1e-4, err_msg=f"seq={n}")
+    (out,) = outs
+    _right_at((kg, ins, kg.by_name[out]), schedule(lowered, target, mode, {"seq": 512}), 2,
+              (1, 2, 7, 22, 23, 64, 65, 300, 512))
 
 
 def test_twin_loops_over_a_range_keep_their_register_tiles_apart(block):
