@@ -1404,18 +1404,17 @@ def length_switches(measured: Measured, keys: Sequence[str], rng: tuple[str, int
     edges = sample_edges(rng, lengths)
     out = {}
     for key in keys:
-        timed = {split(i[2])[1]: m for i, m in measured.measurements.items()
-                 if i[0] == key and m.ok and Tile.parse(split(i[2])[1]) is not None}
-        if len(timed) < 2:
+        times = _tile_times(measured, key, [*lengths, 0])  # (0: over the range)
+        if len(times) < 2:
             continue
-        at = {t: {k: _at_length(m, lengths[k]).median_ns for k in tiled} for t, m in sorted(timed.items())}
+        at = {t: {k: ns[k] for k in tiled} for t, ns in times.items()}
         best = {k: min(at, key=lambda t: at[t][k]) for k in tiled}
         j = next((k for k in tiled if best[k] != best[tiled[0]]), None)
         if j is None:
             continue
         first = best[tiled[0]]
         then = min(at, key=lambda t: (sum(at[t][k] / at[best[k]][k] for k in tiled if k >= j), t))
-        overall = min(timed, key=lambda t: (timed[t].median_ns, t))
+        overall = min(times, key=lambda t: (times[t][-1], t))
         switched = {k: at[first if k < j else then][k] for k in tiled}
         if then != first and any(at[overall][k] >= (1 + SWITCH_GAIN) * switched[k] for k in tiled):
             out[key] = LengthSwitch(first, edges[j - 1], then)
@@ -1461,14 +1460,19 @@ def attention_siblings(measured: Measured, groups: Sequence[Mapping[str, list]])
 
 
 def _fastest_tiles(measured: Measured, key: str) -> set[str]:
-    """The tiles (inner schedules) of fusion `key` fastest at some length of the range it was timed
-    at (`Measured.at`), or over the whole range."""
-    timed = [(i, m) for i, m in measured.measurements.items() if i[0] == key and m.ok]
-    if not timed:
-        return set()
+    """The tiles of fusion `key` fastest at some length of the range it was timed at
+    (`Measured.at`), or over the whole range."""
     lengths = [length for length, _ in measured.at if length] + [0]
-    return {split(min(timed, key=lambda im: (_at_length(im[1], length).median_ns, im[0]))[0][2])[1]
-            for length in lengths}
+    times = _tile_times(measured, key, lengths)
+    return {min(times, key=lambda t: (times[t][k], t)) for k in range(len(lengths))} if times else set()
+
+
+def _tile_times(measured: Measured, key: str, lengths: Sequence[int]) -> dict[str, list[int]]:
+    """Per register tile (inner schedule) fusion `key` was measured in: its time at each of
+    `lengths` (0: over the range, its measurement's weighted time)."""
+    return {split(i[2])[1]: [_at_length(m, n).median_ns for n in lengths]
+            for i, m in sorted(measured.measurements.items())
+            if i[0] == key and m.ok and Tile.parse(split(i[2])[1]) is not None}
 
 
 def refine_solve(graph: Graph, enumeration, measured: Measured, k: int, options: Options, meta: Mapping[str, str],
@@ -1621,11 +1625,10 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
     are compiled already) and, while the shortest length keeps its own plan (the one plan then runs
     as a call where it was inline), timed again until nothing changes: the buckets whose plan
     changed. The own plans are chosen by their predicted times, and at short lengths those mislead:
-    the transformer block over
-    seq=1..512 (Xeon model 167), its own plans of seq=1 and 8 predicted 9.5 % and 10 % faster than
-    the one plan there, ran 1-3 % faster and 3-4 % slower (measured before its kernels of
-    activations alone were timed evicted and a kernel's timed calls ran on the tensors of its sizing
-    call: see measure._timed). A bucket is timed at its ends too since a plan made for one length
+    the transformer block over seq=1..512 (Xeon model 167), its own plans of seq=1 and 8 predicted
+    9.5 % and 10 % faster than the one plan there, ran 1-3 % faster and 3-4 % slower (measured
+    before its kernels of activations alone were timed evicted and a kernel's timed calls ran on
+    the tensors of its sizing call: see measure._timed). A bucket is timed at its ends too since a plan made for one length
     can serve the rest of its bucket much better or worse than it serves that length: gpt_like's own
     plan of seq=64, 0.99x the one plan's time at 64, was dropped, and at 32 (its bucket is 23..181)
     the one plan, made mostly for 1 and 8, ran its attention in a 14-row tile (22 us a layer against
@@ -1673,11 +1676,9 @@ def dispatch_probes(rng: tuple[str, int, int], lengths: Sequence[int]) -> list[t
     """Per sample length of `lengths` (ascending, in the range `rng`): the lengths its bucket is
     timed at by `measured_dispatch`: its first, its geometric middle, the sample and its last
     (dynamic.sample_edges; the middle is the sample but at the ends of the range)."""
-    from .dynamic import sample_edges
-    _, lo, hi = rng
-    edges = sample_edges(rng, lengths)
-    firsts, lasts = (lo, *(e + 1 for e in edges)), (*edges, hi)
-    return [tuple(sorted({a, math.isqrt(a * b), n, b})) for a, n, b in zip(firsts, lengths, lasts)]
+    from .dynamic import cut, sample_edges
+    return [tuple(sorted({a, math.isqrt(a * b), n, b}))
+            for (_, a, b), n in zip(cut(rng, sample_edges(rng, lengths)), lengths)]
 
 
 def alternated(a, b, feeds, rounds: int = 7, round_s: float = 0.02) -> tuple[float, float, float]:

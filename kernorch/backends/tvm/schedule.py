@@ -199,17 +199,16 @@ def _length_switch(mod: tvm.IRModule, target, mode: str, switch: LengthSwitch, b
     (name, hi), = bounds.items()
     layout = split(mode)[0]
     lengths = list(at) if at is not None else list(range(1, int(hi) + 1))
-    parts = []
-    for first, tile, served in ((True, switch.first, [n for n in lengths if n <= switch.until]),
-                                (False, switch.then, [n for n in lengths if n > switch.until])):
-        funcs = {gv.name_hint[len(SWITCH_FIRST):] if first else gv.name_hint: mod[gv]
-                 for gv in mod.get_global_vars() if gv.name_hint.startswith(SWITCH_FIRST) == first}
-        if served:
-            parts.append(schedule(tvm.IRModule(funcs), target, tile if layout is None else blocked(layout, tile),
-                                  bounds, served)["main"])
-        else:
-            parts.append(None)
-    first, then = parts
+
+    def part(is_first: bool, tile: str, served: list[int]) -> tirx.PrimFunc | None:
+        if not served:
+            return None
+        funcs = {gv.name_hint[len(SWITCH_FIRST):] if is_first else gv.name_hint: mod[gv]
+                 for gv in mod.get_global_vars() if gv.name_hint.startswith(SWITCH_FIRST) == is_first}
+        return schedule(tvm.IRModule(funcs), target, tile if layout is None else blocked(layout, tile), bounds,
+                        served)["main"]
+    first = part(True, switch.first, [n for n in lengths if n <= switch.until])
+    then = part(False, switch.then, [n for n in lengths if n > switch.until])
     if first is None or then is None:
         return tvm.IRModule({"main": first if then is None else then})
     length = symbol_vars(then)[name]
