@@ -302,7 +302,9 @@ def _print_optimize(rep: dict, outdir) -> None:
     if m:
         print(f"measurements: {m.get('measured', 0)} taken, {m.get('cached', 0)} from the database, "
               f"{m.get('refused', 0)} refused; {m.get('estimated', 0)} fused candidates never measured (the solver "
-              f"did not want them on an optimistic estimate; {m.get('rounds', 0)} solve-and-measure rounds)")
+              f"did not want them on an optimistic estimate; {m.get('rounds', 0)} solve-and-measure rounds)"
+              + (f"; builds {m['build_seconds']:.1f} s, timing {m['time_seconds']:.1f} s of the measuring"
+                 if m.get("build_seconds") is not None else ""))
     print(f"max error vs ONNX Runtime: {rep['verify']['max_rel_error']:.2e} of the output scale")
     print("time per stage: " + ", ".join(f"{k} {v:.1f}s" for k, v in rep["seconds"].items()))
     print(f"saved to {outdir}")

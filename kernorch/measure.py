@@ -470,6 +470,8 @@ class MeasureStats:
     seconds: float = 0.0
     estimated: int = 0      # fused kernels never measured: the solver never wanted them (pipeline.refine)
     rounds: int = 0         # solve-and-measure rounds until the plan held only measured kernels
+    build_seconds: float = 0.0  # of `seconds`: wall time building (in parallel builders)
+    time_seconds: float = 0.0   # of `seconds`: wall time timing (one timer at a time)
 
     def merged(self, other: "MeasureStats") -> "MeasureStats":
         return MeasureStats(*(a + b for a, b in zip(astuple(self), astuple(other))))
@@ -772,6 +774,7 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
         tmp = workers.build_dir()
         built: dict[tuple[str, str, str], dict] = {}
         tvm_jobs = [j for j in todo if registry.native(j.impl)]
+        t_build = time.perf_counter()
         if tvm_jobs:
             pool = workers.builders()
             with progress.bar(f"{label}: build", len(tvm_jobs)) as bar:
@@ -785,6 +788,8 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
                     else:
                         fail(j, "build/check failed", r)
                     bar.advance()
+        stats.build_seconds = time.perf_counter() - t_build
+        t_time = time.perf_counter()
         # Python kernels first: their times let a generated kernel that is far slower for the
         # same key stop after one call (DOMINATED), instead of repeats of seconds each
         timed = [j for j in todo if not registry.native(j.impl) or j.ident in built]
@@ -829,7 +834,10 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
         over_range = [_Timed(*workers.timed[j.ident], results[j.ident]) for j in timed
                       if j.probes and j.ident in workers.timed]
         results.update(_timed_again(over_range, db, options, machine, workers, label))
+        stats.time_seconds = time.perf_counter() - t_time
     stats.seconds = time.perf_counter() - t_start
+    log.info("%s: built %d kernels in %.1f s, timed %d in %.1f s", label, len(tvm_jobs), stats.build_seconds,
+             len(timed), stats.time_seconds)
     return results, stats
 
 
@@ -841,6 +849,7 @@ def build_objects(jobs: Sequence[KernelJob], options: Options, workers: Workers)
     if not jobs:
         return
     tmp = workers.build_dir()
+    t0 = time.perf_counter()
     with progress.bar("objects: build", len(jobs)) as bar:
         for j, r in _run_with_retry(workers.builders(), _build_task, list(jobs),
                                     lambda j: (j, options.threads, tmp, False, None, str(options.object_cache())),
@@ -848,6 +857,7 @@ def build_objects(jobs: Sequence[KernelJob], options: Options, workers: Workers)
             if not r.ok:
                 log.info("building %s (%s) whole failed here: %s", j.description, j.schedule, r.error)
             bar.advance()
+    log.info("objects: built %d kernels whole in %.1f s", len(jobs), time.perf_counter() - t0)
 
 
 def _timing_args(job: KernelJob, path: str | None, options: Options, machine: Machine,

@@ -1621,7 +1621,7 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
     the ratios' geometric mean; elsewhere the one plan serves. Where the shortest length keeps its own
     plan, the one plan runs the other buckets as a function call (only the first bucket is inline):
     if that shows (a bucket the one plan serves is DISPATCH_GAIN slower than in the one plan's
-    executable), the shortest length's own plan goes too. Re-joined, emitted (its kernels' objects
+    executable at its first length: `_dispatch_timed`), the shortest length's own plan goes too. Re-joined, emitted (its kernels' objects
     are compiled already) and, while the shortest length keeps its own plan (the one plan then runs
     as a call where it was inline), timed again until nothing changes: the buckets whose plan
     changed. The own plans are chosen by their predicted times, and at short lengths those mislead:
@@ -1644,16 +1644,17 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
     probes = dispatch_probes(options.ranges[0], [length for length, _ in planned.measured.at])
     feeds = {n: executor.random_feeds(bind(graph, {name: n}), options.seed) for ns in probes for n in ns}
     choices, plan, checked = list(planned.choices), planned.plan, {}
-    todo = range(len(probes))  # the buckets timed (again: those whose plan changed since)
+    timed = _dispatch_timed(probes, choices, one)
+    todo = list(timed)  # the buckets timed (again: those whose plan changed since)
     for _ in probes:
-        for n in (n for k in todo for n in probes[k]):
+        for n in (n for k in todo for n in timed[k]):
             checked[n], mine, ours = alternated(compiled, single, feeds[n])
             log.info("%s=%d: %.1f us in the dispatching executable against %.1f in the one plan's", name, n,
                      mine * 1e6, ours * 1e6)
-        over = [math.exp(statistics.fmean(math.log(checked[n]) for n in ns)) for ns in probes]
+        over = {k: math.exp(statistics.fmean(math.log(checked[n]) for n in ns)) for k, ns in timed.items()}
         own = [k for k, c in enumerate(choices) if _kernels_of(c) != _kernels_of(one)]
         kept = [k for k in own if over[k] <= 1.0 - DISPATCH_GAIN]
-        called = [k for k, c in enumerate(choices) if _kernels_of(c) == _kernels_of(one) and k > 0]
+        called = [k for k in timed if k not in own]
         if 0 in kept and any(over[k] > 1.0 + DISPATCH_GAIN for k in called):
             kept.remove(0)
         if kept == own:
@@ -1669,7 +1670,18 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
         compiled = emit(graph, plan, options, planned.machine, workers)
         if 0 not in kept:  # the one plan runs the first bucket inline, as in its own executable, and
             break          # every own plan kept runs as it was timed: nothing to time again
+        timed = _dispatch_timed(probes, choices, one)
     return compiled, replace(planned, plan=plan, choices=tuple(choices), dispatch=checked)
+
+
+def _dispatch_timed(probes: Sequence[tuple[int, ...]], choices: Sequence, one) -> dict[int, tuple[int, ...]]:
+    """The lengths `measured_dispatch` times, per bucket: a bucket with its own plan at every one of
+    its `probes`; while the first bucket has its own plan (the one plan then runs as a called
+    function), each other bucket at its first length, where a call's fixed cost weighs the most
+    (gpt_like, Zen 2: seq=181..512 took 6 of the stage's 9 s, its 55 ms runs against a call's
+    15 us); otherwise the one plan runs as in its own executable and is not timed."""
+    own = {k for k, c in enumerate(choices) if _kernels_of(c) != _kernels_of(one)}
+    return {k: ns if k in own else ns[:1] for k, ns in enumerate(probes) if k in own or (k > 0 and 0 in own)}
 
 
 def dispatch_probes(rng: tuple[str, int, int], lengths: Sequence[int]) -> list[tuple[int, ...]]:

@@ -289,6 +289,9 @@ def test_a_dominated_generated_kernel_is_timed_once(tmp_path):
         res, stats = measure.measure(jobs + [measure.KernelJob("k-dom", "tvm", "t8x32", g, ("x", "w"), ("y",))],
                                      db, opts)
     assert stats.cached == 1 and stats.measured == 2
+    # the wall time splits into building and timing (what the summary of a run prints)
+    assert 0 < stats.build_seconds and 0 < stats.time_seconds
+    assert stats.build_seconds + stats.time_seconds <= stats.seconds
     assert len(res[jobs[0].ident].runs_ns) == 1          # cut after one call
     assert len(res[jobs[1].ident].runs_ns) == 4          # no cheaper implementation known: fully timed
 

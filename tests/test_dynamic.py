@@ -2320,10 +2320,10 @@ def test_an_attention_whose_fastest_tile_changes_with_the_length_gets_a_switch()
 
 def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch):
     """`measured_dispatch` times the dispatching executable against the one plan's at every sample
-    length and the ends of its bucket (here scripted) and keeps a sample's own plan only where it ran
-    DISPATCH_GAIN faster over them (the ratios' geometric mean);
+    length with an own plan and the ends of its bucket (here scripted) and keeps a sample's own plan
+    only where it ran DISPATCH_GAIN faster over them (the ratios' geometric mean);
     an own plan of the shortest length goes too when the one plan, now called as a bucket
-    function, runs a length it serves slower; re-joined until nothing changes, and without any own
+    function, runs the first length of a bucket it serves slower; re-joined until nothing changes, and without any own
     plan left the one plan's executable is the result."""
     from kernorch import executor, pipeline
     from kernorch.measure import MeasureStats
@@ -2369,10 +2369,13 @@ def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch)
     compiled, planned = run([one, own[1], one, own[3]], lambda tag, n: speed.get(tag, 1.0))
     assert [runs(planned.plan, n) for n, _ in at] == ["one", "one", "one", "own512"]
     assert compiled.plan is planned.plan and planned.dispatch[512] == 0.95
+    assert timed == [3, 8, 22, 182, 305, 512]  # the one plan runs inline at 1..2: not timed
     # an own plan at seq=1 that is faster there, but the one plan called as a bucket function runs
-    # the other lengths slower: it goes, and with nothing left the one plan's executable is the result
+    # the other lengths slower (timed at each bucket's first): it goes, and with nothing left the one
+    # plan's executable is the result
     compiled, planned = run([own[0], one, one, one], lambda tag, n: 0.97 if tag == "own1" else 1.02)
-    assert planned.plan is one and compiled.plan is one and emitted == [one] and planned.dispatch[8] == 1.02
+    assert planned.plan is one and compiled.plan is one and emitted == [one] and planned.dispatch[3] == 1.02
+    assert timed == [1, 2, 3, 23, 182]
     # the same own plan, the call unseen: it stays, nothing emitted but the one plan's executable
     compiled, planned = run([own[0], one, one, one], lambda tag, n: 0.97 if tag == "own1" else 1.0)
     assert [runs(planned.plan, n) for n, _ in at] == ["own1", "one", "one", "one"] and emitted == [one]
@@ -2383,9 +2386,9 @@ def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch)
     speed = {("own64", 23): 0.9, ("own512", 512): 0.97, ("own512", 182): 1.07}
     compiled, planned = run([one, one, own[2], own[3]], lambda tag, n: speed.get((tag, n), 1.0))
     assert [runs(planned.plan, n) for n in (1, 8, 23, 64, 181, 182, 512)] == ["one"] * 2 + ["own64"] * 3 + ["one"] * 2
-    assert sorted(planned.dispatch) == [1, 2, 3, 8, 22, 23, 64, 181, 182, 305, 512]
+    assert sorted(planned.dispatch) == [23, 64, 181, 182, 305, 512]
     # an own plan at seq=1 kept, the own plan of 512 not: timed again, the bucket that changed alone
     speed = {"own1": 0.97, "own512": 1.05}
     compiled, planned = run([own[0], one, one, own[3]], lambda tag, n: speed.get(tag, 1.0))
     assert [runs(planned.plan, n) for n, _ in at] == ["own1", "one", "one", "one"]
-    assert timed == [1, 2, 3, 8, 22, 23, 64, 181, 182, 305, 512, 182, 305, 512]
+    assert timed == [1, 2, 3, 23, 182, 305, 512, 182]
