@@ -38,6 +38,12 @@ import numpy as np
 
 from kernorch.ir import KernorchError
 
+
+class NoPlan(KernorchError):
+    """No selection of the problem's kernels computes the graph's outputs: every prim has a kernel,
+    but no set of them covers each once without one needing a tensor another holds inside (two
+    fusions each taking the other's inner result)."""
+
 log = logging.getLogger(__name__)
 
 KINDS = ("elementwise", "reduce", "broadcast", "layout", "linear", "opaque")
@@ -637,7 +643,7 @@ def _solve_whole(problem: Problem, deadline: float, fallback: list[Choice] | Non
             lp_ok = bool(np.all(np.minimum(np.abs(x), np.abs(1 - x)) < 1e-9))
             bound = h.getInfo().objective_function_value
         elif h.getModelStatus() == highspy.HighsModelStatus.kInfeasible:
-            raise KernorchError("no executable plan exists: the candidate kernels cannot compute every graph output")
+            raise NoPlan("no executable plan exists: the candidate kernels cannot compute every graph output")
 
     best: list[Choice] | None = None
     while True:
@@ -657,7 +663,7 @@ def _solve_whole(problem: Problem, deadline: float, fallback: list[Choice] | Non
             status = _STATUS.get(ms, h.modelStatusToString(ms).lower().replace(" ", "_"))
             info = h.getInfo()
             if ms == highspy.HighsModelStatus.kInfeasible:
-                raise KernorchError("no executable plan exists: the candidate kernels cannot compute every graph output")
+                raise NoPlan("no executable plan exists: the candidate kernels cannot compute every graph output")
             bound = info.mip_dual_bound if ms != highspy.HighsModelStatus.kOptimal else info.objective_function_value
             if info.primal_solution_status != 2:  # no feasible point from HiGHS
                 break
@@ -757,4 +763,4 @@ def brute_force(problem: Problem, max_prims: int = 16) -> Solution:
                     dist[n] = nd
                     prev[n] = (s, c)
                     heapq.heappush(heap, (nd, n))
-    raise KernorchError("no executable plan exists: the candidate kernels cannot compute every graph output")
+    raise NoPlan("no executable plan exists: the candidate kernels cannot compute every graph output")

@@ -39,6 +39,7 @@ from .kernels.tiles import SMALL_ROWS, curve_ns, fit_copies, passes
 from .kernels.variants import CONVERSIONS
 from .layouts import candidate_io, conversion, conversion_key, conversions, kernel_io
 from .options import Machine, Options
+from .orchestrate import NoPlan
 from .plan import Plan
 from .rewrite import rewrite
 
@@ -1096,8 +1097,11 @@ def orchestrate(graph: Graph, enumeration, measured: Measured, options: Options,
                 block_time_limit: float | None = None, db: ProfileDB | None = None, or_none: bool = False):
     """Solve the binary linear program over every measured candidate and make the plan (the proven
     solutions of its blocks kept in `db`, where a later run finds them). Every kernel is charged
-    the kernel boundary `meta` names (`plan_meta`). A prim no kernel computes is an error, or with
-    `or_none` gives None (a plan of the measured kernels alone while a prim waits for a pending one)."""
+    the kernel boundary `meta` names (`plan_meta`). A prim no kernel computes, or kernels that cover
+    every prim but make no plan (`orchestrate.NoPlan`), is an error, or with `or_none` gives None (a
+    plan of the measured kernels alone while a prim waits for a pending one: bert_like over seq,
+    Zen 2, its position ids' `where` refused alone and measured only in fusions with the embeddings'
+    sum, which each took the other gather's result from inside the other)."""
     from .plan import make_plan
     problem, by_id = problem_for(graph, enumeration.candidates, measured.measurements, options,
                                  estimates=_estimated(measured), boundary_ns=int((meta or {}).get("boundary_ns", 0)))
@@ -1106,8 +1110,13 @@ def orchestrate(graph: Graph, enumeration, measured: Measured, options: Options,
         return None
     if why:
         raise KernorchError(why)
-    plan = make_plan(problem, options.solver_time_limit, previous, rel_gap, block_time_limit, baselines=rel_gap == 0.0,
-                     store=db)
+    try:
+        plan = make_plan(problem, options.solver_time_limit, previous, rel_gap, block_time_limit,
+                         baselines=rel_gap == 0.0, store=db)
+    except NoPlan:
+        if or_none:
+            return None
+        raise
     # the plan's kernels take every tensor they read, in the order the lowering numbers them
     kernels = tuple(replace(k, inputs=by_id[k.id].inputs, outputs=by_id[k.id].outputs) for k in plan.kernels)
     wanted = [by_id[k.id].ident for k in plan.kernels if by_id[k.id].ident in measured.pending]
@@ -1240,7 +1249,8 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
                     with clock("orchestrate"):
                         best = orchestrate(loaded.graph, enumeration, measured_only(m), options, meta, None,
                                            REFINE_GAP, REFINE_BLOCK_SECONDS, db, or_none=True)
-                    # (None: a prim is computed only by fusions not measured yet, its own kernel refused)
+                    # (None: a prim is computed only by fusions not measured yet, its own kernel refused,
+                    # or the measured ones make no plan)
                     if best is not None:
                         above = best.stats.objective_ns / max(1, plan.stats.bound_ns) - 1
                     if above <= SETTLE_WITHIN:

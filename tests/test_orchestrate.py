@@ -340,6 +340,18 @@ def test_cycle_counterexample_needs_a_cut():
         validate(p, ["K1", "K2"])
 
 
+def test_kernels_that_cover_every_prim_but_only_feeding_each_other_make_no_plan():
+    """The counterexample's two fused kernels alone: every prim is covered, but each needs a tensor
+    the other computes inside; the solve says there is no plan (`NoPlan`, which the refine loop
+    takes as "measure more" while fusions are pending)."""
+    from kernorch.orchestrate import NoPlan
+    p = cycle_problem()
+    fused = replace(p, choices=tuple(c for c in p.choices if c.id in ("K1", "K2")))
+    assert {m for c in fused.choices for m in c.members} == set(p.prims)
+    with pytest.raises(NoPlan, match="no executable plan exists"):
+        solve(fused)
+
+
 def test_dead_prims_need_no_kernel():
     prims = ("a", "b", "dead")
     deps = {"b": ("a",), "dead": ("a",)}

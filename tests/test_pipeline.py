@@ -488,6 +488,27 @@ def test_the_plan_of_measured_kernels_is_none_while_a_prim_waits_for_a_pending_f
     assert pipeline.orchestrate(graph, en, pipeline.measured_only(measured), opts, or_none=True) is not None
 
 
+
+def test_the_plan_of_measured_kernels_is_none_where_they_cover_every_prim_but_make_no_plan(tmp_path, monkeypatch):
+    """Kernels that cover every prim but make no plan (two fusions each taking a tensor the other
+    computes inside: bert_like's position ids over seq, Zen 2) are, with `or_none`, no plan of
+    measured kernels yet (None); without it, the solver's error."""
+    from kernorch import plan as plan_mod
+    from kernorch.orchestrate import NoPlan
+    model = tmp_path / "chain.onnx"
+    chain_model(model)
+    opts = Options().with_(**FAST).with_(max_kernel_size=3, cost_model="analytic", db_path=str(tmp_path / "a.sqlite"))
+    planned = pipeline.plan_model(str(model), opts)
+    view = pipeline.measured_only(planned.measured)
+
+    def no_plan(*a, **k):
+        raise NoPlan("no executable plan exists: the candidate kernels cannot compute every graph output")
+    monkeypatch.setattr(plan_mod, "make_plan", no_plan)
+    assert pipeline.orchestrate(planned.loaded.graph, planned.enumeration, view, opts, or_none=True) is None
+    with pytest.raises(NoPlan):
+        pipeline.orchestrate(planned.loaded.graph, planned.enumeration, view, opts)
+
+
 def test_a_rerun_resumes_the_estimates_even_after_a_fusion_was_refused(tmp_path, monkeypatch):
     """A run keeps the estimates of what it never measured under a name for its set of fusions; the
     next run finds them by that name even when a fusion the first run measured was refused, which
