@@ -44,6 +44,7 @@ class NoPlan(KernorchError):
     but no set of them covers each once without one needing a tensor another holds inside (two
     fusions each taking the other's inner result)."""
 
+
 log = logging.getLogger(__name__)
 
 KINDS = ("elementwise", "reduce", "broadcast", "layout", "linear", "opaque")

@@ -1631,15 +1631,16 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
     the ratios' geometric mean; elsewhere the one plan serves. Where the shortest length keeps its own
     plan, the one plan runs the other buckets as a function call (only the first bucket is inline):
     if that shows (a bucket the one plan serves is DISPATCH_GAIN slower than in the one plan's
-    executable at its first length: `_dispatch_timed`), the shortest length's own plan goes too. Re-joined, emitted (its kernels' objects
-    are compiled already) and, while the shortest length keeps its own plan (the one plan then runs
-    as a call where it was inline), timed again until nothing changes: the buckets whose plan
-    changed. The own plans are chosen by their predicted times, and at short lengths those mislead:
-    the transformer block over seq=1..512 (Xeon model 167), its own plans of seq=1 and 8 predicted
-    9.5 % and 10 % faster than the one plan there, ran 1-3 % faster and 3-4 % slower (measured
-    before its kernels of activations alone were timed evicted and a kernel's timed calls ran on
-    the tensors of its sizing call: see measure._timed). A bucket is timed at its ends too since a plan made for one length
-    can serve the rest of its bucket much better or worse than it serves that length: gpt_like's own
+    executable at its first length: `_dispatch_timed`), the shortest length's own plan goes too.
+    Re-joined, emitted (its kernels' objects are compiled already) and, while the shortest length
+    keeps its own plan (the one plan then runs as a call where it was inline), timed again until
+    nothing changes: the buckets whose plan changed. The own plans are chosen by their predicted
+    times, and at short lengths those mislead: the transformer block over seq=1..512 (Xeon model
+    167), its own plans of seq=1 and 8 predicted 9.5 % and 10 % faster than the one plan there, ran
+    1-3 % faster and 3-4 % slower (measured before its kernels of activations alone were timed
+    evicted and a kernel's timed calls ran on the tensors of its sizing call: see measure._timed).
+    A bucket is timed at its ends too since a plan made for one length can serve the rest of its
+    bucket much better or worse than it serves that length: gpt_like's own
     plan of seq=64, 0.99x the one plan's time at 64, was dropped, and at 32 (its bucket is 23..181)
     the one plan, made mostly for 1 and 8, ran its attention in a 14-row tile (22 us a layer against
     10 in the static plan of 32) and took 1.12x the static plan's time. (The middle: the last bucket's
