@@ -1588,7 +1588,7 @@ def _rule_attention(func, lanes: int, tile: Tile) -> s_tir.Schedule:
     io, ii = _split(sch, loops2[nsp - 2], r)
     red = loops2[nsp:]
     # the output's rows in register tiles: rows x V's columns (or a column tile of them) accumulators
-    r2, vectors = values_tile(r, depth // lanes, 32 if lanes >= 16 else 16)  # AVX-512: 32 registers, AVX2: 16
+    r2, vectors = values_tile(r, depth // lanes, 32 if lanes >= 16 else 16, 4 * lanes)  # AVX-512: 32 registers
     i2o, i2i = sch.split(ii, factors=[None, r2])
     cols2 = [loops2[nsp - 1]] if vectors * lanes == depth else list(sch.split(loops2[nsp - 1],
                                                                               factors=[None, vectors * lanes]))
@@ -1656,22 +1656,33 @@ def _rule_attention(func, lanes: int, tile: Tile) -> s_tir.Schedule:
     return sch
 
 
-def values_tile(rows: int, vectors: int, registers: int) -> tuple[int, int]:
-    """The register tile of an attention's values contraction (O = P V, one row of V's columns
-    loaded and one probability broadcast per key): (rows, column vectors), the rows dividing the
-    query row tile `rows`. All of V's `vectors` while they leave room for two rows' accumulators;
-    else the column tile (dividing them) with the most multiply-adds per load (rows x vectors over
-    rows + vectors), the widest of equals. With AVX2's 16 registers, 64 value columns (8 vectors)
-    left room for one row: 8 multiply-adds per 9 loads, and a transformer block's attention at
-    seq=512 took 4.0 ms in one kernel (3.5 in column tiles) against 2.9-3.0 for its scores,
-    softmax and values apart (Zen 2, 2 threads)."""
+def values_tile(rows: int, vectors: int, registers: int, vector_bytes: int) -> tuple[int, int]:
+    """The register tile of an attention's values contraction (O = P V: per key, a row of V's
+    column vectors loaded and one probability broadcast per row): (rows, column vectors), the rows
+    dividing the query row tile `rows`. All of V's `vectors` while they leave room for two rows'
+    accumulators (AVX-512's 32 registers and 64 columns); else the tile of most multiply-adds per
+    cycle by `values_cycles`, the tallest of equals. With AVX2's 16 registers and 64 value columns
+    (8 vectors) there was room for one row: 8 multiply-adds per 9 loads, and a transformer block's
+    attention at seq=512 took 4.0 ms in one kernel against 2.9-3.0 for its scores, softmax and
+    values apart (Zen 2, 2 threads)."""
     def rows_of(v: int) -> int:
         fit = (registers - v - 1) // v
         return next(x for x in range(min(rows, fit), 0, -1) if rows % x == 0) if fit >= 1 else 0
     if rows_of(vectors) >= min(2, rows):
         return rows_of(vectors), vectors
     tiles = [(rows_of(v), v) for v in range(vectors, 0, -1) if vectors % v == 0 and rows_of(v)]
-    return max(tiles, key=lambda t: (t[0] * t[1] / (t[0] + t[1]), t[1]))
+    return max(tiles, key=lambda t: (t[0] * t[1] / values_cycles(*t, vector_bytes), t[0]))
+
+
+# what V's rows stream at from L2 into a values tile, bytes a cycle: about half the port's 32 (a
+# modelled figure; V of 512 keys x 64 columns is 128 KiB, past L1)
+L2_BYTES_PER_CYCLE = 16
+
+
+def values_cycles(rows: int, vectors: int, vector_bytes: int) -> float:
+    """Cycles per key of a values tile of `rows` x `vectors`: two FMAs and two loads a cycle, and
+    V's row of the tile read from L2 at L2_BYTES_PER_CYCLE."""
+    return max(rows * vectors / 2, (rows + vectors) / 2, vectors * vector_bytes / L2_BYTES_PER_CYCLE)
 
 
 KEYS_OF = "kernorch.keys_of"  # a loop over keys bounded by its row tile (`_skip_masked_keys`): min(its keys, the tile's)
