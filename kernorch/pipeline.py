@@ -1481,8 +1481,8 @@ def _tile_times(measured: Measured, key: str, lengths: Sequence[int]) -> dict[st
     """Per register tile (inner schedule) fusion `key` was measured in: its time at each of
     `lengths` (0: over the range, its measurement's weighted time)."""
     return {split(i[2])[1]: [_at_length(m, n).median_ns for n in lengths]
-            for i, m in sorted(measured.measurements.items())
-            if i[0] == key and m.ok and Tile.parse(split(i[2])[1]) is not None}
+            for i, m in sorted((i, m) for i, m in measured.measurements.items() if i[0] == key)
+            if m.ok and Tile.parse(split(i[2])[1]) is not None}
 
 
 def refine_solve(graph: Graph, enumeration, measured: Measured, k: int, options: Options, meta: Mapping[str, str],
@@ -1655,15 +1655,15 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
     probes = dispatch_probes(options.ranges[0], [length for length, _ in planned.measured.at])
     feeds = {n: executor.random_feeds(bind(graph, {name: n}), options.seed) for ns in probes for n in ns}
     choices, plan, checked = list(planned.choices), planned.plan, {}
-    timed = _dispatch_timed(probes, choices, one)
-    todo = list(timed)  # the buckets timed (again: those whose plan changed since)
+    own = [k for k, c in enumerate(choices) if _kernels_of(c) != _kernels_of(one)]  # buckets with their own plan
+    todo = list(_dispatch_timed(probes, own))  # the buckets timed (again: those whose plan changed since)
     for _ in probes:
+        timed = _dispatch_timed(probes, own)
         for n in (n for k in todo for n in timed[k]):
             checked[n], mine, ours = alternated(compiled, single, feeds[n])
             log.info("%s=%d: %.1f us in the dispatching executable against %.1f in the one plan's", name, n,
                      mine * 1e6, ours * 1e6)
         over = {k: math.exp(statistics.fmean(math.log(checked[n]) for n in ns)) for k, ns in timed.items()}
-        own = [k for k, c in enumerate(choices) if _kernels_of(c) != _kernels_of(one)]
         kept = [k for k in own if over[k] <= 1.0 - DISPATCH_GAIN]
         called = [k for k in timed if k not in own]
         if 0 in kept and any(over[k] > 1.0 + DISPATCH_GAIN for k in called):
@@ -1681,17 +1681,16 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
         compiled = emit(graph, plan, options, planned.machine, workers)
         if 0 not in kept:  # the one plan runs the first bucket inline, as in its own executable, and
             break          # every own plan kept runs as it was timed: nothing to time again
-        timed = _dispatch_timed(probes, choices, one)
+        own = kept
     return compiled, replace(planned, plan=plan, choices=tuple(choices), dispatch=checked)
 
 
-def _dispatch_timed(probes: Sequence[tuple[int, ...]], choices: Sequence, one) -> dict[int, tuple[int, ...]]:
-    """The lengths `measured_dispatch` times, per bucket: a bucket with its own plan at every one of
-    its `probes`; while the first bucket has its own plan (the one plan then runs as a called
+def _dispatch_timed(probes: Sequence[tuple[int, ...]], own: Sequence[int]) -> dict[int, tuple[int, ...]]:
+    """The lengths `measured_dispatch` times, per bucket: a bucket with its own plan (`own`) at every
+    one of its `probes`; while the first bucket has its own plan (the one plan then runs as a called
     function), each other bucket at its first length, where a call's fixed cost weighs the most
     (gpt_like, Zen 2: seq=181..512 took 6 of the stage's 9 s, its 55 ms runs against a call's
     15 us); otherwise the one plan runs as in its own executable and is not timed."""
-    own = {k for k, c in enumerate(choices) if _kernels_of(c) != _kernels_of(one)}
     return {k: ns if k in own else ns[:1] for k, ns in enumerate(probes) if k in own or (k > 0 and 0 in own)}
 
 
