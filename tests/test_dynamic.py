@@ -2394,3 +2394,30 @@ def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch)
     compiled, planned = run([own[0], one, one, own[3]], lambda tag, n: speed.get(tag, 1.0))
     assert [runs(planned.plan, n) for n, _ in at] == ["own1", "one", "one", "one"]
     assert timed == [1, 2, 3, 23, 182, 305, 512, 182]
+
+
+def test_two_executables_timed_in_turns_within_a_budget():
+    """`alternated` times two executables in turns, round by round; short calls fill rounds of about
+    `round_s` (7 rounds), long ones run one call a round in as many rounds (at least 3) as fit the
+    budget, so a 57 ms model is not timed for seconds at each length."""
+    from kernorch import pipeline
+
+    class Fake:
+        def __init__(self, seconds):
+            self.seconds, self.calls = seconds, []
+
+        def time(self, feeds, runs, warmup):
+            self.calls.append((runs, warmup))
+            return [self.seconds] * runs
+
+    def timed(a_s, b_s, **kw):
+        a, b = Fake(a_s), Fake(b_s)
+        ratio, mine, ours = pipeline.alternated(a, b, {}, **kw)
+        assert (mine, ours) == (a_s, b_s) and ratio == pytest.approx(a_s / b_s)
+        assert a.calls == b.calls and a.calls[0] == (2, 1)
+        return a.calls[1:]
+
+    assert timed(0.001, 0.002) == [(10, 0)] * 7  # 20 ms rounds of 2 ms calls (the slower one sets it)
+    assert timed(0.057, 0.060) == [(1, 0)] * 4  # 0.5 s: 4 rounds of one call each
+    assert timed(0.5, 0.4) == [(1, 0)] * 3  # never fewer than 3 rounds
+    assert timed(0.02, 0.02, budget_s=10.0) == [(1, 0)] * 7  # never more than 7
