@@ -1330,11 +1330,15 @@ def test_a_plan_per_sample_from_one_measurement(tmp_path, capsys, monkeypatch):
     # with a gain asked for, a length keeps its own plan only where it is that much faster there than
     # the one plan; elsewhere the one plan's kernels serve it (the default over a range: 3 %)
     assert Options().sample_gain == 0.03
+    # (how much faster than the one plan a plan of its own is at 1, where the one plan's kernels are
+    # 20x slower, depends on the alternatives measured: at least 3 % here, maybe not 50 %)
+    saving = 1 - at(plan.bucket(0), 1, slowed) / at(one, 1, slowed)
+    assert saving >= 0.03
     for gain in (0.03, 0.5):
         gained = pipeline.sample_plans(graph, planned.enumeration, replace(measured, measurements=slowed), options,
                                        one.meta, one, gain=gain)
         got = dynamic.plan_buckets(gained.meta)
-        assert got and got[0] == (1, 1)  # 20x slower at 1: a plan of its own there
+        assert bool(got and got[0] == (1, 1)) == (saving >= gain), (gain, saving, got)
         for b, (lo, hi) in enumerate(got):
             length = next(v for v in lengths if lo <= v <= hi)
             mine = gained.bucket(b)
@@ -1436,9 +1440,15 @@ def test_the_one_plan_is_solved_again_after_the_attention_tiles(tmp_path, monkey
     monkeypatch.setattr(pipeline, "measure_attention_tiles", slower)
     planned = pipeline.plan_model(str(path), options)
     assert seen["key"] not in {k.key for k in planned.plan.kernels}
-    monkeypatch.setattr(pipeline, "measure_attention_tiles", lambda m, *a, **k: (m, False))
-    planned = pipeline.plan_model(str(path), options)  # (measured already: the same run without the step)
-    assert seen["key"] in {k.key for k in planned.plan.kernels}
+    # measured already: the same run without the step, which measures nothing, and the plan it was
+    # given is the one plan (not solved again). (Whether that plan holds the kernel the first run's
+    # did depends on its refine loop landing on the same plan among near-equals.)
+    def nothing(measured, db, options, machine, workers=None, plan=None):
+        seen["given"] = plan
+        return measured, False
+    monkeypatch.setattr(pipeline, "measure_attention_tiles", nothing)
+    planned = pipeline.plan_model(str(path), options)
+    assert planned.plan == seen["given"]
 
 
 def test_refine_samples_repeats_its_pass_until_no_length_wants_a_fusion_measured(monkeypatch):
