@@ -54,12 +54,13 @@ class _Net:
     def layer_norm(self, x: str, dim: int, eps: float = 1e-5) -> str:
         return self.node("LayerNormalization", [x, self.vec(dim, 1.0), self.vec(dim)], axis=-1, epsilon=eps)
 
-    def attention(self, x: str, dim: int, heads: int, length: int, bias: str | None = None) -> str:
+    def attention(self, x: str, dim: int, heads: int, length: int, bias: str | None = None, batch: int = 1) -> str:
         """Multi-head self-attention as torch exports it (q, k, v projections reshaped to heads,
         scores scaled, `bias` added before the softmax when given, the output projection);
-        `length` -1 for a symbolic sequence axis."""
+        `length` -1 for a symbolic sequence axis, `batch` 0 for a symbolic batch (the input's)."""
         hd = dim // heads
-        q, k, v = (self.node("Reshape", [self.linear(x, dim, dim), self.const([1, length, heads, hd])]) for _ in range(3))
+        q, k, v = (self.node("Reshape", [self.linear(x, dim, dim), self.const([batch, length, heads, hd])])
+                   for _ in range(3))
         q = self.node("Transpose", [q], perm=[0, 2, 1, 3])
         k = self.node("Transpose", [k], perm=[0, 2, 3, 1])
         v = self.node("Transpose", [v], perm=[0, 2, 1, 3])
@@ -67,7 +68,7 @@ class _Net:
         if bias is not None:
             s = self.node("Add", [s, bias])
         a = self.node("Transpose", [self.node("MatMul", [self.node("Softmax", [s], axis=-1), v])], perm=[0, 2, 1, 3])
-        return self.linear(self.node("Reshape", [a, self.const([1, length, dim])]), dim, dim)
+        return self.linear(self.node("Reshape", [a, self.const([batch, length, dim])]), dim, dim)
 
     def gelu_mlp(self, x: str, dim: int, hidden: int) -> str:
         """dim -> hidden, GELU in the Erf pattern torch exports, hidden -> dim."""
@@ -135,14 +136,17 @@ def candy_like(size: int = 64, width: int = 16, blocks: int = 2, seed: int = 0):
     return n.model([("input", [1, 3, size, size])], [(x, "output", [1, 3, size, size])])
 
 
-def transformer_block(seq: int | str = 32, dim: int = 64, heads: int = 4, hidden: int = 256, seed: int = 1):
+def transformer_block(seq: int | str = 32, dim: int = 64, heads: int = 4, hidden: int = 256, seed: int = 1,
+                      batch: int | str = 1):
     """Pre-norm encoder block: x + Attn(LN(x)), then + MLP(LN(.)) with the Erf-GELU export pattern.
-    `seq` a name (e.g. "seq"): the sequence axis is symbolic (an ONNX dim_param; reshapes infer it)."""
+    `seq` a name (e.g. "seq"): the sequence axis is symbolic (an ONNX dim_param; reshapes infer it);
+    `batch` a name: the batch axis is (reshapes copy it from their input)."""
     n = _Net("transformer_block", seed)
     length = -1 if isinstance(seq, str) else seq
-    x = n.node("Add", ["x", n.attention(n.layer_norm("x", dim), dim, heads, length)])
+    x = n.node("Add", ["x", n.attention(n.layer_norm("x", dim), dim, heads, length,
+                                        batch=0 if isinstance(batch, str) else batch)])
     x = n.node("Add", [x, n.gelu_mlp(n.layer_norm(x, dim), dim, hidden)])
-    return n.model([("x", [1, seq, dim])], [(x, "y", [1, seq, dim])])
+    return n.model([("x", [batch, seq, dim])], [(x, "y", [batch, seq, dim])])
 
 
 def bert_like(seq: int | str = "seq", vocab: int = 512, dim: int = 64, heads: int = 4, hidden: int = 256,

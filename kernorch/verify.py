@@ -47,10 +47,13 @@ def verify(compiled, model, options, seed: int | None = None, tol: float = TOLER
 
 def bisect(compiled, feeds, tol: float, graph=None) -> str | None:
     """Run each plan kernel alone on reference intermediates; describe the first that disagrees.
-    `graph`: the model's graph at the feeds' shapes (a model over a range: bound at that length)."""
+    `graph`: the model's graph at the feeds' shapes (a model over a range: bound at that length).
+    Over a range each kernel is built as the executable has it, over the symbols up to its bounds,
+    and run at the feeds' values: a kernel wrong only at some lengths (a symbolic batch tiled as
+    rows, wrong at batch=3) is right when built for that length alone."""
     from .backends import registry
     from .backends import tvm as tb
-    from .backends.tvm.relax import kernel_module
+    from .backends.tvm.relax import bucket_bounds, kernel_module
     from .kernels import pack_args, unpack_outputs
     from .layouts import kernel_io
     graph, plan = graph or compiled.graph, compiled.plan_for(feeds)
@@ -63,7 +66,11 @@ def bisect(compiled, feeds, tol: float, graph=None) -> str | None:
             outs = registry.python_kernel(k.impl, io.graph, io.graph.prims, io.inputs, io.outputs)(*args)
         else:
             args = pack_args(io.graph, io.inputs, k.schedule, args)
-            outs = tb.build(kernel_module(graph, k, target, plan.meta.get("tune_dir")), target)(*args)
+            if compiled.ranges:
+                mod = kernel_module(compiled.graph, k, target, plan.meta.get("tune_dir"), bucket_bounds(plan, k.bucket))
+                outs = tb.build(mod, target)(*args, out_shapes=[io.graph.type_of(o).shape for o in io.outputs])
+            else:
+                outs = tb.build(kernel_module(graph, k, target, plan.meta.get("tune_dir")), target)(*args)
             outs = unpack_outputs(io.graph, io.outputs, k.schedule, outs)
         for t, o in zip(k.outputs, outs):
             if executor.max_error(values[t], np.asarray(o))["rel"] > tol:

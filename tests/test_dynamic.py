@@ -2431,3 +2431,103 @@ def test_two_executables_timed_in_turns_within_a_budget():
     assert timed(0.057, 0.060) == [(1, 0)] * 4  # 0.5 s: 4 rounds of one call each
     assert timed(0.5, 0.4) == [(1, 0)] * 3  # never fewer than 3 rounds
     assert timed(0.02, 0.02, budget_s=10.0) == [(1, 0)] * 7  # never more than 7
+
+
+def _symbolic_batch_kernel(graph, inputs, tile, at=None):
+    """`graph` (over the symbol `batch`, bound at most 8) compiled in `tile`, and a check of it at
+    batch=n against its numpy reference."""
+    from kernorch import measure as meas
+    from kernorch.backends import tvm as tb
+    target = tb.make_target(1)
+    mod = tb.schedule(tb.lower(graph, graph.prims, list(inputs), list(graph.outputs), tile), target, tile,
+                      {"batch": 8}, at)
+    kernel = tb.build(mod, target)
+    job = meas.KernelJob("k", "tvm", tile, graph, tuple(inputs), tuple(graph.outputs), bounds=(("batch", 8),))
+
+    def error_at(n: int) -> float:
+        bj = job.at((("batch", n),))
+        values = meas.make_inputs(bj, seed=n)
+        got = kernel(*meas.kernel_args(bj, values), out_shapes=[bj.graph.type_of(o).shape for o in bj.outputs])
+        got = meas.unpack_outputs(bj.graph, bj.outputs, tile, got)
+        return max(float(np.abs(np.asarray(a) - np.asarray(r)).max()) for a, r in zip(got, meas.reference(bj, values)))
+    return error_at
+
+
+@pytest.mark.parametrize("tile", ["default", "t4x16", "t4x16p", "t4x16pr", "t2x16r"])
+def test_a_gemm_over_a_symbolic_batch_of_static_rows_is_right_at_every_batch(tile):
+    """`--shape batch=1..8` over 32-token sequences: the GEMM's rows are the static tokens, the
+    symbolic batch an outer loop. Its tiles were padded, copied and cut by the batch as if it were
+    the rows, and ran wrong at batch=3, 5, 6, 7 (right at 1, 2, 4, 8)."""
+    from kernorch.ir import Graph, SymDim, TensorType, make_prim
+    b = SymDim("batch", (0, 1, 0))
+    w = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
+    g = Graph((("x", TensorType((b, 32, 256))),), ("y",),
+              (make_prim("y", "matmul", ["x", "w"], TensorType((b, 32, 64))),), {"w": w})
+    error_at = _symbolic_batch_kernel(g, ("x", "w"), tile)
+    assert max(error_at(n) for n in range(1, 9)) < 1e-4
+
+
+@pytest.mark.parametrize("tile", ["default", "t4x16", "t2x16r"])
+def test_batched_scores_over_a_symbolic_batch_are_right_at_every_batch(tile):
+    """An attention's scores (batch x heads of 32 x 16 by 16 x 32) over a symbolic batch."""
+    from kernorch.ir import Graph, SymDim, TensorType, make_prim
+    b = SymDim("batch", (0, 1, 0))
+    g = Graph((("q", TensorType((b, 4, 32, 16))), ("k", TensorType((b, 4, 16, 32)))), ("s",),
+              (make_prim("s", "matmul", ["q", "k"], TensorType((b, 4, 32, 32))),))
+    error_at = _symbolic_batch_kernel(g, ("q", "k"), tile)
+    assert max(error_at(n) for n in range(1, 9)) < 1e-4
+
+
+def test_a_kernel_wrong_at_some_lengths_of_a_range_is_named(tmp_path, monkeypatch):
+    """Verification names the first kernel that disagrees, over a range too: each kernel built as
+    the executable has it (over the symbol, up to its bounds) and run at the failing length, not
+    built for that length alone. With the symbolic batch tiled as rows again (the bug of
+    `schedule._symbolic_batch`), a GEMM over batch=1..8 of 32-token rows in 4-row tiles runs wrong
+    at batch=3 and right built for batch=3; the check named no kernel."""
+    from dataclasses import replace
+    import importlib
+    from kernorch import pipeline, verify
+    from kernorch.options import Machine, Options
+    schedule = importlib.import_module("kernorch.backends.tvm.schedule")  # (the package exports a function `schedule`)
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32), "w")
+    node = helper.make_node("MatMul", ["x", "w"], ["y"], name="proj")
+    model = helper.make_model(helper.make_graph(
+        [node], "batched", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 32, 64])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 32, 64])], [w]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / "batched.onnx"
+    onnx.save(model, str(path))
+    options = Options(threads=1, max_kernel_size=1, repeats=1, min_repeat_ms=0.1, workers=1, compare_untuned=0,
+                      db_path=str(tmp_path / "db.sqlite"), ranges=(("batch", 1, 8),), sample_gain=0.0)
+    planned = pipeline.plan_model(str(path), options)
+    plan = replace(planned.plan, kernels=tuple(replace(k, schedule="t4x16") if len(k.members) == 1 else k
+                                               for k in planned.plan.kernels))
+    compiled = pipeline.emit(planned.loaded.graph, plan, options, Machine.host())
+    verify.verify(compiled, str(path), options)  # right at every length checked
+    monkeypatch.setattr(schedule, "_symbolic_batch", lambda ext, nsp: set())
+    options = replace(options, db_path=str(tmp_path / "bug.sqlite"))  # (kernel objects compiled afresh)
+    compiled = pipeline.emit(planned.loaded.graph, plan, options, Machine.host())
+    with pytest.raises(KernorchError, match=r"at x \(3, 32, 64\).*first diverging kernel: \S+ \(tvm t4x16: matmul\)"):
+        verify.verify(compiled, str(path), options)
+
+
+def test_the_cli_optimizes_over_a_symbolic_batch(tmp_path, capsys):
+    """kernorch optimize --shape batch=1..6 on a block over a symbolic batch of 16-token sequences
+    (its reshapes copy the batch): one model, right against ONNX Runtime at every batch of the
+    range (its GEMMs tile the static tokens; the batch is a loop outside), and refusing 7."""
+    import onnxruntime as ort
+    from kernorch import cli, runtime
+    path = tmp_path / "block.onnx"
+    onnx.save(examples.transformer_block(seq=16, batch="batch"), str(path))
+    out = tmp_path / "out"
+    assert cli.main(["optimize", str(path), "-o", str(out), "--threads", "1", "--shape", "batch=1..6",
+                     "--db", str(tmp_path / "db.sqlite"), "--max-kernel-size", "2"]) == 0
+    assert "weighted over batch=1..6" in capsys.readouterr().out
+    compiled = runtime.load(out)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for b in range(1, 7):
+        x = np.random.default_rng(b).standard_normal((b, 16, 64)).astype(np.float32)
+        np.testing.assert_allclose(compiled.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=1e-4, atol=1e-4)
+    with pytest.raises(KernorchError, match=r"batch must be in 1\.\.6"):
+        compiled.run({"x": np.zeros((7, 16, 64), np.float32)})

@@ -164,7 +164,7 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
     scheduled: dict = {}  # a kernel in several buckets, built for the same bounds: scheduled once
     bb = relax.BlockBuilder()
     sym = Symbols()
-    bounds = _bucket_bounds(plan, None)
+    bounds = bucket_bounds(plan, None)
     attrs = {"tir_var_upper_bound": bounds} if bounds else None
 
     def emit(indices, inputs, wvars, upper: dict[str, int], dataflow: bool = True) -> relax.Expr:
@@ -192,7 +192,7 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
         # (its weights are main's, checked there: "num_input" leaves VMShapeLower checking the inputs alone)
         with bb.function(f"bucket{b}", inputs + wvars, attrs={**(attrs or {}), "num_input": len(inputs)},
                          private=True):
-            funcs.append(bb.emit_func_output(emit(in_bucket(b), inputs, wvars, _bucket_bounds(plan, b))))
+            funcs.append(bb.emit_func_output(emit(in_bucket(b), inputs, wvars, bucket_bounds(plan, b))))
     inputs, wvars = params()
     (name, _), = plan_ranges(plan.meta).items()
     with bb.function("main", inputs + wvars, attrs=attrs):
@@ -201,7 +201,7 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
             call = relax.If(relax.prim_value(sym.vars[name] <= parts[b][1]),
                             relax.SeqExpr([], relax.Call(funcs[b - 1], inputs + wvars)), relax.SeqExpr([], call))
         bb._begin_binding_block()  # the first bucket's kernels in main itself, the others' functions called
-        first = emit(in_bucket(0), inputs, wvars, _bucket_bounds(plan, 0), dataflow=False)
+        first = emit(in_bucket(0), inputs, wvars, bucket_bounds(plan, 0), dataflow=False)
         first = relax.SeqExpr([bb._end_block()], first)
         bb._begin_binding_block()
         bb.emit_func_output(bb.emit(relax.If(relax.prim_value(sym.vars[name] <= parts[0][1]), first,
@@ -209,7 +209,7 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
     return bb.get()
 
 
-def _bucket_bounds(plan, bucket: int | None) -> dict[str, int]:
+def bucket_bounds(plan, bucket: int | None) -> dict[str, int]:
     """The largest value of each symbol the kernels of `bucket` are scheduled for (None: the
     plan's range): what they were measured for, the bucket's end, or the range's where the
     buckets' plans were chosen among kernels measured over the whole range (BUCKET_BOUNDS)."""
@@ -227,7 +227,7 @@ def unnamed_kernels(graph: Graph, plan, threads: int, objects_dir: str | Path, m
     target = make_target(threads, machine)
     out: dict[tuple, tuple] = {}
     for k in plan.kernels:
-        bounds = _bucket_bounds(plan, k.bucket)
+        bounds = bucket_bounds(plan, k.bucket)
         ident = (k.key, k.impl, k.schedule, tuple(sorted(bounds.items())))
         if k.impl != "tvm" or ident in out:
             continue

@@ -362,8 +362,31 @@ def _symbolic_rows(func):
     if found is None:
         return None
     sch, _, loops, nsp = found
-    rows = [sch.get(lp).extent for lp in loops[:nsp - 1] if _extent(sch, lp) is None]
+    ext = [_extent(sch, lp) for lp in loops]
+    rows = [sch.get(lp).extent for i, lp in enumerate(loops[:nsp - 1]) if i not in _symbolic_batch(ext, nsp)
+            and ext[i] is None]
     return rows[0] if len(rows) == 1 else None
+
+
+# what a rule reads a symbolic batch axis's extent as (`_symbolic_batch`): any number larger than one
+BATCH_EXTENT = 1024
+
+
+def _symbolic_batch(ext: list, nsp: int) -> set[int]:
+    """The symbolic spatial axes (None in a contraction's loop extents `ext`, its first `nsp`
+    spatial) that are a batch outside its rows, not its rows: a static axis of more than one comes
+    after it before the columns (--shape batch=1..8 over 32-token rows). The tile runs over the
+    static rows whole and the batch is one more loop outside the tiles: never padded, no row copy
+    and no exact tail for its values (tiled as rows, the batch's padding and its copies were cut by
+    the token rows' tile index, and the kernels ran wrong at batch=3, 5, 6, 7)."""
+    return {i for i in range(nsp - 1) if ext[i] is None
+            and any(e is not None and e > 1 for e in ext[i + 1:nsp - 1])}
+
+
+def _batch_read_static(ext: list, nsp: int) -> list:
+    """`ext` with each symbolic batch axis (`_symbolic_batch`) read as BATCH_EXTENT."""
+    batch = _symbolic_batch(ext, nsp)
+    return [BATCH_EXTENT if i in batch else e for i, e in enumerate(ext)]
 
 
 # a length's last row tile runs in the rows it holds where the padded rows are at least 1/TAIL_SAVES of
@@ -1373,7 +1396,7 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None, threads: int =
     nsp = kinds.count(_DATA_PAR)
     if len(loops) != len(ivs) or kinds != [_DATA_PAR] * nsp + [_COMM_REDUCE] * (len(ivs) - nsp) or nsp < 1:
         raise _NotApplicable("unexpected loop structure")
-    ext = [_extent(sch, lp) for lp in loops]
+    ext = _batch_read_static([_extent(sch, lp) for lp in loops], nsp)  # (a symbolic batch: a loop outside)
     rows_whole = _rows_whole(ext, nsp, tile)
     padded = (None in ext and not rows_whole) or (func.attrs is not None and PADDED_ATTR in func.attrs)
     if rows_whole:  # read as ints: any number of rows is a whole number of tiles
@@ -1963,7 +1986,7 @@ def _pad_to_tile(func, lanes: int, tile: Tile | None):
     if found is None:
         return func
     sch, blk, loops, nsp = found
-    ext = [_extent(sch, lp) for lp in loops]
+    ext = _batch_read_static([_extent(sch, lp) for lp in loops], nsp)
     # static columns no tile divides (kernorch.kernels.tiles.contraction_tiles `pad_cols`): a matmul's
     # are padded to the tile too (not a packed operand's), its domain marked PADDED_ATTR so the rule
     # copies its tiles out guarded
