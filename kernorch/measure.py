@@ -34,7 +34,7 @@ from .ir import Graph, KernorchError
 from .options import Machine, Options
 from .workers import WorkerPool
 from .backends import registry
-from .kernels import pack_args, unpack_outputs
+from .kernels import pack_args, unpack_outputs, variant_out_packs
 
 log = logging.getLogger(__name__)
 
@@ -191,6 +191,15 @@ def kernel_args(job: KernelJob, inputs: Sequence[np.ndarray]) -> list[np.ndarray
     return pack_args(job.graph, job.inputs, job.schedule, inputs)
 
 
+def written_shapes(graph, outputs: Sequence[str], schedule: str) -> list[tuple[int, ...]]:
+    """The shapes of the arrays a kernel variant of static `graph` writes: each output in its layout
+    (an activation blocked nChw{b}c in its packed shape). What a kernel built over a symbol is given
+    to write into when it runs at one of its values."""
+    packs = variant_out_packs(graph, outputs, schedule)
+    return [tuple(packs[i].packed_shape) if i in packs else tuple(graph.type_of(o).shape)
+            for i, o in enumerate(outputs)]
+
+
 def reference(job: KernelJob, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
     vals = dict(zip(job.inputs, inputs))
     for p in job.graph.prims:
@@ -271,7 +280,7 @@ def _build_task(job: KernelJob, threads: int, out_dir: str, verify: bool, tune_d
         for binding, _ in job.samples:
             bj = job.at(binding)
             inputs = make_inputs(bj)
-            got = kernel(*kernel_args(bj, inputs), out_shapes=[bj.graph.type_of(o).shape for o in bj.outputs])
+            got = kernel(*kernel_args(bj, inputs), out_shapes=written_shapes(bj.graph, bj.outputs, bj.schedule))
             got = unpack_outputs(bj.graph, bj.outputs, bj.schedule, got)
             err = max(err, check(bj, got, reference(bj, inputs)))
     elif verify:
@@ -317,7 +326,7 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
             runs = _timed(kernel, kernel_args(bj, make_inputs(bj)), repeats, min_repeat_ms / len(job.samples),
                           cold_args(bj, big_bytes, cached=cached), evict,
                           max_calls=COLD_MAX_CALLS // len(job.samples),
-                          out_shapes=[bj.graph.type_of(o).shape for o in bj.outputs])
+                          out_shapes=written_shapes(bj.graph, bj.outputs, bj.schedule))
             per_sample.append(weight * np.array(runs))
             at.append((int(dict(binding).popitem()[1]), float(np.median(runs))))
         n = min(len(r) for r in per_sample)

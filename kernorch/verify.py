@@ -56,6 +56,7 @@ def bisect(compiled, feeds, tol: float, graph=None) -> str | None:
     from .backends.tvm.relax import bucket_bounds, kernel_module
     from .kernels import pack_args, unpack_outputs
     from .layouts import kernel_io
+    from .measure import written_shapes
     graph, plan = graph or compiled.graph, compiled.plan_for(feeds)
     values = executor.run(graph, feeds, keep_all=True)
     target = tb.make_target(compiled.threads, compiled.machine)
@@ -68,7 +69,7 @@ def bisect(compiled, feeds, tol: float, graph=None) -> str | None:
             args = pack_args(io.graph, io.inputs, k.schedule, args)
             if compiled.ranges:
                 mod = kernel_module(compiled.graph, k, target, plan.meta.get("tune_dir"), bucket_bounds(plan, k.bucket))
-                outs = tb.build(mod, target)(*args, out_shapes=[io.graph.type_of(o).shape for o in io.outputs])
+                outs = tb.build(mod, target)(*args, out_shapes=written_shapes(io.graph, io.outputs, k.schedule))
             else:
                 outs = tb.build(kernel_module(graph, k, target, plan.meta.get("tune_dir")), target)(*args)
             outs = unpack_outputs(io.graph, io.outputs, k.schedule, outs)

@@ -2447,7 +2447,7 @@ def _symbolic_batch_kernel(graph, inputs, tile, at=None):
     def error_at(n: int) -> float:
         bj = job.at((("batch", n),))
         values = meas.make_inputs(bj, seed=n)
-        got = kernel(*meas.kernel_args(bj, values), out_shapes=[bj.graph.type_of(o).shape for o in bj.outputs])
+        got = kernel(*meas.kernel_args(bj, values), out_shapes=meas.written_shapes(bj.graph, bj.outputs, tile))
         got = meas.unpack_outputs(bj.graph, bj.outputs, tile, got)
         return max(float(np.abs(np.asarray(a) - np.asarray(r)).max()) for a, r in zip(got, meas.reference(bj, values)))
     return error_at
@@ -2531,3 +2531,64 @@ def test_the_cli_optimizes_over_a_symbolic_batch(tmp_path, capsys):
         np.testing.assert_allclose(compiled.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=1e-4, atol=1e-4)
     with pytest.raises(KernorchError, match=r"batch must be in 1\.\.6"):
         compiled.run({"x": np.zeros((7, 16, 64), np.float32)})
+
+
+@pytest.mark.parametrize("stride", [1, 2])
+def test_blocked_conv_tiles_over_a_symbolic_batch_compute_the_reference(stride):
+    """A CNN over --shape batch=1..8: its activations blocked nChw{b}c keep the images outermost, so
+    every blocked conv variant of the host (tiles, Winograd, default) runs over the symbolic batch,
+    right at every batch; without them the batch range had the plain rules only (a two-conv CNN over
+    batch=1..4, Zen 2: 0.47x ONNX Runtime's speed, 1.07x with them)."""
+    from kernorch import primitives as P
+    from kernorch.dynamic import bind
+    from kernorch.ir import Graph, SymDim, TensorType, make_prim
+    from kernorch.kernels import prim_tiles
+    from kernorch.options import Machine
+    b, lanes = SymDim("batch", (0, 1, 0)), Machine.host().lanes
+    attrs = dict(strides=(stride, stride), pads=(1, 1, 1, 1), dilations=(1, 1), group=1)
+    xs, ws = TensorType((b, 16, 12, 12)), TensorType((32, 16, 3, 3))
+    ct = P.infer("conv", [TensorType((1, 16, 12, 12)), ws], attrs)
+    ct = TensorType((b, *ct.shape[1:]))
+    rng = np.random.default_rng(0)
+    g = Graph((("x", xs),), ("y",), (make_prim("c", "conv", ["x", "w"], ct, **attrs),
+                                     make_prim("y", "relu", ["c"], ct)),
+              {"w": (rng.standard_normal(ws.shape) * 0.2).astype(np.float32)})
+    bound = bind(g, {"batch": 8})
+    tiles = [t.name for t in prim_tiles(Machine.host(), bound, bound.prims[0], blocked_layout=True)]
+    assert tiles
+    for tile in [*tiles, "default"]:
+        error_at = _symbolic_batch_kernel(g, ("x", "w"), f"b{lanes}/{tile}")
+        assert max(error_at(n) for n in (1, 2, 3, 5, 8)) < 1e-3, tile
+
+
+def test_the_cli_optimizes_a_cnn_over_a_symbolic_batch(tmp_path, capsys):
+    """kernorch optimize --shape batch=1..4 on a two-conv CNN: its convolutions are measured in
+    the blocked layouts too, and the saved model is right against ONNX Runtime at every batch."""
+    import sqlite3
+    import onnxruntime as ort
+    from kernorch import cli, runtime
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.3).astype(np.float32), n)
+             for n, s in (("w", (16, 3, 3, 3)), ("w2", (32, 16, 3, 3)), ("b", (16,)))]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "w2"], ["y"], name="conv2", pads=[1, 1, 1, 1], strides=[2, 2])]
+    model = helper.make_model(helper.make_graph(
+        nodes, "cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 32, 8, 8])], inits),
+        opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path, out, db = tmp_path / "cnn.onnx", tmp_path / "out", tmp_path / "db.sqlite"
+    onnx.save(model, str(path))
+    assert cli.main(["optimize", str(path), "-o", str(out), "--threads", "1", "--shape", "batch=1..4",
+                     "--db", str(db), "--max-kernel-size", "2"]) == 0
+    capsys.readouterr()
+    with sqlite3.connect(db) as con:
+        blocked = con.execute("select count(*) from measurements where schedule like 'b%/t%' and status = 'ok' "
+                              "and description like '%conv%'").fetchone()[0]
+    assert blocked > 0
+    compiled = runtime.load(out)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for n in range(1, 5):
+        x = rng.standard_normal((n, 3, 16, 16)).astype(np.float32)
+        np.testing.assert_allclose(compiled.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=1e-4, atol=1e-4)

@@ -19,6 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..ir import SymDim
 from .pack import Pack
 from .tiles import SERIAL_MAX_MACS, Tile, contraction_tiles
 from .winograd import Winograd, winograd_variants
@@ -41,8 +42,8 @@ def blocked(lanes: int, inner: str) -> str:
 def block_of(ty, lanes: int) -> int | None:
     """The channel block of a 4-D float32 activation: the vector lanes, or half of them, whichever
     divides its channels (None: it stays NCHW)."""
-    if ty.rank != 4 or ty.dtype != "float32" or not ty.static:
-        return None
+    if ty.rank != 4 or ty.dtype != "float32" or not all(isinstance(d, int) for d in ty.shape[1:]):
+        return None  # (a symbolic batch blocks as any: nChw{b}c keeps the images outermost)
     c = int(ty.shape[1])
     for b in (lanes, lanes // 2):
         if b >= 4 and c % b == 0:
@@ -61,7 +62,7 @@ def _activation_packs(graph, names: Sequence[str], schedule: str, side: str) -> 
         ty = graph.type_of(t)
         b = block_of(ty, lanes)
         if b is not None:
-            out[i] = Pack("nchwc", b, tuple(int(d) for d in ty.shape))
+            out[i] = Pack("nchwc", b, tuple(d if isinstance(d, SymDim) else int(d) for d in ty.shape))
     return out
 
 

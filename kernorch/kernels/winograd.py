@@ -154,8 +154,9 @@ def te_conv(T, data, u, attrs, out_shape, w: Winograd):
     transform)."""
     bt, _, at = MATRICES[w.m]
     m, a = w.m, w.alpha
-    n_, c_, h_, w_ = (int(d) for d in data.shape)
-    _, o_, oh, ow = (int(d) for d in out_shape)
+    n_ = data.shape[0]  # (the images: a symbolic batch too, a loop outside every stage)
+    c_, h_, w_ = (int(d) for d in data.shape[1:])
+    o_, oh, ow = (int(d) for d in out_shape[1:])
     pt, pl = int(attrs["pads"][0]), int(attrs["pads"][1])
     th_, tw_ = -(-oh // m), -(-ow // m)
     zero = T.tir.const(0.0, "float32")

@@ -200,11 +200,10 @@ def _lowered(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outpu
         t = sym.type(graph.type_of(name))
         if any(isinstance(d, str) for d in t.shape):
             raise KernorchError(f"kernel input {name!r} has an unbound symbolic shape {t}; bind the shape first")
-        if i in packs and not graph.type_of(name).static:
-            raise KernorchError(f"kernel input {name!r}: packed layouts need static shapes")
         if i in packs:
-            ph = te.placeholder(packs[i].packed_shape, t.dtype, name=f"in{i}_packed_{_ident(name)}")
-            env[name] = packs[i].te_view(T, ph, f"{UNPACK}{i}")
+            pk = sym.pack(packs[i])
+            ph = te.placeholder(pk.packed_shape, t.dtype, name=f"in{i}_packed_{_ident(name)}")
+            env[name] = pk.te_view(T, ph, f"{UNPACK}{i}")
         else:
             ph = te.placeholder(tuple(t.shape), t.dtype, name=f"in{i}_{_ident(name)}")
             env[name] = ph
@@ -245,10 +244,8 @@ def _lowered(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outpu
     for o in outputs:
         if o not in member_names:
             raise KernorchError(f"kernel output {o!r} is not computed by a member")
-    results = [out_packs[j].te_block(T, env[o], f"{BLOCK}{j}") if j in out_packs else env[o]
+    results = [sym.pack(out_packs[j]).te_block(T, env[o], f"{BLOCK}{j}") if j in out_packs else env[o]
                for j, o in enumerate(outputs)]
-    if sym.vars and out_packs:
-        raise KernorchError("blocked output layouts need static shapes")
     func = te.create_prim_func(params + results, index_dtype_override="int64" if sym.vars else None)
     if causal_attention(graph, members, outputs):
         func = func.with_attr(CAUSAL_ATTR, True)
@@ -519,6 +516,11 @@ class Symbols:
 
     def type(self, t: TensorType) -> TensorType:
         return t if t.static else TensorType(tuple(self.expr(d) for d in t.shape), t.dtype)
+
+    def pack(self, pack):
+        """`pack` (kernorch.kernels.Pack) over these variables (an activation blocked over a
+        symbolic batch)."""
+        return replace(pack, shape=tuple(self.expr(d) for d in pack.shape))
 
     def same_shape(self, got, want) -> bool:
         if len(got) != len(want):

@@ -272,7 +272,7 @@ def _emit_kernels(bb, graph: Graph, plan, indices, target, inputs, wvars, weight
                     raise KernorchError(f"kernel {k.id} reads {q} before any kernel writes it")
                 else:
                     args.append(env[q])
-            out_ty = [relax.TensorType(list(out_packs[j].packed_shape), "float32") if j in out_packs
+            out_ty = [relax.TensorType([sym.expr(d) for d in out_packs[j].packed_shape], "float32") if j in out_packs
                       else _tensor_type(io.graph.type_of(t), sym) for j, t in enumerate(io.outputs)]
             ty = out_ty if len(out_ty) > 1 else out_ty[0]
             name = symbols[i]
