@@ -141,6 +141,18 @@ class ProfileDB:
         """The measurement that counts for each (key, impl, schedule) (see `best`)."""
         return {k: best(ms) for k, ms in self.history(target, versions, keys).items()}
 
+    def fastest(self, target: str, keys: Iterable[str], current) -> dict[str, int]:
+        """Per kernel key of `keys`: the least median of its successful measurements on `target`,
+        over every implementation and schedule (untuned comparisons aside) whose versions are its
+        implementation's `current(impl)`."""
+        want, out = set(keys), {}
+        for key, impl, versions, ns in self.conn.execute(
+                "SELECT key,impl,versions,median_ns FROM measurements WHERE target=? AND status='ok' AND "
+                "schedule!='none'", (target,)):
+            if key in want and versions == current(impl):
+                out[key] = min(out.get(key, ns), ns)
+        return out
+
     def _kept(self, table: str, key: str) -> str | None:
         """The text kept under `key` in `table` (estimates or solutions: its second column), or None."""
         row = self.conn.execute(f"SELECT * FROM {table} WHERE key=?", (key,)).fetchone()

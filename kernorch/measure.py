@@ -30,7 +30,7 @@ from . import __version__, masks, primitives, progress
 from .database import Measurement, ProfileDB
 from .database import best as best_of
 from .timing import time_repeats
-from .ir import Graph, KernorchError
+from .ir import Graph, KernorchError, structural_key
 from .options import Machine, Options
 from .workers import WorkerPool
 from .backends import registry
@@ -318,6 +318,15 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
         return {"runs": runs, "error": err}
     from .backends import tvm as tb
     kernel = tb.load(path)
+    if job.samples and cutoff_s is not None:  # one call at each sample: their weighted sum against the cutoff
+        firsts = [(binding, weight, kernel.time(*kernel_args(bj, make_inputs(bj)), number=1, repeat=1,
+                                                cold=cold_args(bj, big_bytes, cached=cached), evict=evict,
+                                                out_shapes=written_shapes(bj.graph, bj.outputs, bj.schedule))[0])
+                  for binding, weight in job.samples for bj in [job.at(binding)]]
+        once = sum(w * t for _, w, t in firsts)
+        if once > cutoff_s:
+            return {"runs": [float(once)], "error": None, "cut": True,
+                    "at": [(int(dict(b).popitem()[1]), float(t)) for b, _, t in firsts]}
     if job.samples:  # the weighted sum over the samples, repeat by repeat
         per_sample, at = [], []
         for binding, weight in job.samples:
@@ -807,9 +816,22 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
             if m.ok and sched != "none":
                 best[key] = min(best.get(key, m.median_ns), m.median_ns)
 
+        # each fused kernel's members alone, as measured so far (the plan can always run those)
+        members = {j.ident: [structural_key([p], j.graph, [p.name]) for p in j.graph.prims]
+                   for j in timed if registry.native(j.impl) and len(j.graph.prims) > 1}
+        alone = db.fastest(target, {k for ks in members.values() for k in ks}, functools.lru_cache(None)(versions))
+
         def cutoff(j: KernelJob) -> float | None:
+            """DOMINATED times the best time of its key, or of its members each alone (a fused
+            fallback in the default schedule, candy's conv with its instance norm over batch=1..4,
+            took 0.5-0.7 s a call and 300 s to time fully)."""
+            if not registry.native(j.impl):
+                return None
             b = best.get(j.key)
-            return DOMINATED * b / 1e9 if (b is not None and registry.native(j.impl)) else None
+            parts = [best.get(k, alone.get(k)) for k in members.get(j.ident, ())]
+            if parts and None not in parts:
+                b = min(b, sum(parts)) if b is not None else sum(parts)
+            return DOMINATED * b / 1e9 if b is not None else None
 
         if workers.again:  # queued by the run earlier, this call's builds apart from their first timing
             workers.retimed.update(time_again(db, options, machine, workers, label=label))

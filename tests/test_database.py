@@ -298,6 +298,35 @@ def test_a_dominated_generated_kernel_is_timed_once(tmp_path):
     assert len(res[jobs[1].ident].runs_ns) == 4          # no cheaper implementation known: fully timed
 
 
+@pytest.mark.parametrize("symbolic", [False, True])
+def test_a_fused_kernel_far_slower_than_its_members_alone_is_timed_once(tmp_path, symbolic):
+    """A fused kernel DOMINATED times slower than its members each measured alone (found in the
+    database, from an earlier call) stops after one call, over a range after one call at each
+    sample (their times kept): the plan can always run the members instead. Another fused kernel,
+    whose members have no measurement, is timed fully."""
+    from kernorch import measure
+    from kernorch.ir import Graph, SymDim, TensorType, make_prim, structural_key
+    from kernorch.options import Machine, Options
+    rows = SymDim("seq", (0, 1, 0)) if symbolic else 64
+    t = TensorType((rows, 64), "float32")
+    g = Graph((("x", t), ("w", TensorType((64, 64), "float32"))), ("z",),
+              (make_prim("y", "matmul", ["x", "w"], t), make_prim("z", "relu", ["y"], t)))
+    opts = Options(threads=1, repeats=4, min_repeat_ms=0.0)
+    target = Machine.host().fingerprint(opts.threads)
+    samples = (((("seq", 8),), 0.5), ((("seq", 64),), 0.5)) if symbolic else ()
+    bounds = (("seq", 64),) if symbolic else ()
+    fused = measure.KernelJob("k-fused", "tvm", "default", g, ("x", "w"), ("z",), samples=samples, bounds=bounds)
+    unknown = replace(fused, graph=Graph(g.inputs, ("z",), (make_prim("y", "matmul", ["x", "w"], t),
+                                                           make_prim("z", "sigmoid", ["y"], t))), key="k-unknown")
+    with ProfileDB(tmp_path / "db.sqlite") as db:
+        for p in g.prims:  # (pretend) 1 ns kernels of each member alone
+            db.add(Measurement(target, structural_key([p], g, [p.name]), "tvm", "default", measure.versions("tvm"),
+                               "ok", 1, (1,), "", 0.0, p.op))
+        res, _ = measure.measure([fused, unknown], db, opts)
+    assert len(res[fused.ident].runs_ns) == 1 and len(res[unknown.ident].runs_ns) == 4
+    assert [n for n, _ in res[fused.ident].samples_ns] == ([8, 64] if symbolic else [])
+
+
 def test_remeasure_times_kernels_again_and_the_fastest_counts(tmp_path):
     """--remeasure: each kernel is timed again until it has REMEASURE_TRIES measurements, and the
     fastest counts (a slow stored timing is replaced, a faster one kept)."""
