@@ -2592,3 +2592,18 @@ def test_the_cli_optimizes_a_cnn_over_a_symbolic_batch(tmp_path, capsys):
     for n in range(1, 5):
         x = rng.standard_normal((n, 3, 16, 16)).astype(np.float32)
         np.testing.assert_allclose(compiled.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tile", ["t4x16r", "t6x16r", "t8x32r"])
+def test_an_attention_over_a_symbolic_batch_runs_in_one_kernel(tile):
+    """Scores, softmax and values of 32 queries over 32 keys, per element of a symbolic batch: the
+    attention's row tiles walk the static queries and the batch is a loop outside them (the rule
+    refused any symbolic batch, so an attention over batch=1..8 ran as separate kernels)."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_backend import attention_graph
+    from kernorch.ir import SymDim
+    g, inputs = attention_graph(m=32, n=32, d=16, batch=SymDim("batch", (0, 1, 0)), deferred=True)
+    error_at = _symbolic_batch_kernel(g, inputs, tile)
+    assert max(error_at(n) for n in (1, 2, 3, 5, 8)) < 1e-4

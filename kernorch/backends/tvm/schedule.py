@@ -1598,8 +1598,9 @@ def _rule_attention(func, lanes: int, tile: Tile) -> s_tir.Schedule:
         raise _NotApplicable("the second contraction is not a batched matmul")
     ext2 = [_extent(sch, lp) for lp in loops2]
     depth = ext2[nsp - 1]  # V's columns
-    if None in ext2[:nsp - 2] or depth is None:
-        raise _NotApplicable("a symbolic batch or value extent")
+    if depth is None or (None in ext2[:nsp - 2] and ext2[nsp - 2] is None):
+        raise _NotApplicable("a symbolic value extent, or a symbolic batch over symbolic rows")
+    ext2 = _batch_read_static(ext2, nsp)  # (a symbolic batch over static rows: a loop outside the row tiles)
     if depth % lanes:
         raise _NotApplicable(f"{depth} value columns are no multiple of the lanes")
     # over a symbolic length (lower._PaddedAttention) the rows are padded to the tile's rows
