@@ -2607,3 +2607,23 @@ def test_an_attention_over_a_symbolic_batch_runs_in_one_kernel(tile):
     g, inputs = attention_graph(m=32, n=32, d=16, batch=SymDim("batch", (0, 1, 0)), deferred=True)
     error_at = _symbolic_batch_kernel(g, inputs, tile)
     assert max(error_at(n) for n in (1, 2, 3, 5, 8)) < 1e-4
+
+
+def test_plain_conv_tiles_over_a_symbolic_batch_compute_the_reference():
+    """A convolution to 12 channels (no multiple of the lanes: the plain layout's tiles, channels
+    as rows and the output width as columns) over a symbolic batch, right at every batch."""
+    from kernorch.dynamic import bind
+    from kernorch.ir import Graph, SymDim, TensorType, make_prim
+    from kernorch.kernels import prim_tiles
+    from kernorch.options import Machine
+    b = SymDim("batch", (0, 1, 0))
+    attrs = dict(strides=(1, 1), pads=(1, 1, 1, 1), dilations=(1, 1), group=1)
+    w = (np.random.default_rng(0).standard_normal((12, 16, 3, 3)) * 0.2).astype(np.float32)
+    g = Graph((("x", TensorType((b, 16, 16, 16))),), ("y",),
+              (make_prim("y", "conv", ["x", "w"], TensorType((b, 12, 16, 16)), **attrs),), {"w": w})
+    bound = bind(g, {"batch": 8})
+    tiles = [t.name for t in prim_tiles(Machine.host(), bound, bound.prims[0])]
+    assert tiles
+    for tile in [*tiles, "default"]:
+        error_at = _symbolic_batch_kernel(g, ("x", "w"), tile)
+        assert max(error_at(n) for n in (1, 2, 3, 5, 8)) < 1e-3, tile
