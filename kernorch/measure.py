@@ -318,26 +318,27 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
         return {"runs": runs, "error": err}
     from .backends import tvm as tb
     kernel = tb.load(path)
-    if job.samples and cutoff_s is not None:  # one call at each sample: their weighted sum against the cutoff
-        firsts = [(binding, weight, kernel.time(*kernel_args(bj, make_inputs(bj)), number=1, repeat=1,
-                                                cold=cold_args(bj, big_bytes, cached=cached), evict=evict,
-                                                out_shapes=written_shapes(bj.graph, bj.outputs, bj.schedule))[0])
-                  for binding, weight in job.samples for bj in [job.at(binding)]]
-        once = sum(w * t for _, w, t in firsts)
-        if once > cutoff_s:
-            return {"runs": [float(once)], "error": None, "cut": True,
-                    "at": [(int(dict(b).popitem()[1]), float(t)) for b, _, t in firsts]}
-    if job.samples:  # the weighted sum over the samples, repeat by repeat
+    if job.samples:
+        # per sample (binding, weight): the static instance's arguments, flushed parameters, output shapes
+        at_samples = [(binding, weight, kernel_args(bj, make_inputs(bj)), cold_args(bj, big_bytes, cached=cached),
+                       written_shapes(bj.graph, bj.outputs, bj.schedule))
+                      for binding, weight in job.samples for bj in [job.at(binding)]]
+        length = [int(dict(binding).popitem()[1]) for binding, *_ in at_samples]
+        if cutoff_s is not None:  # one call at each sample: their weighted sum against the cutoff
+            firsts = [kernel.time(*args, number=1, repeat=1, cold=cold, evict=evict, out_shapes=shapes)[0]
+                      for _, _, args, cold, shapes in at_samples]
+            once = sum(w * t for (_, w, *_), t in zip(at_samples, firsts))
+            if once > cutoff_s:
+                return {"runs": [float(once)], "error": None, "cut": True,
+                        "at": [(n, float(t)) for n, t in zip(length, firsts)]}
+        # the weighted sum over the samples, repeat by repeat
         per_sample, at = [], []
-        for binding, weight in job.samples:
-            bj = job.at(binding)
+        for n, (_, weight, args, cold, shapes) in zip(length, at_samples):
             # the timing a static kernel gets, shared among the samples (their weighted sum averages them)
-            runs = _timed(kernel, kernel_args(bj, make_inputs(bj)), repeats, min_repeat_ms / len(job.samples),
-                          cold_args(bj, big_bytes, cached=cached), evict,
-                          max_calls=COLD_MAX_CALLS // len(job.samples),
-                          out_shapes=written_shapes(bj.graph, bj.outputs, bj.schedule))
+            runs = _timed(kernel, args, repeats, min_repeat_ms / len(job.samples), cold, evict,
+                          max_calls=COLD_MAX_CALLS // len(job.samples), out_shapes=shapes)
             per_sample.append(weight * np.array(runs))
-            at.append((int(dict(binding).popitem()[1]), float(np.median(runs))))
+            at.append((n, float(np.median(runs))))
         n = min(len(r) for r in per_sample)
         return {"runs": [float(r) for r in sum(r[:n] for r in per_sample)], "error": None, "at": at}
     inputs = kernel_args(job, inputs)

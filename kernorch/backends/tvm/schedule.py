@@ -362,9 +362,8 @@ def _symbolic_rows(func):
     if found is None:
         return None
     sch, _, loops, nsp = found
-    ext = [_extent(sch, lp) for lp in loops]
-    rows = [sch.get(lp).extent for i, lp in enumerate(loops[:nsp - 1]) if i not in _symbolic_batch(ext, nsp)
-            and ext[i] is None]
+    ext = _batch_read_static([_extent(sch, lp) for lp in loops], nsp)  # (a symbolic batch is no rows)
+    rows = [sch.get(lp).extent for lp, e in zip(loops[:nsp - 1], ext) if e is None]
     return rows[0] if len(rows) == 1 else None
 
 
@@ -1600,7 +1599,7 @@ def _rule_attention(func, lanes: int, tile: Tile) -> s_tir.Schedule:
     depth = ext2[nsp - 1]  # V's columns
     if depth is None or (None in ext2[:nsp - 2] and ext2[nsp - 2] is None):
         raise _NotApplicable("a symbolic value extent, or a symbolic batch over symbolic rows")
-    ext2 = _batch_read_static(ext2, nsp)  # (a symbolic batch over static rows: a loop outside the row tiles)
+    # (a symbolic batch over static rows: a loop outside the row tiles, in the parallel loop below)
     if depth % lanes:
         raise _NotApplicable(f"{depth} value columns are no multiple of the lanes")
     # over a symbolic length (lower._PaddedAttention) the rows are padded to the tile's rows
