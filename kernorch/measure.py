@@ -268,10 +268,11 @@ def _build_task(job: KernelJob, threads: int, out_dir: str, verify: bool, tune_d
     keep = tb.object_path(objects, mod, target) if objects else None
     # checked as the timer will load it: no second (just-in-time) code generation
     tb.build(mod, target).export(path, keep)
-    # named by what it was scheduled from too, unless built for its sample lengths only (the
+    # named by what it was scheduled from too; if built for its sample lengths only, with them (the
     # executable needs the whole kernel: kernorch.backends.tvm.objects)
-    if keep is not None and lowered is not None and (job.lengths is None or not tb.scheduled_for_lengths(job.schedule)):
-        tb.remember_object(objects, lowered, job.schedule, dict(job.bounds), target, keep)
+    if keep is not None and lowered is not None:
+        sampled = job.lengths if job.lengths is not None and tb.scheduled_for_lengths(job.schedule) else None
+        tb.remember_object(objects, lowered, job.schedule, dict(job.bounds), target, keep, sampled)
     kernel = tb.load(path) if verify else None
     build_s = time.perf_counter() - t0
     err = None

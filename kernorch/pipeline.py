@@ -1574,23 +1574,26 @@ def _dispatch(plans: list, parts, options: Options, meta: Mapping[str, str]):
 # the whole pipeline
 # ------------------------------------------------------------------------------------------------
 
-def emit(graph: Graph, plan, options: Options, machine: Machine, workers: meas.Workers | None = None):
+def emit(graph: Graph, plan, options: Options, machine: Machine, workers: meas.Workers | None = None,
+         at: Sequence[int] | None = None):
     """The plan as one compiled executable. A kernel that fails to build here is a bug (it was built,
     checked and timed alone): the error names it and nothing is silently replaced. Over a range,
     with the run's `workers`, its kernels without a named object (kernorch.backends.tvm.objects: the
     tiles measured built for their sample lengths only) are built whole in the builder processes
     first, side by side, where this process would schedule them one at a time. (A static plan's
-    builders named every object; looking would only lower each kernel once more.)"""
+    builders named every object; looking would only lower each kernel once more.) `at`: the only
+    lengths it will run at, its kernels linking the objects built for the samples (nothing built
+    whole; wrong at other lengths, never saved: `screen_samples`)."""
     from .runtime import CompiledModel
     from .backends.tvm import relax as rx
-    if workers is not None and options.ranges and rx.objects.available():
+    if workers is not None and options.ranges and at is None and rx.objects.available():
         todo = rx.unnamed_kernels(graph, plan, options.threads, options.object_cache(), machine)
         jobs = [meas.KernelJob(k.key, k.impl, k.schedule, io.graph, io.inputs, io.outputs,
                                bounds=tuple(sorted(bounds.items())))
                 for k, bounds in todo for io in [kernel_io(graph, k)]]
         meas.build_objects(jobs, options, workers)
     executable = rx.build_executable(graph, plan, options.threads, machine, options.executable_cache(),
-                                     options.object_cache(), options.workers)
+                                     options.object_cache(), options.workers, at)
     return CompiledModel(graph, plan, executable, options.threads, machine)
 
 
@@ -1601,6 +1604,9 @@ def optimize(model, options: Options, runs: int = 20):
     with meas.Workers(options) as workers:  # (one set of build and timing processes for the run)
         planned = plan_model(model, options, clock=clock, workers=workers)
         graph = planned.loaded.graph
+        if planned.one is not None:
+            with clock("screen"):
+                planned = screen_samples(planned, options)
         with clock("emit"):
             compiled = emit(graph, planned.plan, options, planned.machine, workers)
         if planned.one is not None:
@@ -1616,6 +1622,34 @@ def optimize(model, options: Options, runs: int = 20):
         profile = in_context(compiled, options.seed)
     compiled.report = report_dict(planned, check, timing, profile, options, clock.seconds)
     return compiled, planned
+
+
+def screen_samples(planned: Planned, options: Options) -> Planned:
+    """Over a range, before anything is built whole: keep a sample length's own plan (`sample_choices`)
+    only where an executable of it runs at least DISPATCH_GAIN faster at that length than one of the
+    one plan, both linking the objects their kernels' measurements kept (built for the samples
+    alone: `build_executable`'s `at`) and timed in turns there (`alternated`); elsewhere the one
+    plan serves. `measured_dispatch` then times the own plans kept over their buckets, each built
+    whole. Without this, every own plan's kernels were built whole for the dispatch's executables
+    and most plans were dropped there: gpt_like over seq=1..512 (Zen 2) built 27 kernels whole in
+    11.7 s for the own plans of 1, 64 and 512, and kept only 512's, which ran 0.95x the one plan's
+    time at 512; 1's ran 1.08x at 1 and 64's 1.00x at 64."""
+    from . import executor
+    from .dynamic import bind
+    graph, one, name = planned.loaded.graph, planned.one, options.ranges[0][0]
+    lengths = [length for length, _ in planned.measured.at]
+    choices, checked = list(planned.choices), dict(planned.dispatch)
+    for k, (choice, n) in enumerate(zip(choices, lengths)):
+        if _kernels_of(choice) == _kernels_of(one):
+            continue
+        mine, ours = (emit(graph, p, options, planned.machine, at=(n,)) for p in (choice, one))
+        checked[n], t_mine, t_ours = alternated(mine, ours, executor.random_feeds(bind(graph, {name: n}), options.seed))
+        log.info("%s=%d: its own plan %.1f us against the one plan's %.1f (built for it alone)", name, n,
+                 t_mine * 1e6, t_ours * 1e6)
+        if checked[n] > 1.0 - DISPATCH_GAIN:
+            choices[k] = one
+    plan = joined_samples(choices, one, planned.measured, options, planned.plan.meta)
+    return replace(planned, plan=plan, choices=tuple(choices), dispatch=checked, one=None if plan is one else one)
 
 
 # an own plan of a sample length stays where the executable runs it this much faster than the one
@@ -1654,7 +1688,7 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
     single = emit(graph, one, options, planned.machine, workers)
     probes = dispatch_probes(options.ranges[0], [length for length, _ in planned.measured.at])
     feeds = {n: executor.random_feeds(bind(graph, {name: n}), options.seed) for ns in probes for n in ns}
-    choices, plan, checked = list(planned.choices), planned.plan, {}
+    choices, plan, checked = list(planned.choices), planned.plan, dict(planned.dispatch)
     own = [k for k, c in enumerate(choices) if _kernels_of(c) != _kernels_of(one)]  # buckets with their own plan
     todo = list(_dispatch_timed(probes, own))  # the buckets timed (again: those whose plan changed since)
     for _ in probes:

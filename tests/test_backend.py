@@ -1421,3 +1421,33 @@ def test_an_object_is_found_by_what_it_was_scheduled_from(tmp_path, monkeypatch)
     assert objects.known(tmp_path, lowered(8), "t8x32p", {"seq": 64}, target) is None
     assert len(list((tmp_path / objects.SCHEDULED).iterdir())) == 1
     assert objects.known(tmp_path, lowered(16), "t8x32p", {"seq": 64}, target) == other
+
+
+def test_an_object_built_for_some_lengths_is_found_for_those_alone(tmp_path, monkeypatch):
+    """An object built for some lengths only (a measurement's samples) is named apart, with them:
+    `known` finds it only when asked for lengths it holds (`at`), never as the whole kernel; the
+    whole kernel's object, once named, is found first; pruning drops the name with its object."""
+    import importlib
+    objects = importlib.import_module("kernorch.backends.tvm.objects")
+    seq = tvm.tirx.Var("seq", "int64")
+    a = tvm.tirx.decl_buffer((seq, 8), "float32", "a")
+    lowered = tvm.IRModule({"main": tvm.tirx.PrimFunc([a], tvm.tirx.Evaluate(tvm.tirx.const(0, "int32")))})
+    target = kt.make_target(1)
+    sampled, whole = tmp_path / "s.o", tmp_path / "w.o"
+    sampled.write_bytes(b"o")
+    objects.remember(tmp_path, lowered, "t8x32p", {"seq": 512}, target, sampled, (1, 8, 64, 512))
+    assert objects.known(tmp_path, lowered, "t8x32p", {"seq": 512}, target) is None
+    assert objects.known(tmp_path, lowered, "t8x32p", {"seq": 512}, target, at=(8,)) == sampled
+    assert objects.known(tmp_path, lowered, "t8x32p", {"seq": 512}, target, at=(1, 512)) == sampled
+    assert objects.known(tmp_path, lowered, "t8x32p", {"seq": 512}, target, at=(8, 9)) is None
+    assert objects.known(tmp_path, lowered, "t8x32pr", {"seq": 512}, target, at=(8,)) is None
+    whole.write_bytes(b"o")
+    objects.remember(tmp_path, lowered, "t8x32p", {"seq": 512}, target, whole)
+    assert objects.known(tmp_path, lowered, "t8x32p", {"seq": 512}, target, at=(8,)) == whole
+    whole.unlink()
+    assert objects.known(tmp_path, lowered, "t8x32p", {"seq": 512}, target, at=(8,)) == sampled
+    os.utime(sampled, (1, 1))
+    (tmp_path / "newer.o").write_bytes(b"o")
+    monkeypatch.setattr(objects, "OBJECTS_KEPT", 1)
+    objects.prune(tmp_path)
+    assert not sampled.exists() and not list((tmp_path / objects.SAMPLED).iterdir())

@@ -1052,10 +1052,22 @@ def test_one_executable_serves_the_whole_range(tmp_path):
     def compile_objects(modules, *a):
         compiling.append(len(modules))
         return real_compile_objects(modules, *a)
+    # for a sample length alone (a range's own plans screened), every kernel links the object its
+    # measurement built, nothing is compiled, and it runs right there
+    with mock.patch.object(rx, "compile_objects", compile_objects), \
+            mock.patch.object(rx, "schedule", side_effect=AssertionError("scheduled again")):
+        at8 = pipeline.emit(graph, planned.plan, options, planned.machine, at=(8,))
+    assert compiling == [0] and set(at8.executable.linked) == {
+        name for name, k in zip(rx.kernel_symbols(planned.plan), planned.plan.kernels) if k.impl == "tvm"}
+    compiling.clear()
+    x8 = np.random.default_rng(8).standard_normal((1, 8, 64)).astype(np.float32)
+    ort8 = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x8})[0]
+    np.testing.assert_allclose(at8.run({"x": x8})["y"], ort8, rtol=1e-4, atol=1e-4)
     with meas.Workers(options) as workers, mock.patch.object(rx, "compile_objects", compile_objects):
         compiled = pipeline.emit(graph, planned.plan, options, planned.machine, workers)
     assert compiling == [0]
     assert not rx.unnamed_kernels(graph, planned.plan, options.threads, options.object_cache(), planned.machine)
+    assert set(at8.executable.linked.values()) != set(compiled.executable.linked.values())  # (the samples' own)
     assert compiled.ranges == {"seq": (1, 512)}
     # emitted again (as a range's dispatch does), every kernel is found by its lowered module
     with mock.patch.object(rx, "schedule", side_effect=AssertionError("scheduled again")):
@@ -2404,6 +2416,49 @@ def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch)
     compiled, planned = run([own[0], one, one, own[3]], lambda tag, n: speed.get(tag, 1.0))
     assert [runs(planned.plan, n) for n, _ in at] == ["own1", "one", "one", "one"]
     assert timed == [1, 2, 3, 23, 182, 305, 512, 182]
+
+
+def test_own_plans_are_screened_at_their_samples_before_anything_is_built_whole(monkeypatch):
+    """`screen_samples` times each sample's own plan against the one plan at that sample, both
+    emitted for that length alone (`at`: the objects of the measurements), and keeps it only where
+    it ran DISPATCH_GAIN faster; the others are the one plan's again before any whole build. With
+    none kept the plan is the one plan and no dispatch is left to time."""
+    from kernorch import executor, pipeline
+    from kernorch.measure import MeasureStats
+    from kernorch.options import Machine, Options
+    from kernorch.plan import Kernel, Plan, SolverStats
+
+    def plan_of(tag):
+        k = Kernel("k0", tag, "tvm", ("x",), ("x",), ("y",), 1, schedule=tag)
+        return Plan((k,), (), ("y",), SolverStats("optimal", 1, 1, 0.0, 0.0, 0), meta={"ranges": "seq=1..512"})
+    one = plan_of("one")
+    own = {n: plan_of(f"own{n}") for n in (1, 8, 64, 512)}
+    options = Options(threads=1, ranges=(("seq", 1, 512),))
+    measured = pipeline.Measured({}, MeasureStats(), at=((1, 0.3), (8, 0.6), (64, 0.1), (512, 0.01)))
+
+    class Exe:
+        def __init__(self, plan, at):
+            self.plan, self.at = plan, at
+    emitted = []
+    monkeypatch.setattr(pipeline, "emit", lambda g, plan, o, m, workers=None, at=None: (
+        emitted.append((plan.kernels[0].key, at)), Exe(plan, at))[1])
+    monkeypatch.setattr(dynamic, "bind", lambda g, binding: binding)
+    monkeypatch.setattr(executor, "random_feeds", lambda binding, seed=0: binding)
+    speed = {"own1": 1.0, "own64": 0.95, "own512": 0.991}
+    monkeypatch.setattr(pipeline, "alternated", lambda a, b, feeds: (
+        speed[a.plan.kernels[0].key], 1.0, 1.0) if b.plan is one and a.at == b.at == (feeds["seq"],) else None)
+    choices = [own[1], one, own[64], own[512]]
+    plan = pipeline.joined_samples(choices, one, measured, options, one.meta)
+    planned = pipeline.Planned(pipeline.Loaded("m", None, None), None, measured, plan, None, {}, Machine.host(),
+                               one, tuple(choices))
+    got = pipeline.screen_samples(planned, options)
+    assert got.choices == (one, one, own[64], one) and got.one is one
+    assert got.plan.meta["buckets"] == "1..22,23..181,182..512" and got.dispatch == {1: 1.0, 64: 0.95, 512: 0.991}
+    assert emitted == [("own1", (1,)), ("one", (1,)), ("own64", (64,)), ("one", (64,)), ("own512", (512,)),
+                       ("one", (512,))]
+    speed["own64"] = 0.995
+    got = pipeline.screen_samples(planned, options)
+    assert got.plan is one and got.one is None and got.choices == (one,) * 4
 
 
 def test_two_executables_timed_in_turns_within_a_budget():

@@ -25,7 +25,9 @@ dispatch emits (three or four). So each object is also named by what it was sche
 (`remember`, `known`): the lowered module's structural hash, the schedule, the bounds, the target
 and every source file of kernorch (`package_digest`: the schedule rules, the tiles and the passes
 are all in it); the emitter links that object without scheduling. A build for its sample lengths
-only (a tile, whose `at` may drop copies) is not named so: the executable needs the whole kernel.
+only (a tile, whose `at` may drop copies) is named apart, with those lengths (SAMPLED): the
+executable that is saved needs the whole kernel, and only one run at those lengths alone may link
+it (the screening of a range's own plans at their samples: kernorch.pipeline.screen_samples).
 """
 from __future__ import annotations
 
@@ -70,6 +72,7 @@ def object_path(directory: str | Path, mod: tvm.IRModule, target) -> Path:
 
 
 SCHEDULED = "scheduled"  # the subdirectory naming each object by what it was scheduled from
+SAMPLED = "sampled"      # ... and each built for some lengths only, with those lengths
 
 
 @functools.lru_cache(maxsize=1)
@@ -83,37 +86,53 @@ def package_digest() -> str:
     return h.hexdigest()
 
 
-def _entry(directory: str | Path, lowered: tvm.IRModule, mode: str, bounds, target) -> Path:
+def _entry(directory: str | Path, lowered: tvm.IRModule, mode: str, bounds, target, kind: str = SCHEDULED) -> Path:
     h = hashlib.sha256()
     # (free variables mapped by their order: a tile's copies at fixed lengths name the length's
     # variable in an attribute, where it is free and would otherwise hash by its address)
     for part in (str(tvm_ffi.structural_hash(lowered, map_free_vars=True)), mode,
                  json.dumps(sorted((bounds or {}).items())), str(target), *code_parts(), package_digest()):
         h.update(part.encode() + b"\0")
-    return Path(directory) / SCHEDULED / h.hexdigest()[:32]
+    return Path(directory) / kind / h.hexdigest()[:32]
 
 
-def remember(directory: str | Path, lowered: tvm.IRModule, mode: str, bounds, target, obj: str | Path) -> None:
+def remember(directory: str | Path, lowered: tvm.IRModule, mode: str, bounds, target, obj: str | Path,
+             lengths=None) -> None:
     """Record that `lowered` (a kernel's module before scheduling), scheduled in `mode` for `bounds`
-    (over every length up to them), compiles to the object `obj` of `directory`."""
-    entry = _entry(directory, lowered, mode, bounds, target)
+    (over every length up to them; with `lengths`, for those alone: schedule's `at`), compiles to
+    the object `obj` of `directory`."""
+    entry = _entry(directory, lowered, mode, bounds, target, SAMPLED if lengths else SCHEDULED)
+    text = Path(obj).name + ("\n" + ",".join(str(int(n)) for n in sorted(lengths)) if lengths else "")
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         tmp = entry.with_name(f".{entry.name}.{os.getpid()}")
-        tmp.write_text(Path(obj).name)
+        tmp.write_text(text)
         os.replace(tmp, entry)
     except OSError as e:
         log.debug("could not name the object %s by its lowered module: %s", obj, e)
 
 
-def known(directory: str | Path, lowered: tvm.IRModule, mode: str, bounds, target) -> Path | None:
-    """The object of `directory` that `remember` recorded for this kernel, when it is still there."""
+def _named(entry: Path) -> tuple[str, set[int]] | None:
+    """An entry's object file name and the lengths it was built for (empty: every length)."""
     try:
-        name = _entry(directory, lowered, mode, bounds, target).read_text().strip()
-    except OSError:
+        name, _, lengths = entry.read_text().strip().partition("\n")
+        return name, {int(n) for n in lengths.split(",") if n}
+    except (OSError, ValueError):
         return None
-    obj = Path(directory) / name
-    return obj if name.endswith(".o") and "/" not in name and obj.exists() else None
+
+
+def known(directory: str | Path, lowered: tvm.IRModule, mode: str, bounds, target, at=None) -> Path | None:
+    """The object of `directory` that `remember` recorded for this kernel, when it is still there:
+    the whole kernel's, else with `at` (the only lengths it will run at) one built for lengths
+    that hold them all."""
+    for kind in (SCHEDULED, SAMPLED) if at else (SCHEDULED,):
+        named = _named(_entry(directory, lowered, mode, bounds, target, kind))
+        if named is None or not set(at or ()) <= (named[1] or set(at or ())):
+            continue
+        obj = Path(directory) / named[0]
+        if named[0].endswith(".o") and "/" not in named[0] and obj.exists():
+            return obj
+    return None
 
 
 def available() -> bool:
@@ -165,9 +184,8 @@ def prune(directory: str | Path) -> None:
         return
     for old in sorted(kept, key=lambda q: q.stat().st_mtime, reverse=True)[OBJECTS_KEPT:]:
         old.unlink(missing_ok=True)
-    for entry in (Path(directory) / SCHEDULED).glob("*"):  # names of objects no longer there
-        try:
-            if not (Path(directory) / entry.read_text().strip()).exists():
+    for kind in (SCHEDULED, SAMPLED):  # names of objects no longer there
+        for entry in (Path(directory) / kind).glob("*"):
+            named = _named(entry)
+            if named is not None and not (Path(directory) / named[0]).exists():
                 entry.unlink(missing_ok=True)
-        except OSError:
-            continue

@@ -28,7 +28,7 @@ from ...dynamic import BUCKET_BOUNDS, plan_buckets, plan_ranges
 from .lower import Symbols, lower
 from . import objects, passes
 from .objects import object_path
-from .schedule import schedule
+from .schedule import schedule, scheduled_for_lengths
 from .target import make_target, set_threads
 
 log = logging.getLogger(__name__)
@@ -78,24 +78,27 @@ def kernel_module(graph: Graph, k, target, tune_dir: str | None = None,
 
 
 def kernel_object(graph: Graph, k, target, objects_dir: str | Path | None, tune_dir: str | None = None,
-                  bounds: dict[str, int] | None = None) -> tuple[tvm.IRModule | None, Path | None]:
+                  bounds: dict[str, int] | None = None, at: Sequence[int] | None = None
+                  ) -> tuple[tvm.IRModule | None, Path | None]:
     """A generated plan kernel as the executable takes it: (its scheduled, bounds-checked module,
     its object file in `objects_dir`), or (None, the object) where a build already named that
-    object by the kernel's lowered module (kernorch.backends.tvm.objects.known: nothing scheduled)."""
+    object by the kernel's lowered module (kernorch.backends.tvm.objects.known: nothing scheduled).
+    `at`: the only lengths it will run at (`build_executable`)."""
     lowered = None
     if objects_dir is not None and k.impl == "tvm":
         lowered = _lowered(graph, k)
-        obj = objects.known(objects_dir, lowered, k.schedule, bounds, target)
+        obj = objects.known(objects_dir, lowered, k.schedule, bounds, target, at)
         if obj is not None:
             return None, obj
-    mod = schedule(lowered, target, k.schedule, bounds) if lowered is not None else \
+    mod = schedule(lowered, target, k.schedule, bounds, at) if lowered is not None else \
         kernel_module(graph, k, target, tune_dir, bounds)
     check_bounds(mod)
     if objects_dir is None:
         return mod, None
     obj = object_path(objects_dir, mod, target)
     if lowered is not None:
-        objects.remember(objects_dir, lowered, k.schedule, bounds, target, obj)
+        objects.remember(objects_dir, lowered, k.schedule, bounds, target, obj,
+                         at if at and scheduled_for_lengths(k.schedule) else None)
     return mod, obj
 
 
@@ -130,7 +133,7 @@ def register_python_kernels(graph: Graph, plan) -> None:
 
 def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, str, np.ndarray]],
                  objects_dir: str | Path | None = None, linked: dict | None = None,
-                 unbuilt: dict | None = None) -> tvm.IRModule:
+                 unbuilt: dict | None = None, at: Sequence[int] | None = None) -> tvm.IRModule:
     """The Relax IRModule of the plan. Over a symbolic dimension (plan.meta["ranges"]: "seq=1..512")
     the function's shapes use one int64 variable per symbol, bounded by the range's upper end (the
     VM plans its buffers for it); the kernels bind their own variables from their arguments. A plan
@@ -158,7 +161,7 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
     ({call name: file}) for the library to link; one whose file is not there yet (over a range, a
     kernel with row copies: measured built for its sample lengths only) is recorded in `unbuilt`
     too ({call name: its scheduled module}), for `build.compile_objects` to write the file first.
-    Without `objects_dir` every kernel is compiled in the module."""
+    Without `objects_dir` every kernel is compiled in the module. `at`: as `build_executable` takes it."""
     found = {} if linked is None else linked
     pending = {} if unbuilt is None else unbuilt
     scheduled: dict = {}  # a kernel in several buckets, built for the same bounds: scheduled once
@@ -170,7 +173,7 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
     def emit(indices, inputs, wvars, upper: dict[str, int], dataflow: bool = True) -> relax.Expr:
         return _emit_kernels(bb, graph, plan, indices, target, inputs, wvars, weight_params, sym, upper,
                              dataflow=dataflow, objects_dir=objects_dir, linked=found, unbuilt=pending,
-                             scheduled=scheduled)
+                             scheduled=scheduled, at=at)
 
     def params():
         inputs = [relax.Var(n, _tensor_type(t, sym)) for n, t in graph.inputs]
@@ -243,7 +246,7 @@ def _tensor_type(t, sym: Symbols) -> relax.TensorType:
 def _emit_kernels(bb, graph: Graph, plan, indices, target, inputs, wvars, weight_params, sym,
                   bounds: dict[str, int], dataflow: bool = True, objects_dir: str | Path | None = None,
                   linked: dict | None = None, unbuilt: dict | None = None,
-                  scheduled: dict | None = None) -> relax.Expr:
+                  scheduled: dict | None = None, at: Sequence[int] | None = None) -> relax.Expr:
     """The plan kernels `indices` (global plan indices: kernel i calls PrimFunc `kernel_symbols(plan)[i]`,
     added to the module once) called in order inside one dataflow block of the function being
     built (`dataflow=False`: in the binding block the caller began, a branch of an `If`); returns
@@ -280,7 +283,7 @@ def _emit_kernels(bb, graph: Graph, plan, indices, target, inputs, wvars, weight
                 if name not in funcs:
                     ident = (k.key, k.impl, k.schedule, tuple(sorted(bounds.items())))
                     if ident not in scheduled:
-                        scheduled[ident] = kernel_object(graph, k, target, objects_dir, tune_dir, bounds)
+                        scheduled[ident] = kernel_object(graph, k, target, objects_dir, tune_dir, bounds, at)
                     mod, obj = scheduled[ident]
                     if obj is not None:
                         linked[name] = obj
@@ -326,18 +329,22 @@ def _relax_pipeline() -> tvm.transform.Pass:
 
 
 def build_executable(graph: Graph, plan, threads: int, machine=None, cache_dir: str | Path | None = None,
-                     objects_dir: str | Path | None = None, workers: int = 1) -> "Executable":
+                     objects_dir: str | Path | None = None, workers: int = 1,
+                     at: Sequence[int] | None = None) -> "Executable":
     """Compile the plan for this CPU: the executable with its (packed) weights. With `cache_dir`,
     a library compiled before from the same module, weights and tools is loaded instead of compiled
     again (`_compiled`), and the kernels whose object files the builders kept in `objects_dir` are
     linked instead of compiled again (kernorch.backends.tvm.objects); those without one are
-    compiled into that directory first, `workers` at a time, and linked too."""
+    compiled into that directory first, `workers` at a time, and linked too. `at` (one symbol): the
+    only lengths the executable will run at; its kernels may link objects built for those lengths
+    alone (a measurement's, for its samples) and are compiled so where none is kept. It is wrong at
+    other lengths: for a run at them, never to be saved."""
     target = make_target(threads, machine)
     params = weights(graph, plan)
     use = objects_dir if cache_dir is not None and objects_dir is not None and objects.available() else None
     linked: dict[str, Path] = {}
     unbuilt: dict[str, tvm.IRModule] = {}
-    mod = build_module(graph, plan, target, params, use, linked, unbuilt)
+    mod = build_module(graph, plan, target, params, use, linked, unbuilt, at)
     if use is not None:
         log.info("executable: %d kernels link their builds' objects, %d with no object yet",
                  len(set(linked.values()) - {linked[n] for n in unbuilt}), len({linked[n] for n in unbuilt}))
@@ -348,7 +355,7 @@ def build_executable(graph: Graph, plan, threads: int, machine=None, cache_dir: 
             raise
         log.warning("%s; compiling every kernel instead", e)
         linked = {}
-        mod = build_module(graph, plan, target, params)
+        mod = build_module(graph, plan, target, params, at=at)
         ex, library = _compiled(mod, target, graph, params, cache_dir)
     if linked:
         objects.prune(use)
