@@ -147,8 +147,8 @@ class ProfileDB:
         implementation's `current(impl)`."""
         want, out = set(keys), {}
         for key, impl, versions, ns in self.conn.execute(
-                "SELECT key,impl,versions,median_ns FROM measurements WHERE target=? AND status='ok' AND "
-                "schedule!='none'", (target,)):
+                "SELECT key,impl,versions,MIN(median_ns) FROM measurements WHERE target=? AND status='ok' AND "
+                "schedule!='none' GROUP BY key,impl,versions", (target,)):
             if key in want and versions == current(impl):
                 out[key] = min(out.get(key, ns), ns)
         return out

@@ -821,7 +821,8 @@ def measure(jobs: Iterable[KernelJob], db: ProfileDB, options: Options, machine:
         # each fused kernel's members alone, as measured so far (the plan can always run those)
         members = {j.ident: [structural_key([p], j.graph, [p.name]) for p in j.graph.prims]
                    for j in timed if registry.native(j.impl) and len(j.graph.prims) > 1}
-        alone = db.fastest(target, {k for ks in members.values() for k in ks}, functools.lru_cache(None)(versions))
+        alone = db.fastest(target, {k for ks in members.values() for k in ks},
+                           functools.lru_cache(None)(versions)) if members else {}
 
         def cutoff(j: KernelJob) -> float | None:
             """DOMINATED times the best time of its key, or of its members each alone (a fused

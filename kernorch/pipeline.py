@@ -1640,10 +1640,12 @@ def screen_samples(planned: Planned, options: Options) -> Planned:
     graph, one, name = planned.loaded.graph, planned.one, options.ranges[0][0]
     lengths = [length for length, _ in planned.measured.at]
     choices, checked = list(planned.choices), dict(planned.dispatch)
-    for k, (choice, n) in enumerate(zip(choices, lengths)):
-        if _kernels_of(choice) == _kernels_of(one):
-            continue
-        mine, ours = (emit(graph, p, options, planned.machine, at=(n,)) for p in (choice, one))
+    screened = [k for k, c in enumerate(choices) if _kernels_of(c) != _kernels_of(one)]
+    # (the one plan's executable serves every length screened: built once, for those lengths)
+    ours = emit(graph, one, options, planned.machine, at=tuple(lengths[k] for k in screened)) if screened else None
+    for k in screened:
+        n = lengths[k]
+        mine = emit(graph, choices[k], options, planned.machine, at=(n,))
         feeds = executor.random_feeds(bind(graph, {name: n}), options.seed)
         ratios = []
         for _ in range(SCREEN_TIMINGS):

@@ -127,10 +127,13 @@ def known(directory: str | Path, lowered: tvm.IRModule, mode: str, bounds, targe
     that hold them all."""
     for kind in (SCHEDULED, SAMPLED) if at else (SCHEDULED,):
         named = _named(_entry(directory, lowered, mode, bounds, target, kind))
-        if named is None or not set(at or ()) <= (named[1] or set(at or ())):
+        if named is None:
             continue
-        obj = Path(directory) / named[0]
-        if named[0].endswith(".o") and "/" not in named[0] and obj.exists():
+        name, lengths = named
+        if lengths and not lengths >= set(at):  # (a whole kernel's name holds no lengths)
+            continue
+        obj = Path(directory) / name
+        if name.endswith(".o") and "/" not in name and obj.exists():
             return obj
     return None
 
