@@ -26,8 +26,9 @@ def _common(p: argparse.ArgumentParser, model: bool = True) -> None:
     if model:
         p.add_argument("model", help="an ONNX model file")
         p.add_argument("--shape", action="append", default=[], metavar="NAME=D1xD2...|SYM=LO..HI",
-                       help="bind an input's symbolic dimensions, e.g. input=1x3x224x224; or let one symbolic "
-                            "dimension range over LO..HI, e.g. seq=1..512 (one executable for every length)")
+                       help="bind an input's symbolic dimensions, e.g. input=1x3x224x224; or let a symbolic "
+                            "dimension range over LO..HI, e.g. seq=1..512 (one executable for every length; "
+                            "repeat it for several: --shape batch=1..8 --shape seq=1..512)")
         p.add_argument("--no-rewrites", action="store_true",
                        help="keep the model's arithmetic as exported (no algebraic rewrites before fission)")
     p.add_argument("--threads", type=int, default=None, help="threads for kernorch's kernels and for every peer")
@@ -136,8 +137,6 @@ def options_from(args) -> Options:
         from .dynamic import parse_range
         ranges = [parse_range(s) for s in args.shape if ".." in s]   # seq=1..512: a symbolic dimension
         kw["shapes"] = tuple(parse_shape(s) for s in args.shape if ".." not in s)
-        if len(ranges) > 1:
-            raise KernorchError("one symbolic dimension may vary (--shape NAME=LO..HI) for now")
         kw["ranges"] = tuple((r.name, r.lo, r.hi) for r in ranges)
         if ranges and getattr(args, "budget", None):
             raise KernorchError("--budget (MetaSchedule tuning) needs static shapes; it cannot tune over "
@@ -157,6 +156,9 @@ def options_from(args) -> Options:
         if not kw.get("ranges"):
             raise KernorchError("--buckets cuts a range: give one with --shape NAME=LO..HI")
         from .dynamic import buckets
+        if len(kw["ranges"]) > 1:
+            raise KernorchError(f"--buckets cuts the range of one symbol; {len(kw['ranges'])} vary "
+                                f"({', '.join(n for n, _, _ in kw['ranges'])}): their kernels serve one plan")
         if args.buckets.strip() == "samples":
             kw["sample_plans"] = True
         elif args.buckets.strip() == "one":

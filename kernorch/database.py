@@ -32,7 +32,7 @@ CREATE TABLE IF NOT EXISTS measurements (
     build_s REAL,
     description TEXT,              -- human-readable: the ops inside
     created REAL NOT NULL,
-    samples_ns TEXT                -- a kernel over a range: JSON [[length, median ns], ...] per length timed
+    samples_ns TEXT                -- a kernel over a range: JSON [[length, median ns], ...] per length timed ([[batch, seq], ns] over several symbols)
 );
 CREATE INDEX IF NOT EXISTS by_key ON measurements(target, key, impl, schedule, versions);
 CREATE TABLE IF NOT EXISTS estimates (  -- a run's last estimates of the fusions it never measured
@@ -62,7 +62,7 @@ class Measurement:
     description: str = ""
     # a kernel over a symbolic dimension: (value, median ns) at each value it was timed at (its
     # median_ns is their weighted sum); a value of weight 0 was timed to be seen, not counted
-    samples_ns: tuple[tuple[int, int], ...] = ()
+    samples_ns: tuple[tuple[int | tuple[int, ...], int], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -224,4 +224,9 @@ def best(measurements: list[Measurement]) -> Measurement:
 def _row(row) -> Measurement:
     return Measurement(row[0], row[1], row[2], row[3], row[4], row[5], row[6],
                        tuple(json.loads(row[7] or "[]")), row[8] or "", row[9] or 0.0, row[10] or "",
-                       tuple((int(v), int(ns)) for v, ns in json.loads(row[11] or "[]")))
+                       tuple((_sample(v), int(ns)) for v, ns in json.loads(row[11] or "[]")))
+
+
+def _sample(v) -> int | tuple[int, ...]:
+    """A sample's name in samples_ns (kernorch.dynamic.sample_key): a length, or the values of several symbols."""
+    return tuple(int(x) for x in v) if isinstance(v, list) else int(v)

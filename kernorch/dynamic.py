@@ -12,17 +12,23 @@ A folded constant whose values change with the value (position ids from `Range`,
 from the shape) becomes a `slice` prim of its value at the range's largest value, when every
 probe's value is the leading part of that one along the axes that grow.
 
+Several symbols at once (batch=1..8 and seq=1..512): the model is fissioned at every combination
+of their probes (4 x 4), and each integer is fitted one symbol after the other, a polynomial with
+each symbol of degree <= 2 (batch*seq for rows flattened by a Reshape to (-1, 64)). The range is
+then timed at every combination of each symbol's samples, weighted by the product of their
+weights; one plan serves it (buckets, plans per sample length and row copies are one symbol's).
+
 What is refused, with the node named: a graph whose structure changes with the value (a different
 set of prims, different wiring, an attribute that is not an integer changing), an integer that
 follows no integer polynomial of degree <= 2 (e.g. seq // 2), and a folded constant that changes
-with the value in another way. One symbol at a time.
+with the value in another way.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -66,14 +72,19 @@ SAMPLES = Options.samples  # lengths a range is timed at, by default (--samples)
 
 
 def points(ranges, lengths=(), count: int = SAMPLES) -> tuple[dict[str, int], ...]:
-    """`count` (>= 3) bindings that stand for a range (one symbol; `ranges`: (name, lo, hi)
-    triples): its ends and, between them, values evenly spaced on a log scale (three over 1..512:
-    1, 23, 512; four: 1, 8, 64, 512), or with observed `lengths` (what users send) their
-    percentiles evenly spaced from the 10th to the 90th within the range."""
-    if len(ranges) != 1:
-        raise KernorchError(f"one symbolic dimension at a time, got {len(ranges)}")
+    """`count` (>= 3) bindings that stand for a range (`ranges`: (name, lo, hi) triples): its ends
+    and, between them, values evenly spaced on a log scale (three over 1..512: 1, 23, 512; four: 1,
+    8, 64, 512), or with observed `lengths` (what users send) their percentiles evenly spaced from
+    the 10th to the 90th within the range. Several symbols: every combination of each one's
+    `count` points (observed lengths weigh one symbol only)."""
     if count < 3:
         raise KernorchError(f"--samples {count}: a range is timed at 3 lengths or more")
+    if len(ranges) > 1:  # several symbols: every combination of each one's points
+        _one_symbol_lengths(ranges, lengths)
+        out = [{}]
+        for r in ranges:
+            out = [{**b, **p} for b in out for p in points((r,), (), count)]
+        return tuple(out)
     name, lo, hi = ranges[0]
     steps = [i / (count - 1) for i in range(count)]
     if lengths:
@@ -91,17 +102,41 @@ def samples(ranges, lengths=(), weights=(), count: int = SAMPLES) -> tuple:
     rule over a log-uniform length (each octave of the range counts the same: three points 1/4,
     1/2, 1/4), with observed lengths over their percentiles; a point met twice counts once with
     both weights. `weights` (one per sample, from `relative_weights`) replace them."""
+    if len(ranges) > 1:  # several symbols: every combination of each one's samples, weights multiplied
+        _one_symbol_lengths(ranges, lengths)
+        grid: list[tuple[tuple, float]] = [((), 1.0)]
+        for r in ranges:
+            grid = [(b + p, w * v) for b, w in grid for p, v in samples((r,), (), (), count)]
+        return _weighted_samples(tuple((tuple(sorted(b)), w) for b, w in grid), weights)
     out: dict[tuple, float] = {}
     pts = points(ranges, lengths, count)
     inner = 1.0 / (len(pts) - 1)
     for i, binding in enumerate(pts):
         key = tuple(sorted(binding.items()))
         out[key] = out.get(key, 0.0) + (inner / 2 if i in (0, len(pts) - 1) else inner)
+    return _weighted_samples(tuple(out.items()), weights)
+
+
+def _weighted_samples(out: tuple, weights) -> tuple:
+    """The (binding, weight) pairs `out`, their weights replaced by `weights` when given."""
     if weights:
         if len(weights) != len(out):
             raise KernorchError(f"{len(weights)} sample weights for {len(out)} samples")
-        return tuple(zip(out, (float(w) for w in weights)))
-    return tuple(out.items())
+        return tuple((b, float(w)) for (b, _), w in zip(out, weights))
+    return out
+
+
+def _one_symbol_lengths(ranges, lengths) -> None:
+    if lengths:
+        raise KernorchError(f"observed lengths (--lengths) weigh one symbol; {len(ranges)} vary "
+                            f"({', '.join(n for n, _, _ in ranges)})")
+
+
+def sample_key(binding) -> int | tuple[int, ...]:
+    """What a kernel's time at one sample binding is named by (Measurement.samples_ns, the pipeline's
+    lengths): its one symbol's value, or the values of several in the order of their names."""
+    items = sorted(dict(binding).items())
+    return int(items[0][1]) if len(items) == 1 else tuple(int(v) for _, v in items)
 
 
 def samples_of(options: Options) -> tuple:
@@ -127,6 +162,8 @@ def probe_points(ranges, lengths=(), count: int = SAMPLES) -> tuple[dict[str, in
     5 and 109), and the lengths in the range a small row copy serves (kernorch.kernels.tiles.
     SMALL_ROWS: seq=2; seq=1 is a point): where a kernel is timed to be seen, not counted
     (kernorch.pipeline.row_copies reads there which micro-kernel wins at which length)."""
+    if len(ranges) > 1:  # (the row copies serve one symbol)
+        return ()
     name, lo, hi = ranges[0]
     values = sorted({b[name] for b in points(ranges, lengths, count)})
     out = ({round(math.sqrt(a * b)) for a, b in zip(values, values[1:])}
@@ -145,7 +182,10 @@ def sample_edges(rng: tuple[str, int, int], values) -> tuple[int, ...]:
 
 def middle(ranges, lengths=()) -> dict[str, int]:
     """The binding that stands for the range when one length must (tiles, estimates, timing): the
-    middle of its three `points`, whatever number of lengths it is timed at."""
+    middle of its three `points`, whatever number of lengths it is timed at (several symbols:
+    each one's middle)."""
+    if len(ranges) > 1:
+        return {n: v for r in ranges for n, v in middle((r,)).items()}
     return points(ranges, lengths, 3)[1]
 
 
@@ -277,6 +317,33 @@ def fit(name: str, xs: list[int], ys: list[int]) -> int | SymDim:
     return poly
 
 
+def fit_grid(names: tuple[str, ...], points, ys: list[int]) -> int | SymDim | None:
+    """`fit` over several symbols: the integer polynomial, each symbol of degree <= 2, through the
+    values `ys` at `points` (tuples of the symbols' values, a full grid: every combination of each
+    symbol's probes). Fitted one symbol at a time: for each value of the first, the polynomial in
+    the others; then each of its coefficients as a polynomial of the first (a polynomial with
+    integer coefficients has integer ones at every integer value, so none is lost on the way)."""
+    if len(names) == 1:
+        return fit(names[0], [p[0] for p in points], list(ys))
+    rows: dict[int, tuple[list, list]] = {}
+    for p, y in zip(points, ys):
+        rows.setdefault(p[0], ([], []))[0].append(p[1:])
+        rows[p[0]][1].append(y)
+    xs, inner = sorted(rows), []
+    for x in xs:
+        f = fit_grid(names[1:], *rows[x])
+        if f is None:
+            return None
+        inner.append(dict(f.terms) if isinstance(f, SymDim) else {(): f})
+    terms = []
+    for mono in sorted({m for t in inner for m in t}):
+        g = fit(names[0], xs, [t.get(mono, 0) for t in inner])
+        if g is None:
+            return None
+        terms += [(mono + m, c) for m, c in g.terms] if isinstance(g, SymDim) else [(mono, g)]
+    return SymDim.of(terms)
+
+
 def _leaves(value: Any) -> list:
     if isinstance(value, tuple):
         return [leaf for v in value for leaf in _leaves(v)]
@@ -293,26 +360,32 @@ def _is_slot(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _generalize_value(name: str, probes: list[int], values: list[Any], where: Callable[[], str]) -> Any:
+def _at(names: tuple[str, ...], point: tuple[int, ...]) -> str:
+    return ",".join(f"{n}={v}" for n, v in zip(names, point))
+
+
+def _generalize_value(names: tuple[str, ...], probes: list, values: list[Any], where: Callable[[], str]) -> Any:
     """One value (a shape, an attribute) seen at every probe: its integer leaves fitted."""
-    first = values[0]
+    first, what = values[0], "/".join(names)
     leaves = [_leaves(v) for v in values]
     if any(len(ls) != len(leaves[0]) for ls in leaves) or any(_shape_of(v) != _shape_of(first) for v in values):
-        raise KernorchError(f"{where()} changes structure with {name} ({values[0]!r} at {name}={probes[0]}, "
-                            f"{values[1]!r} at {name}={probes[1]}): not one graph over the range")
+        other = next(i for i, v in enumerate(values) if _shape_of(v) != _shape_of(first) or len(leaves[i]) != len(leaves[0]))
+        raise KernorchError(f"{where()} changes structure with {what} ({values[0]!r} at {_at(names, probes[0])}, "
+                            f"{values[other]!r} at {_at(names, probes[other])}): not one graph over the range")
     out = []
     for i, leaf in enumerate(leaves[0]):
         column = [ls[i] for ls in leaves]
         if not all(_is_slot(v) for v in column):
             if any(v != leaf for v in column):
-                raise KernorchError(f"{where()} has a value that changes with {name} and is not an integer "
-                                    f"({column[0]!r} vs {column[1]!r})")
+                other = next(v for v in column if v != leaf)
+                raise KernorchError(f"{where()} has a value that changes with {what} and is not an integer "
+                                    f"({column[0]!r} vs {other!r})")
             out.append(leaf)
             continue
-        f = fit(name, probes, column)
+        f = fit_grid(names, probes, column)
         if f is None:
-            raise KernorchError(f"{where()}: an integer follows no polynomial of {name} of degree <= 2 "
-                                f"({', '.join(f'{v} at {name}={p}' for p, v in zip(probes, column))})")
+            raise KernorchError(f"{where()}: an integer follows no polynomial of {what} of degree <= 2 in each "
+                                f"({', '.join(f'{v} at {_at(names, p)}' for p, v in zip(probes, column))})")
         out.append(f)
     return _rebuild(first, iter(out))
 
@@ -323,7 +396,7 @@ def _shape_of(value: Any) -> Any:
     return type(value).__name__ if not _is_slot(value) else "int"
 
 
-def _sliced_constant(c: str, name: str, probes: list[int], arrays: list, largest: tuple[int, Graph]):
+def _sliced_constant(c: str, names: tuple[str, ...], probes: list, arrays: list, largest: tuple[tuple, Graph]):
     """A folded constant that changes with the length, as a slice of its value at the largest length
     (positions from `Range`, a causal mask from the shape: each probe's value is the leading part of
     the largest one). Returns (the largest value, its slice prim) or None when it is no such thing."""
@@ -337,8 +410,8 @@ def _sliced_constant(c: str, name: str, probes: list[int], arrays: list, largest
         sizes = [np.shape(a)[ax] for a in arrays]
         if len(set(sizes)) == 1 and sizes[0] == big.shape[ax]:
             continue
-        f = fit(name, probes, sizes)
-        if not isinstance(f, SymDim) or f(hi) != big.shape[ax]:
+        f = fit_grid(names, probes, sizes)
+        if not isinstance(f, SymDim) or f.subs(dict(zip(names, hi))) != big.shape[ax]:
             return None
         axes.append(ax)
         ends.append(f)
@@ -351,24 +424,29 @@ def _sliced_constant(c: str, name: str, probes: list[int], arrays: list, largest
                      f"constant {c} sliced to the length")
 
 
-def generalize(graphs: Mapping[int, Graph], name: str,
-               largest: Callable[[], tuple[int, Graph]] | None = None) -> Graph:
-    """One generic graph from the static graphs fissioned at each probe value of `name`.
-    `largest()`: (the range's largest value, the graph fissioned there), asked for only when a
-    folded constant changes with the length: it becomes a slice of its value there, when it is one
-    (see `_sliced_constant`)."""
+def generalize(graphs: Mapping, names: str | tuple[str, ...],
+               largest: Callable[[], tuple[Any, Graph]] | None = None) -> Graph:
+    """One generic graph from the static graphs fissioned at each probe of the symbol `names` (keys:
+    its values), or of several symbols (`names` a tuple; keys: tuples of their values, every
+    combination of each symbol's probes). `largest()`: (the range's largest value(s), the graph
+    fissioned there), asked for only when a folded constant changes with the length: it becomes a
+    slice of its value there, when it is one (see `_sliced_constant`)."""
+    one = isinstance(names, str)
+    names = (names,) if one else tuple(names)
+    what = "/".join(names)
     probes = sorted(graphs)
     gs = [graphs[p] for p in probes]
+    probes = [(p,) if one else tuple(p) for p in probes]
     first = gs[0]
     for p, g in zip(probes[1:], gs[1:]):
         a, b = [q.name for q in first.prims], [q.name for q in g.prims]
         if a != b:
             diff = next((x for x, y in zip(a, b) if x != y), None) or (set(a) ^ set(b) or {"?"}).pop()
             node = next((q.origin for q in first.prims + g.prims if q.name == diff), diff)
-            raise KernorchError(f"the graph's structure changes with {name} (node {node!r}: prim {diff!r} at "
-                                f"{name}={probes[0]} vs {name}={p}): not one graph over the range")
+            raise KernorchError(f"the graph's structure changes with {what} (node {node!r}: prim {diff!r} at "
+                                f"{_at(names, probes[0])} vs {_at(names, p)}): not one graph over the range")
         if first.outputs != g.outputs or [n for n, _ in first.inputs] != [n for n, _ in g.inputs]:
-            raise KernorchError(f"the graph's inputs or outputs change with {name}")
+            raise KernorchError(f"the graph's inputs or outputs change with {what}")
     constants, prims, at_largest = dict(first.constants), [], None
     for c in first.constants:
         arrays = [g.constants.get(c) for g in gs]
@@ -376,10 +454,12 @@ def generalize(graphs: Mapping[int, Graph], name: str,
                for a in arrays):
             sliced = None
             if largest is not None and not any(a is None for a in arrays):
-                at_largest = at_largest or largest()
-                sliced = _sliced_constant(c, name, probes, arrays, at_largest)
+                if at_largest is None:
+                    hi, g = largest()
+                    at_largest = ((hi,) if one else tuple(hi), g)
+                sliced = _sliced_constant(c, names, probes, arrays, at_largest)
             if sliced is None:
-                raise KernorchError(f"constant {c!r} changes with {name} and is no leading slice of one constant "
+                raise KernorchError(f"constant {c!r} changes with {what} and is no leading slice of one constant "
                                     "(a mask or positions computed from the shape in another way?): not supported "
                                     "with a symbolic dimension")
             del constants[c]
@@ -391,12 +471,12 @@ def generalize(graphs: Mapping[int, Graph], name: str,
         def where(p=p):
             return f"node {p.origin or p.name!r} (prim {p.name}, {p.op})"
         if any(q.op != p.op or q.inputs != p.inputs or [k for k, _ in q.attrs] != [k for k, _ in p.attrs] for q in others):
-            raise KernorchError(f"{where()} changes operator, inputs or attributes with {name}")
-        shape = _generalize_value(name, probes, [q.type.shape for q in others], where)
-        attrs = tuple((k, _generalize_value(name, probes, [dict(q.attrs)[k] for q in others], where))
+            raise KernorchError(f"{where()} changes operator, inputs or attributes with {what}")
+        shape = _generalize_value(names, probes, [q.type.shape for q in others], where)
+        attrs = tuple((k, _generalize_value(names, probes, [dict(q.attrs)[k] for q in others], where))
                       for k, _ in p.attrs)
         prims.append(replace(p, attrs=attrs, type=TensorType(shape, p.type.dtype)))
-    inputs = tuple((n, TensorType(_generalize_value(name, probes, [dict(g.inputs)[n].shape for g in gs],
+    inputs = tuple((n, TensorType(_generalize_value(names, probes, [dict(g.inputs)[n].shape for g in gs],
                                                     lambda n=n: f"input {n!r}"), t.dtype))
                    for n, t in first.inputs)
     return Graph(inputs, first.outputs, tuple(prims), constants, first.name)
@@ -430,7 +510,7 @@ def symbols(graph: Graph) -> set[str]:
             for x in v:
                 walk(x)
         elif isinstance(v, SymDim):
-            out.add(v.name)
+            out.update(v.names)
     for _, t in graph.inputs:
         walk(t.shape)
     for p in graph.prims:
@@ -439,27 +519,39 @@ def symbols(graph: Graph) -> set[str]:
     return out
 
 
-def generic_graph(model, rng: Range, shapes: Mapping[str, tuple] | None = None, rewrites: bool = True) -> Graph:
-    """Load `model` (a path or ModelProto whose inputs use the dim_param `rng.name`) at each probe
-    value, rewrite it (kernorch.rewrite) when `rewrites`, fission it, and generalize (see the
+def generic_graph(model, ranges: Range | Sequence[Range], shapes: Mapping[str, tuple] | None = None,
+                  rewrites: bool = True) -> Graph:
+    """Load `model` (a path or ModelProto whose inputs use the dim_params the `ranges` name) at
+    each probe value (with several symbols: every combination of their probes, PROBES ** k
+    loads), rewrite it (kernorch.rewrite) when `rewrites`, fission it, and generalize (see the
     module docstring)."""
+    from itertools import product
+
     from . import fission
     from .frontend import onnx as frontend
     from .rewrite import rewrite
+    ranges = (ranges,) if isinstance(ranges, Range) else tuple(ranges)
+    names = tuple(r.name for r in ranges)
+    if len(set(names)) != len(names):
+        raise KernorchError(f"--shape names a symbol twice ({', '.join(names)})")
     og = frontend.load(model, shapes)
-    if rng.name not in og.symbols:
-        known = ", ".join(sorted(og.symbols)) or "none"
-        raise KernorchError(f"{og.source}: --shape names the symbol {rng.name!r}, which no input uses "
-                            f"(symbolic dimensions: {known})")
-    others = sorted(set(og.symbols) - {rng.name})
+    for r in ranges:
+        if r.name not in og.symbols:
+            known = ", ".join(sorted(og.symbols)) or "none"
+            raise KernorchError(f"{og.source}: --shape names the symbol {r.name!r}, which no input uses "
+                                f"(symbolic dimensions: {known})")
+    others = sorted(set(og.symbols) - set(names))
     if others:
-        raise KernorchError(f"{og.source}: symbolic dimension(s) {', '.join(others)} are not bound: one symbol "
-                            "may vary, bind the others with --shape INPUT=DIMS")
-    def at(p: int) -> Graph:
-        bound = {n: tuple(p if d == rng.name else d for d in t.shape) for n, t in og.inputs
-                 if any(d == rng.name for d in t.shape)}
+        raise KernorchError(f"{og.source}: symbolic dimension(s) {', '.join(others)} are not bound: give each a "
+                            "range (--shape NAME=LO..HI) or bind the input (--shape INPUT=DIMS)")
+
+    def at(point: tuple[int, ...]) -> Graph:
+        value = dict(zip(names, point))
+        bound = {n: tuple(value.get(d, d) if isinstance(d, str) else d for d in t.shape) for n, t in og.inputs
+                 if any(d in value for d in t.shape)}
         probe = frontend.load(model, {**dict(shapes or {}), **bound})
         return fission.fission(rewrite(probe).graph if rewrites else probe)
-    graphs = {p: at(p) for p in rng.probes()}
+    graphs = {point: at(point) for point in product(*(r.probes() for r in ranges))}
     # a constant that changes with the length: the largest length tells whether it is a slice of one
-    return generalize(graphs, rng.name, lambda: (rng.hi, graphs.get(rng.hi) or at(rng.hi)))
+    top = tuple(r.hi for r in ranges)
+    return generalize(graphs, names, lambda: (top, graphs.get(top) or at(top)))

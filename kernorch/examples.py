@@ -177,12 +177,13 @@ def bert_like(seq: int | str = "seq", vocab: int = 512, dim: int = 64, heads: in
 
 
 def gpt_like(seq: int | str = "seq", vocab: int = 512, dim: int = 64, heads: int = 4, hidden: int = 256,
-             layers: int = 1, max_positions: int = 1024, seed: int = 3):
+             layers: int = 1, max_positions: int = 1024, seed: int = 3, batch: int | str = 1):
     """A GPT-2-architecture decoder written the way torch exports it, with a symbolic sequence axis:
     token ids in; the positions (`Range` over the length taken from `Shape`) and the causal mask
     (`Trilu` of ones of shape length x length) computed inside the model, so they fold to constants
     that change with the length (kernorch.dynamic makes them slices of their values at the range's
-    end); pre-norm layers, tied output embedding, logits out. Random weights (deterministic)."""
+    end); pre-norm layers, tied output embedding, logits out. Random weights (deterministic).
+    `batch` a name: the batch axis is symbolic too (the attention's reshapes copy it)."""
     from onnx import TensorProto
     n = _Net("gpt_like", seed)
     length = -1 if isinstance(seq, str) else seq
@@ -196,10 +197,11 @@ def gpt_like(seq: int | str = "seq", vocab: int = 512, dim: int = 64, heads: int
                    upper=0)
     bias = n.node("Mul", [n.node("Sub", [n.const(1.0, np.float32), lower]), n.const(-10000.0, np.float32)])
     for _ in range(layers):
-        x = n.node("Add", [x, n.attention(n.layer_norm(x, dim), dim, heads, length, bias)])
+        x = n.node("Add", [x, n.attention(n.layer_norm(x, dim), dim, heads, length, bias,
+                                          batch=0 if isinstance(batch, str) else batch)])
         x = n.node("Add", [x, n.gelu_mlp(n.layer_norm(x, dim), dim, hidden)])
     logits = n.node("MatMul", [n.layer_norm(x, dim), n.node("Transpose", [wte], perm=[1, 0])])
-    return n.model([("input_ids", [1, seq], TensorProto.INT64)], [(logits, "logits", [1, seq, vocab])])
+    return n.model([("input_ids", [batch, seq], TensorProto.INT64)], [(logits, "logits", [batch, seq, vocab])])
 
 
 EXAMPLES: dict[str, Callable] = {"candy_like": candy_like, "transformer_block": transformer_block}

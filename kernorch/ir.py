@@ -20,40 +20,102 @@ class KernorchError(Exception):
     """An error a user can act on: the message names the file, node, operator and the problem."""
 
 
-@dataclass(frozen=True)
+Monomial = tuple[tuple[str, int], ...]  # (("batch", 1), ("seq", 2)): batch * seq^2; (): 1
+
+
+@dataclass(frozen=True, init=False)
 class SymDim:
-    """c0 + c1*s + c2*s^2 for the symbol `name` (integer coefficients)."""
-    name: str
-    coeffs: tuple[int, int, int]
+    """A dimension over symbols: a polynomial with integer coefficients, each symbol of degree at
+    most 2 (`terms`: (monomial, coefficient) pairs, sorted). `SymDim("seq", (c0, c1, c2))` is
+    c0 + c1*seq + c2*seq^2; `SymDim.of(terms)` any other (4*batch*seq: ((("batch", 1), ("seq", 1)), 4))."""
+    terms: tuple[tuple[Monomial, int], ...]
+
+    def __init__(self, name: str, coeffs: tuple[int, int, int]):
+        object.__setattr__(self, "terms", tuple((((name, p),) if p else (), int(c))
+                                                for p, c in enumerate(coeffs) if c))
+
+    @staticmethod
+    def of(terms) -> "int | SymDim":
+        """The polynomial of (monomial, coefficient) pairs: like terms summed, zero ones dropped, an
+        int when no symbol is left."""
+        out: dict[Monomial, int] = {}
+        for mono, c in terms:
+            mono = tuple(sorted((n, p) for n, p in mono if p))
+            out[mono] = out.get(mono, 0) + int(c)
+        kept = tuple(sorted((m, c) for m, c in out.items() if c))
+        if all(not m for m, _ in kept):
+            return kept[0][1] if kept else 0
+        d = object.__new__(SymDim)
+        object.__setattr__(d, "terms", kept)
+        return d
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The symbols it uses, sorted."""
+        return tuple(sorted({n for m, _ in self.terms for n, _ in m}))
+
+    @property
+    def name(self) -> str:
+        """Its one symbol (a KernorchError when it has several)."""
+        names = self.names
+        if len(names) != 1:
+            raise KernorchError(f"dimension {self} uses {len(names)} symbols, not one")
+        return names[0]
+
+    @property
+    def coeffs(self) -> tuple[int, int, int]:
+        """(c0, c1, c2) of a dimension over one symbol."""
+        name, out = self.name, [0, 0, 0]
+        for m, c in self.terms:
+            out[dict(m).get(name, 0)] = c
+        return tuple(out)
 
     def __call__(self, value: int) -> int:
-        c0, c1, c2 = self.coeffs
-        return c0 + c1 * value + c2 * value * value
+        """Its value where its one symbol is `value`."""
+        return self.subs({self.name: value})
+
+    def subs(self, binding: Mapping[str, int]) -> int:
+        missing = [n for n in self.names if n not in binding]
+        if missing:
+            raise KernorchError(f"symbol {missing[0]!r} is not bound")
+        total = 0
+        for m, c in self.terms:
+            for n, p in m:
+                c *= int(binding[n]) ** p
+            total += c
+        return total
+
+    def partial(self, binding: Mapping[str, int]) -> "int | SymDim":
+        """The symbols of `binding` replaced by their values; the others stay."""
+        terms = []
+        for m, c in self.terms:
+            for n, p in m:
+                if n in binding:
+                    c *= int(binding[n]) ** p
+            terms.append((tuple((n, p) for n, p in m if n not in binding), c))
+        return SymDim.of(terms)
 
     def solve(self, value: int, lo: int, hi: int) -> int | None:
-        """The symbol's value in lo..hi at which this dimension is `value` (None: there is none)."""
+        """The value in lo..hi of its one symbol at which this dimension is `value` (None: there is none)."""
         c0, c1, c2 = self.coeffs
         if c2:
             return next((v for v in range(lo, hi + 1) if self(v) == value), None)
         v, r = divmod(value - c0, c1)
         return v if r == 0 and lo <= v <= hi else None
 
-    def subs(self, binding: Mapping[str, int]) -> int:
-        if self.name not in binding:
-            raise KernorchError(f"symbol {self.name!r} is not bound")
-        return self(int(binding[self.name]))
-
     def __str__(self) -> str:
         terms = []
-        for power, c in zip((2, 1, 0), reversed(self.coeffs)):
-            mono = {2: f"{self.name}^2", 1: self.name, 0: ""}[power]
-            if c == 0:
-                continue
+        for m, c in sorted(self.terms, key=lambda t: (-sum(p for _, p in t[0]), t[0])):
+            mono = "*".join(n if p == 1 else f"{n}^{p}" for n, p in m)
             terms.append(str(c) if not mono else mono if c == 1 else f"-{mono}" if c == -1 else f"{c}*{mono}")
         return "+".join(terms).replace("+-", "-") or "0"
 
     def to_json(self) -> dict:
-        return {"symbol": self.name, "coeffs": list(self.coeffs)}
+        """{"symbol", "coeffs"} over one symbol (as plans and keys have always had it), else
+        {"terms": [[{symbol: power}, coefficient], ...]}."""
+        if len(self.names) == 1:
+            return {"symbol": self.name, "coeffs": list(self.coeffs)}
+        return {"terms": [[dict(m), c] for m, c in self.terms]}
 
 
 def to_json_value(v: Any) -> Any:
@@ -69,6 +131,8 @@ def from_json_value(v: Any) -> Any:
     """The inverse of `to_json_value`, frozen (lists as tuples)."""
     if isinstance(v, dict) and set(v) == {"symbol", "coeffs"}:
         return SymDim(v["symbol"], tuple(int(c) for c in v["coeffs"]))
+    if isinstance(v, dict) and set(v) == {"terms"}:
+        return SymDim.of((tuple(m.items()), int(c)) for m, c in v["terms"])
     if isinstance(v, list):
         return tuple(from_json_value(x) for x in v)
     return v

@@ -324,7 +324,8 @@ def _time_task(job: KernelJob, path: str | None, repeats: int, min_repeat_ms: fl
         at_samples = [(binding, weight, kernel_args(bj, make_inputs(bj)), cold_args(bj, big_bytes, cached=cached),
                        written_shapes(bj.graph, bj.outputs, bj.schedule))
                       for binding, weight in job.samples for bj in [job.at(binding)]]
-        length = [int(dict(binding).popitem()[1]) for binding, *_ in at_samples]
+        from .dynamic import sample_key
+        length = [sample_key(binding) for binding, *_ in at_samples]
         if cutoff_s is not None:  # one call at each sample: their weighted sum against the cutoff
             firsts = [kernel.time(*args, number=1, repeat=1, cold=cold, evict=evict, out_shapes=shapes)[0]
                       for _, _, args, cold, shapes in at_samples]

@@ -131,7 +131,7 @@ def load(model, options: Options, clock: Clock | None = None) -> Loaded:
     with clock("fission"):
         if options.ranges:  # one graph over the range of a symbolic dimension (kernorch.dynamic)
             from .dynamic import Range, generic_graph
-            graph = generic_graph(model, Range(*options.ranges[0]), options.shape_dict, options.rewrites)
+            graph = generic_graph(model, [Range(*r) for r in options.ranges], options.shape_dict, options.rewrites)
         else:
             graph = fis.fission(og)
         graph = masks.annotate(graph)
@@ -478,7 +478,7 @@ def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Option
                                   workers=workers)
     tiles = fastest_schedules(results, by_prim)
     families: dict = {}
-    if options.ranges:
+    if len(options.ranges) == 1:  # (row copies: fitted over one symbol's lengths)
         families = family_copies(results, by_prim, tiles, options.ranges[0][1:])
         tiles = row_copies(results, by_prim, tiles, options.ranges[0][1:])
     direct = fastest_schedules(results, by_prim, direct=True)
@@ -640,8 +640,8 @@ def _lengths_at(options: Options) -> list[tuple[int, float, dict]]:
     (kernorch.dynamic.samples); a static shape: [(0, 1.0, {})]."""
     if not options.ranges:
         return [(0, 1.0, {})]
-    from .dynamic import samples_of
-    return [(int(dict(b).popitem()[1]), w, dict(b)) for b, w in samples_of(options) if w > 0]
+    from .dynamic import sample_key, samples_of
+    return [(sample_key(b), w, dict(b)) for b, w in samples_of(options) if w > 0]
 
 
 def _predictions_at(model, rows: Mapping) -> dict:
@@ -1171,6 +1171,9 @@ def plan_model(model, options: Options, db: ProfileDB | None = None, machine: Ma
     clock = clock or Clock()
     own = db is None
     db = db or ProfileDB(options.resolved_db())
+    if len(options.ranges) > 1 and (options.bucket_edges or options.sample_plans or options.lengths):
+        raise KernorchError(f"buckets, plans per sample and observed lengths serve one symbol; "
+                            f"{len(options.ranges)} vary ({', '.join(n for n, _, _ in options.ranges)})")
     try:
         if options.ranges and options.bucket_edges:
             return _plan_buckets(model, options, db, machine, clock, workers)
@@ -1294,7 +1297,7 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
         if options.ranges and options.sample_plans:
             measured = refine_samples(loaded.graph, enumeration, measured, options, meta, db, machine, workers, clock)
     one, choices = None, ()
-    if options.ranges and (options.sample_plans or options.sample_gain):
+    if len(options.ranges) == 1 and (options.sample_plans or options.sample_gain):  # (several symbols: one plan)
         with clock("orchestrate"):
             gain = 0.0 if options.sample_plans else options.sample_gain
             choices = sample_choices(loaded.graph, enumeration, measured, options, meta, plan, db, gain)
@@ -1381,7 +1384,7 @@ def measure_attention_tiles(measured: Measured, db: ProfileDB, options: Options,
             measured = refine(measured, batch, db, options, machine, workers)
             batches += 1
     measured = settled(measured, db, options, machine, workers) if batches else measured
-    keys = [k.key for k in plan.kernels] if plan is not None else []
+    keys = [k.key for k in plan.kernels] if plan is not None and len(options.ranges) == 1 else []  # (one symbol's)
     switches = [replace(jobs[key], schedule=_in_class(split(jobs[key].schedule)[0], s.name))
                 for key, s in length_switches(measured, [k for k in dict.fromkeys(keys) if k in jobs],
                                               options.ranges[0]).items()]
@@ -1407,6 +1410,8 @@ def length_switches(measured: Measured, keys: Sequence[str], rng: tuple[str, int
     sample it is SWITCH_GAIN faster than the fusion's tile fastest over the range (its tiles' times
     there). The samples of SMALL_ROWS do not count: every tile runs its static copy there."""
     from .dynamic import sample_edges
+    if not keys:
+        return {}
     lengths = [n for n, _ in measured.at if n]
     tiled = [k for k, n in enumerate(lengths) if n > max(SMALL_ROWS)]
     if len(tiled) < 2:

@@ -41,6 +41,11 @@ HASHED = ("model.so", "weights.npz", "graph.json", "plan.json")
 KNOWN = set(HASHED) | {MANIFEST, "report.json", "report.html", "bench.json"}
 
 
+def _partial(d, binding: Mapping[str, int]):
+    """A dimension with the symbols bound so far replaced by their values."""
+    return d.partial(binding) if isinstance(d, SymDim) else d
+
+
 class CompiledModel:
     """An optimized model: `run(inputs) -> outputs` like an ONNX Runtime session."""
 
@@ -99,7 +104,11 @@ class CompiledModel:
         3 and 5.)"""
         if not self.ranges:
             return [self.graph]
-        from .dynamic import bind, points, probe_points
+        from .dynamic import bind, middle, points, probe_points
+        if len(self.ranges) > 1:  # several symbols: every combination of their ends and middles
+            rngs = tuple((n, lo, hi) for n, (lo, hi) in self.ranges.items())
+            at = [middle(rngs), *points(rngs, count=3)]
+            return [bind(self.graph, b) for b in {tuple(sorted(b.items())): b for b in at}.values()]
         (name, (lo, hi)), = self.ranges.items()
         rng = ((name, lo, hi),)
         first, middle, last = points(rng, count=3)
@@ -119,19 +128,26 @@ class CompiledModel:
             return tuple(t.shape)
         if len(shape) != len(t.shape):
             return tuple(str(d) for d in t.shape)
-        out = []
-        for d, got in zip(t.shape, shape):
-            if isinstance(d, SymDim):
-                lo, hi = self.ranges[d.name]
-                if d.name not in binding:
+        out: list = [None] * len(shape)
+        todo = list(range(len(shape)))
+        while todo:  # a dimension over one symbol not yet bound first (batch*seq after batch and seq)
+            ready = [i for i in todo if not isinstance(d := _partial(t.shape[i], binding), SymDim) or len(d.names) == 1]
+            if not ready:
+                d = _partial(t.shape[todo[0]], binding)
+                raise KernorchError(f"input {name!r} has shape {shape}: its dimension {d} does not tell "
+                                    f"{' and '.join(d.names)} apart (give an input with each on its own axis first)")
+            for i in ready:
+                d, got = _partial(t.shape[i], binding), shape[i]
+                if isinstance(d, SymDim):
+                    lo, hi = self.ranges[d.name]
                     value = d.solve(got, lo, hi)
                     if value is None:
                         raise KernorchError(f"input {name!r} has shape {shape}: {d.name} must be in {lo}..{hi} "
                                             f"(this executable serves {d.name}={lo}..{hi}; dimension {d} is {got})")
                     binding[d.name] = value
-                out.append(d(binding[d.name]))
-            else:
-                out.append(d)
+                    d = d(value)
+                out[i] = d
+            todo = [i for i in todo if i not in ready]
         return tuple(out)
 
     # -- running -------------------------------------------------------------------------------

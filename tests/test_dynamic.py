@@ -1121,8 +1121,8 @@ def test_the_cli_optimizes_over_a_range_and_the_saved_model_serves_it(tmp_path, 
     assert r.returncode == 0, r.stderr[-2000:]
     assert "seq must be in 1..64" in r.stdout
     capsys.readouterr()
-    assert cli.main(cmd + ["--shape", "batch=1..2"]) == 2
-    assert "one symbolic dimension" in capsys.readouterr().err
+    assert cli.main(cmd + ["--shape", "batch=1..2", "--buckets", "8"]) == 2  # (several symbols: one plan)
+    assert "--buckets cuts the range of one symbol; 2 vary (seq, batch)" in capsys.readouterr().err
     assert cli.main(cmd + ["--budget", "10t"]) == 2
     assert "needs static shapes" in capsys.readouterr().err
 

@@ -6,6 +6,8 @@ constant operands (kernorch.kernels.pack) enter as placeholders of their packed 
 """
 from __future__ import annotations
 
+import json
+
 import types
 from dataclasses import replace
 from typing import Sequence
@@ -82,6 +84,7 @@ T = types.SimpleNamespace(te=te, tir=tirx, topi=topi, divisible=divisible)
 
 NUM_INPUTS_ATTR = "kernorch.num_inputs"
 BOUNDS_ATTR = "kernorch.bounds"  # a kernel over a range: {symbol: the largest value it serves}
+DERIVED_ATTR = "kernorch.derived"  # its variables for products of symbols: {name: the dimension's JSON} (`Symbols`)
 UNPACK = "unpack"  # TE stages that read a packed operand as its logical tensor (always inlined)
 VIEW = "view"      # TE stages that read an operand re-indexed (rows clamped, columns masked; always inlined)
 BLOCK = "block"    # TE stages that write a kernel output in a blocked layout
@@ -95,6 +98,21 @@ def symbol_vars(func) -> dict[str, tirx.Var]:
     """A kernel's symbolic dimensions (kernorch.dynamic) as the variables its parameters' shapes use,
     by name ({} for a static kernel)."""
     return {d.name: d for buf in func.params for d in buf.shape if isinstance(d, tirx.Var)}
+
+
+def derived_bounds(func, bounds: dict[str, int]) -> dict[str, int]:
+    """`bounds` ({symbol: largest value}) with the largest value of each of `func`'s derived
+    variables (DERIVED_ATTR: a product of symbols, its largest value at theirs)."""
+    attrs = func.attrs
+    if not bounds or attrs is None or DERIVED_ATTR not in attrs:
+        return bounds
+    from ...ir import from_json_value
+    out = dict(bounds)
+    for name, text in attrs[DERIVED_ATTR].items():
+        d = from_json_value(json.loads(str(text)))
+        if all(n in bounds for n in d.names):
+            out[str(name)] = d.subs(bounds)
+    return out
 
 
 def bounds_of(func) -> dict[str, int]:
@@ -195,6 +213,7 @@ def _lowered(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outpu
     packs = variant_packs(graph, inputs, schedule)
     out_packs = variant_out_packs(graph, outputs, schedule)
     sym = Symbols()
+    sym.define([graph.type_of(n).shape for n in (*inputs, *outputs)])
     wino = Winograd.parse(split(schedule)[1])  # a Winograd variant: its conv is computed by kernels.winograd
     for i, name in enumerate(inputs):
         t = sym.type(graph.type_of(name))
@@ -249,7 +268,7 @@ def _lowered(graph: Graph, members: Sequence[Prim], inputs: Sequence[str], outpu
     func = te.create_prim_func(params + results, index_dtype_override="int64" if sym.vars else None)
     if causal_attention(graph, members, outputs):
         func = func.with_attr(CAUSAL_ATTR, True)
-    return func.with_attr(NUM_INPUTS_ATTR, len(inputs)), padded
+    return sym.with_derived(func.with_attr(NUM_INPUTS_ATTR, len(inputs))), padded
 
 
 def causal_attention(graph: Graph, members: Sequence[Prim], outputs: Sequence[str]) -> bool:
@@ -492,20 +511,68 @@ class _PaddedAttention:
 
 class Symbols:
     """The TIR variables of one kernel's symbolic dimensions (kernorch.dynamic.SymDim): one int64
-    variable per symbol, shared by every shape and attribute that uses it."""
+    variable per symbol, shared by every shape and attribute that uses it.
+
+    A PrimFunc learns its variables from its parameters' shapes, and only where a dimension is the
+    variable itself. A kernel whose parameters hold a symbol only inside a product (a GEMM over the
+    flattened rows batch*seq of batch=1..8, seq=1..512) gets a variable of its own for that
+    dimension (`define`: "batch_seq" for batch*seq, named in DERIVED_ATTR), and every other
+    dimension of the kernel is written over it where it can be (batch*seq*4 as 4*batch_seq);
+    where it cannot (batch alone in an attribute, no parameter holding it), the kernel is refused."""
 
     def __init__(self):
         self.vars: dict[str, tirx.Var] = {}
+        self.derived: dict[str, SymDim] = {}  # variable name -> the dimension it stands for (c * monomial)
+
+    def define(self, shapes) -> None:
+        """The variables of a kernel whose parameters have `shapes`: each symbol that some parameter
+        has as a whole dimension; then a variable for each remaining dimension of one term (c *
+        a monomial of the other symbols)."""
+        dims = [d for shape in shapes for d in shape if isinstance(d, SymDim)]
+        bare = {d.names[0] for d in dims if len(d.terms) == 1 and d.terms[0][1] == 1 and d.terms[0][0][0][1] == 1
+                and len(d.terms[0][0]) == 1}
+        for d in dims:
+            if len(d.terms) == 1 and not set(d.names) & bare and not any(d == x for x in self.derived.values()):
+                self.derived["_".join(n if p == 1 else f"{n}{p}" for n, p in d.terms[0][0])
+                             + (f"_{d.terms[0][1]}" if d.terms[0][1] != 1 else "")] = d
+
+    def _term(self, mono, c):
+        """c * mono over the variables: its derived factor first (c must hold that factor's
+        coefficient to the power taken), the bare symbols after."""
+        rest, factor = dict(mono), None
+        for name, d in self.derived.items():
+            (dm, dc), = d.terms
+            k = min((rest.get(n, 0) // p for n, p in dm), default=0)
+            if k and all(rest.get(n, 0) == k * p for n, p in dm) and c % (dc ** k) == 0:
+                factor, c = (name, k), c // (dc ** k)
+                for n, _ in dm:
+                    del rest[n]
+                break
+        missing = [n for n in rest if n in {m for d in self.derived.values() for m in d.names}]
+        if missing:
+            raise KernorchError(f"the kernel uses {missing[0]} in {SymDim.of([(mono, c)])}, which none of its "
+                                f"parameters holds on its own ({', '.join(map(str, self.derived.values()))})")
+        t = None
+        for n, p in ([factor] if factor else []) + list(rest.items()):
+            v = self.vars.setdefault(n, tirx.Var(n, "int64"))
+            for _ in range(p):
+                t = v if t is None else t * v
+        return tirx.IntImm("int64", c) if t is None else t if c == 1 else tirx.IntImm("int64", c) * t
 
     def expr(self, d):
         if not isinstance(d, SymDim):
             return d
-        v = self.vars.setdefault(d.name, tirx.Var(d.name, "int64"))
-        c0, c1, c2 = (tirx.IntImm("int64", c) for c in d.coeffs)
-        e = c1 * v if d.coeffs[1] != 1 else v
-        if d.coeffs[2]:
-            e = e + c2 * v * v if d.coeffs[1] else c2 * v * v
-        return e + c0 if d.coeffs[0] else e
+        e = None
+        for mono, c in d.terms:
+            t = self._term(mono, c)
+            e = t if e is None else e + t
+        return e
+
+    def with_derived(self, func):
+        """`func` naming its derived variables (DERIVED_ATTR), when it has any."""
+        if not self.derived:
+            return func
+        return func.with_attr(DERIVED_ATTR, {n: json.dumps(d.to_json()) for n, d in self.derived.items()})
 
     def value(self, v):
         if isinstance(v, dict):

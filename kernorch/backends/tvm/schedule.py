@@ -24,7 +24,7 @@ from ...kernels import LengthSwitch, Tile, Winograd, blocked, split
 from ...kernels.tiles import NARROW_KEYS, PADDED_ROWS, SERIAL_MAX_MACS, SMALL_ROWS, ran_copy, row_tile
 from ...kernels.variants import CONVERSIONS
 from .lower import (AT_LENGTH_FUNC, AT_LENGTH_WHEN, BOUNDS_ATTR, CAUSAL_ATTR, NARROW_KEYS_FUNC, NARROW_KEYS_WHEN,
-                    OPERAND_PADDED, QUERIES_PADDED, ROWS_OUT, SWITCH_FIRST, UNPACK, VIEW, bounds_of, divisible,
+                    OPERAND_PADDED, QUERIES_PADDED, ROWS_OUT, SWITCH_FIRST, UNPACK, VIEW, bounds_of, derived_bounds, divisible,
                     symbol_vars)
 from .passes import LAUNCH
 from .tirwalk import (buffers_in, found, is_call, loads, map_expr, operands, rewrite, substitute,
@@ -125,7 +125,8 @@ def schedule(mod: tvm.IRModule, target: tvm.target.Target, mode: str = "default"
     if mode == "none":
         return mod
     def bounded(func):
-        return func.with_attr(BOUNDS_ATTR, {k: int(v) for k, v in bounds.items()}) if bounds else func
+        every = derived_bounds(func, bounds)
+        return func.with_attr(BOUNDS_ATTR, {k: int(v) for k, v in every.items()}) if every else func
     func = bounded(mod["main"])
     lanes = max(vector_bits(target) // 32, 4)
     threads = int(target.attrs.get("num-cores", 1))

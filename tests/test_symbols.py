@@ -1,0 +1,165 @@
+"""Several symbolic dimensions at once (batch and seq): dimensions that are polynomials of several
+symbols, one generic graph fitted over every combination of their probes, kernels whose parameters
+hold only a product of symbols, and one executable serving the product of the ranges."""
+import random
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from kernorch import dynamic, examples, fission
+from kernorch.frontend import onnx as frontend
+from kernorch.ir import KernorchError, SymDim, from_json_value, kernel_graph, to_json_value
+from kernorch.rewrite import rewrite
+
+BS = (dynamic.parse_range("batch=1..8"), dynamic.parse_range("seq=1..256"))
+
+
+def flat_model(hidden: int = 96):
+    """x[batch, seq, 64] flattened to [batch*seq, 64] (Reshape to -1, 64, as exporters write a
+    GEMM over every token), two GEMMs with a relu between, reshaped back by the shape of x."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal((64, hidden)) * 0.1).astype(np.float32), "W"),
+             numpy_helper.from_array((rng.standard_normal((hidden, 64)) * 0.1).astype(np.float32), "W2"),
+             numpy_helper.from_array(np.array([-1, 64], np.int64), "flat")]
+    nodes = [helper.make_node("Shape", ["x"], ["shp"], name="shape"),
+             helper.make_node("Reshape", ["x", "flat"], ["x2"], name="flatten"),
+             helper.make_node("MatMul", ["x2", "W"], ["h"], name="mm1"),
+             helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "W2"], ["o"], name="mm2"),
+             helper.make_node("Reshape", ["o", "shp"], ["y"], name="unflatten")]
+    g = helper.make_graph(nodes, "flat", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 64])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def fissioned(model, b: int, s: int):
+    return fission.fission(rewrite(frontend.load(model, {"x": (b, s, 64)})).graph)
+
+
+def test_a_dimension_over_several_symbols_evaluates_prints_and_round_trips():
+    d = SymDim.of([((("batch", 1), ("seq", 1)), 4), ((("seq", 1),), 2), ((), 3)])
+    assert d.names == ("batch", "seq") and str(d) == "4*batch*seq+2*seq+3"
+    assert d.subs({"batch": 2, "seq": 5}) == 53 and d.partial({"batch": 2}) == SymDim("seq", (3, 10, 0))
+    assert from_json_value(to_json_value(d)) == d and "terms" in to_json_value(d)
+    with pytest.raises(KernorchError, match="uses 2 symbols"):
+        d.coeffs
+    with pytest.raises(KernorchError, match="'seq' is not bound"):
+        d.subs({"batch": 1})
+    # one symbol: written as plans and structural keys always had it
+    one = SymDim("seq", (1, 4, 0))
+    assert to_json_value(one) == {"symbol": "seq", "coeffs": [1, 4, 0]} and one.names == ("seq",)
+    assert SymDim.of([((), 7)]) == 7 and SymDim.of([((("s", 1),), 2), ((("s", 1),), -2)]) == 0
+
+
+def test_polynomials_of_several_symbols_fit_exactly_or_not_at_all():
+    names, grid = ("b", "s"), [(b, s) for b in (2, 3, 5, 7) for s in (61, 67, 71, 73)]
+
+    def fitted(f):
+        return dynamic.fit_grid(names, grid, [f(b, s) for b, s in grid])
+    assert fitted(lambda b, s: 7) == 7
+    assert fitted(lambda b, s: b * s) == SymDim.of([((("b", 1), ("s", 1)), 1)])
+    assert fitted(lambda b, s: 4 * b * s * s + s + 1) == SymDim.of([((("b", 1), ("s", 2)), 4), ((("s", 1),), 1), ((), 1)])
+    assert fitted(lambda b, s: b * b + 3 * s) == SymDim.of([((("b", 2),), 1), ((("s", 1),), 3)])
+    assert fitted(lambda b, s: b * s // 2) is None
+    assert fitted(lambda b, s: b ** 3 * s) is None  # three values of b fit, the fourth does not
+
+
+def test_the_generic_graph_over_batch_and_seq_binds_to_what_fission_gives_at_any_pair():
+    for model in (examples.transformer_block(seq="seq", batch="batch"), flat_model()):
+        generic = dynamic.generic_graph(model, BS)
+        assert dynamic.symbols(generic) == {"batch", "seq"}
+        pairs = [(1, 1), (8, 256), (1, 256), (8, 1)] + [(random.Random(i).randint(1, 8), random.Random(i).randint(1, 256))
+                                                        for i in range(4)]
+        for b, s in pairs:
+            want, got = fissioned(model, b, s), dynamic.bind(generic, {"batch": b, "seq": s})
+            assert got.prims == want.prims and got.inputs == want.inputs, (b, s)
+    flat = dynamic.generic_graph(flat_model(), BS)
+    assert str(flat.by_name["h"].type) == "float32[batch*seqx96]"
+
+
+def test_the_symbols_of_the_model_are_each_given_a_range_or_bound():
+    model = examples.transformer_block(seq="seq", batch="batch")
+    with pytest.raises(KernorchError, match="batch.*not bound: give each a range"):
+        dynamic.generic_graph(model, BS[1])
+    with pytest.raises(KernorchError, match="names a symbol twice"):
+        dynamic.generic_graph(model, (BS[1], BS[1]))
+
+
+def test_several_symbols_are_sampled_on_every_combination_weighted_by_both():
+    ranges = (("batch", 1, 8), ("seq", 1, 512))
+    at = dynamic.samples(ranges, count=3)
+    assert [dict(b) for b, _ in at][:3] == [{"batch": 1, "seq": 1}, {"batch": 1, "seq": 23}, {"batch": 1, "seq": 512}]
+    assert len(at) == 9 and sum(w for _, w in at) == pytest.approx(1.0)
+    assert dict(at)[(("batch", 3), ("seq", 23))] == pytest.approx(0.25)  # (1/2 x 1/2)
+    assert dynamic.middle(ranges) == {"batch": 3, "seq": 23}
+    assert dynamic.sample_key({"seq": 23, "batch": 3}) == (3, 23) and dynamic.sample_key({"seq": 23}) == 23
+    assert dynamic.probe_points(ranges) == ()
+    with pytest.raises(KernorchError, match="weigh one symbol"):
+        dynamic.samples(ranges, lengths=(3, 4))
+
+
+def test_a_kernel_over_a_product_of_symbols_gets_a_variable_for_it():
+    """A GEMM over the flattened rows batch*seq: no parameter holds batch or seq alone, so the
+    PrimFunc gets a variable batch_seq (TVM binds a variable only where a dimension is one:
+    "variables (batch, seq) are used, but are not passed in as API arguments"); its bound is the
+    product of theirs, and it computes the GEMM at every pair."""
+    import tvm
+    from kernorch.backends.tvm.lower import DERIVED_ATTR, bounds_of, lower, symbol_vars
+    from kernorch.backends.tvm.schedule import schedule
+    from kernorch.backends.tvm.target import make_target
+    generic = dynamic.generic_graph(flat_model(), BS)
+    kg = kernel_graph(generic, ["h", "r"], ["x2", "W"], ["r"])
+    mod = lower(kg, kg.prims, ["x2", "W"], ["r"])
+    assert set(symbol_vars(mod["main"])) == {"batch_seq"} and DERIVED_ATTR in mod["main"].attrs
+    target = make_target(1)
+    mod = schedule(mod, target, "default", {"batch": 8, "seq": 256})
+    assert bounds_of(mod["main"]) == {"batch": 8, "seq": 256, "batch_seq": 2048}
+    ex = tvm.compile(mod, target=target)
+    w = np.asarray(generic.constants["W"])
+    for b, s in ((1, 1), (3, 7), (8, 256)):
+        x = np.random.default_rng(b * s).standard_normal((b * s, 64)).astype(np.float32)
+        out = tvm.runtime.empty((b * s, 96), "float32", tvm.cpu())
+        ex["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(w), out)
+        np.testing.assert_allclose(out.numpy(), np.maximum(x @ w, 0), rtol=1e-4, atol=1e-4, err_msg=f"{b}x{s}")
+
+
+def test_a_kernel_that_needs_a_symbol_none_of_its_parameters_holds_is_refused():
+    from kernorch.backends.tvm.lower import Symbols
+    sym = Symbols()
+    bs = SymDim.of([((("batch", 1), ("seq", 1)), 1)])
+    sym.define([(bs, 64)])
+    assert str(sym.expr(SymDim.of([((("batch", 1), ("seq", 1)), 4)]))) == "T.int64(4) * batch_seq"
+    with pytest.raises(KernorchError, match="uses batch .* none of its parameters holds on its own"):
+        sym.expr(SymDim("batch", (0, 1, 0)))
+
+
+def test_one_executable_serves_batch_and_seq_together(tmp_path, capsys):
+    """kernorch optimize --shape batch=1..4 --shape seq=1..64: one saved executable, right against
+    ONNX Runtime at both ends of each range and at random pairs, a pair outside refused by name;
+    buckets (one symbol's) are refused with several symbols."""
+    import onnxruntime as ort
+
+    import kernorch
+    from kernorch import cli
+    for i, model in enumerate((flat_model(), examples.transformer_block(seq="seq", batch="batch", dim=64, heads=2,
+                                                                          hidden=64))):
+        path, out = tmp_path / f"m{i}.onnx", tmp_path / f"out{i}"
+        onnx.save(model, str(path))
+        cmd = ["optimize", str(path), "-o", str(out), "--threads", "1", "--shape", "batch=1..4", "--shape",
+               "seq=1..64", "--db", str(tmp_path / "db.sqlite"), "--max-kernel-size", "2", "--samples", "3",
+               "--runs", "0"]
+        assert cli.main(cmd) == 0, capsys.readouterr().err
+        assert "weighted over batch=1..4,seq=1..64" in capsys.readouterr().out
+        m = kernorch.load(str(out))
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        rng = random.Random(i)
+        for b, s in [(1, 1), (4, 64), (1, 64), (4, 1)] + [(rng.randint(1, 4), rng.randint(1, 64)) for _ in range(4)]:
+            x = np.random.default_rng(b * 100 + s).standard_normal((b, s, 64)).astype(np.float32)
+            np.testing.assert_allclose(m.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=1e-4, atol=1e-4,
+                                       err_msg=f"batch={b}, seq={s}")
+        with pytest.raises(KernorchError, match="batch must be in 1..4"):
+            m.run({"x": np.zeros((5, 3, 64), np.float32)})
+    assert cli.main(cmd + ["--buckets", "8"]) == 2
+    assert "--buckets cuts the range of one symbol" in capsys.readouterr().err
