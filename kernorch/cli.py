@@ -112,7 +112,8 @@ def _tuning_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=None, metavar="N",
                    help="time every kernel over the --shape range at N lengths, its ends and N - 2 between them "
                         "evenly spaced on a log scale (default 4: 1, 8, 64, 512 over 1..512; 3: 1, 23, 512); "
-                        "more follow the range more closely and take longer to measure")
+                        "more follow the range more closely and take longer to measure; with several symbols N each "
+                        "(default 3), every combination timed")
     p.add_argument("--cost-model", choices=("learned", "analytic"), default=None,
                    help="what an unmeasured fusion is estimated at: the analytic bound raised by the shipped "
                         "learned model where it is confident the fusion loses (learned, default), or the bound alone")

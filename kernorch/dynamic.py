@@ -68,7 +68,7 @@ class Range:
         return sorted(out)
 
 
-SAMPLES = Options.samples  # lengths a range is timed at, by default (--samples)
+SAMPLES = Options().sample_count  # lengths a range of one symbol is timed at, by default (--samples)
 
 
 def points(ranges, lengths=(), count: int = SAMPLES) -> tuple[dict[str, int], ...]:
@@ -141,7 +141,7 @@ def sample_key(binding) -> int | tuple[int, ...]:
 
 def samples_of(options: Options) -> tuple:
     """The `samples` a run's options ask for: their range, observed lengths, weights and count."""
-    return samples(options.ranges, options.lengths, options.sample_weights, options.samples)
+    return samples(options.ranges, options.lengths, options.sample_weights, options.sample_count)
 
 
 def relative_weights(graph, ranges, lengths, floor_ns, count: int = SAMPLES) -> tuple[float, ...]:

@@ -691,7 +691,7 @@ def target_of(machine: Machine, options: Options) -> str:
         return fp
     from .dynamic import samples_of
     at = ",".join(f"{dict(b)}:{w:g}" for b, w in samples_of(options)) \
-        if options.lengths or options.sample_weights or options.samples != UNNAMED_SAMPLES else ""
+        if options.lengths or options.sample_weights or options.sample_count != UNNAMED_SAMPLES else ""
     return fp + "".join(f"|{n}={lo}..{hi}" for n, lo, hi in options.ranges) + (f"@{at}" if at else "")
 
 

@@ -151,8 +151,10 @@ class Options:
     sample_gain: float = 0.03
     # lengths a range is timed at (dynamic.points: 1, 8, 64, 512 over 1..512). Three (1, 23, 512) left
     # seq=7 to the plan of 23: a transformer block's one plan ran 1.21-1.30x the static plan there in
-    # three builds, with four 1.08-1.15x in two (Zen 5, 2 threads), the other lengths alike
-    samples: int = 4
+    # three builds, with four 1.08-1.15x in two (Zen 5, 2 threads), the other lengths alike. Per
+    # symbol; None: 4, or 3 each when several symbols vary (their every combination is timed: gpt_like
+    # over batch=1..8 x seq=1..512, Zen 2, cold, measured in 187 s at 16 samples, 99 s at 9)
+    samples: int | None = None
     # the weights of the lengths a range is timed at (dynamic.samples), set by the pipeline from the
     # model: each length counts by its time relative to the model's floor there (dynamic.relative_weights)
     sample_weights: tuple[float, ...] = ()
@@ -187,6 +189,11 @@ class Options:
 
     def with_(self, **kw) -> "Options":
         return replace(self, **kw)
+
+    @property
+    def sample_count(self) -> int:
+        """The samples per symbol a range is timed at: `samples`, or 4, or 3 each with several symbols."""
+        return self.samples if self.samples is not None else 3 if len(self.ranges) > 1 else 4
 
     @property
     def shape_dict(self) -> dict[str, tuple[int, ...]]:

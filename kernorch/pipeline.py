@@ -151,7 +151,7 @@ def model_options(graph: Graph, options: Options, machine: Machine) -> Options:
         from .estimate import kernel_floor_ns
         options = options.with_(sample_weights=relative_weights(
             graph, options.ranges, options.lengths,
-            lambda g: kernel_floor_ns(g, cal["peak_gflops"], cal["bandwidth_gbs"]), options.samples))
+            lambda g: kernel_floor_ns(g, cal["peak_gflops"], cal["bandwidth_gbs"]), options.sample_count))
     return options
 
 
@@ -197,7 +197,7 @@ def tile_jobs(graph: Graph, candidates, options: Options, machine: Machine) -> d
         # reads a symbolic depth guarded, and the default schedule races its tiles
         from .dynamic import bind, probe_points
         at = bind(graph, {name: hi for name, _, hi in options.ranges})
-        probes = tuple(tuple(b.items()) for b in probe_points(options.ranges, options.lengths, options.samples))
+        probes = tuple(tuple(b.items()) for b in probe_points(options.ranges, options.lengths, options.sample_count))
     for c in candidates:
         if len(c.members) == 1 and c.linear:
             prim = graph.by_name[c.linear]

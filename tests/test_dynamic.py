@@ -1811,7 +1811,10 @@ def test_a_range_may_be_timed_at_more_lengths(tmp_path):
     assert target_of(m, Options(ranges=r, samples=4)) != target_of(m, Options(ranges=r, samples=5))
     args = cli.parser().parse_args(["plan", "m.onnx", "--shape", "seq=1..512", "--samples", "5"])
     assert cli.options_from(args).samples == 5
-    assert cli.options_from(cli.parser().parse_args(["plan", "m.onnx", "--shape", "seq=1..512"])).samples == 4
+    assert cli.options_from(cli.parser().parse_args(["plan", "m.onnx", "--shape", "seq=1..512"])).sample_count == 4
+    two = ["plan", "m.onnx", "--shape", "batch=1..8", "--shape", "seq=1..512"]
+    assert cli.options_from(cli.parser().parse_args(two)).sample_count == 3  # (each: 9 samples)
+    assert cli.options_from(cli.parser().parse_args([*two, "--samples", "4"])).sample_count == 4
     with pytest.raises(KernorchError, match="3 lengths or more"):
         cli.options_from(cli.parser().parse_args(["plan", "m.onnx", "--shape", "seq=1..512", "--samples", "2"]))
     with pytest.raises(KernorchError, match="--samples times a range"):
