@@ -18,6 +18,11 @@ profile database of its own, wall time recorded:
 * pad-to-bucket: the static executables of the buckets (32, 128, 512 by default), each length
   running in the smallest bucket that holds it (the padding copy itself is not counted).
 
+`--batch 1..8` makes the batch axis symbolic too (block, gpt_like): the dynamic executable is
+optimized over both (`--shape batch=1..8 --shape seq=LO..HI`, one plan), timed at the pairs of
+`--points` (batch x seq), against a static plan per pair and pad-to-bucket padding the seq of each
+pair (its batch kept); no dispatch.
+
 Timing: at each length, every kernorch executable, ONNX Runtime (the same dynamic model, all
 optimizations) and OpenVINO (f32, LATENCY hint, the dynamic model compiled once) run in processes
 of their own, in turns, with the same threads (kernorch.peers.Timer), and are compared by their
@@ -46,29 +51,37 @@ BLOCK = 3  # timed runs per system per round
 
 
 def build_model(args):
-    """The ONNX model of `args.model` with a symbolic sequence axis."""
+    """The ONNX model of `args.model` with a symbolic sequence axis (and batch axis, with --batch)."""
     hidden = 4 * args.dim
+    batch = {"batch": "batch"} if args.batch else {}
     if args.model == "block":
-        return examples.transformer_block(seq="seq", dim=args.dim, heads=args.heads, hidden=hidden)
+        return examples.transformer_block(seq="seq", dim=args.dim, heads=args.heads, hidden=hidden, **batch)
     build = {"gpt_like": examples.gpt_like, "bert_like": examples.bert_like}[args.model]
-    return build(seq="seq", vocab=args.vocab, dim=args.dim, heads=args.heads, hidden=hidden, layers=args.layers)
+    return build(seq="seq", vocab=args.vocab, dim=args.dim, heads=args.heads, hidden=hidden, layers=args.layers,
+                 **batch)
 
 
-def feeds(args, length: int, rng) -> dict[str, np.ndarray]:
-    """The model's inputs at `length`: a random activation, or random token ids (positions 0..length-1
-    and an attention mask of ones where the model takes them)."""
+def feeds(args, point, rng) -> dict[str, np.ndarray]:
+    """The model's inputs at `point` ((batch, length)): a random activation, or random token ids
+    (positions 0..length-1 and an attention mask of ones where the model takes them)."""
+    batch, length = point
     if args.model == "block":
-        return {"x": rng.standard_normal((1, length, args.dim)).astype(np.float32)}
-    out = {"input_ids": rng.integers(0, args.vocab, (1, length), dtype=np.int64)}
+        return {"x": rng.standard_normal((batch, length, args.dim)).astype(np.float32)}
+    out = {"input_ids": rng.integers(0, args.vocab, (batch, length), dtype=np.int64)}
     if args.model == "bert_like":
         out["position_ids"] = np.arange(length, dtype=np.int64)[None]
         out["attention_mask"] = np.ones((1, length), np.float32)
     return out
 
 
-def static_shapes(args, length: int) -> list[str]:
-    """`--shape` arguments binding every input at `length`."""
-    return [f"{name}={'x'.join(str(d) for d in a.shape)}" for name, a in feeds(args, length, np.random.default_rng(0)).items()]
+def static_shapes(args, point) -> list[str]:
+    """`--shape` arguments binding every input at `point` ((batch, length))."""
+    return [f"{name}={'x'.join(str(d) for d in a.shape)}" for name, a in feeds(args, point, np.random.default_rng(0)).items()]
+
+
+def label(args, point) -> str:
+    """A point's name: its length, or batch x length with --batch."""
+    return f"{point[0]}x{point[1]}" if args.batch else str(point[1])
 
 
 def optimize(model: Path, out: Path, shapes: list[str], args, extra=()) -> float:
@@ -85,19 +98,19 @@ def optimize(model: Path, out: Path, shapes: list[str], args, extra=()) -> float
     return time.perf_counter() - t0
 
 
-def timed(length: int, systems: dict[str, tuple[Path, int]], model: Path, args) -> dict:
-    """Every system at `length`, each in a process of its own, in turns with the same threads
-    (kernorch.peers.Timer): the kernorch executables of `systems` ({label: (directory, the length
-    it runs at)}: a padded one runs at its bucket), ONNX Runtime and OpenVINO (the dynamic model,
+def timed(point, systems: dict[str, tuple[Path, tuple]], model: Path, args) -> dict:
+    """Every system at `point` ((batch, length)), each in a process of its own, in turns with the
+    same threads (kernorch.peers.Timer): the kernorch executables of `systems` ({label: (directory,
+    the point it runs at)}: a padded one runs at its bucket), ONNX Runtime and OpenVINO (the dynamic model,
     compiled once for every length; f32, LATENCY hint). Returns the medians (ms), the runs, every
     run (s, in order: BLOCK per round) and, per pair of systems, the median of their per-round
     ratios (kernorch.peers.round_ratios)."""
-    rng = np.random.default_rng(length)
+    rng = np.random.default_rng(point[0] * 100000 + point[1])
     with Timer(args.threads) as t:
         for label, (directory, at) in systems.items():
             if t.add(label, str(directory), feeds(args, at, rng), peer="kernorch")["status"] != "ok":
                 raise SystemExit(f"{label}: {t.info[label]}")
-        inputs = feeds(args, length, rng)
+        inputs = feeds(args, point, rng)
         t.add("ort", str(model), inputs)
         if t.add("openvino", str(model), inputs)["status"] != "ok":
             print(f"OpenVINO: {t.info['openvino']}", flush=True)
@@ -118,6 +131,10 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=6)
     ap.add_argument("--range", default="1..512")
     ap.add_argument("--lengths", default="1,7,32,128,300,512")
+    ap.add_argument("--batch", default=None, metavar="LO..HI",
+                    help="a symbolic batch too (block, gpt_like): one plan over batch x seq, no dispatch")
+    ap.add_argument("--points", default="1x1,2x7,4x32,8x128,3x300,8x512",
+                    help="with --batch: the batch x seq pairs timed")
     ap.add_argument("--buckets", default="32,128,512", help="pad-to-bucket: the static lengths padded to")
     ap.add_argument("--dispatch", default="8,64",
                     help="bucket edges of the dispatching executable (kernorch optimize --buckets), or 'samples'; "
@@ -140,18 +157,31 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     model = work / f"{args.model}_dyn.onnx"
     onnx.save(build_model(args), str(model))
-    lengths = [int(x) for x in args.lengths.split(",")]
+    if args.batch:
+        if args.model == "bert_like":
+            raise SystemExit("--batch: block or gpt_like")
+        args.dispatch = ""
+        points = [tuple(int(v) for v in p.split("x")) for p in args.points.split(",")]
+    else:
+        points = [(1, int(x)) for x in args.lengths.split(",")]
     buckets = [int(x) for x in args.buckets.split(",")]
+
+    def padded(point):  # (batch, the smallest bucket that holds the length) or None
+        bucket = next((b for b in sorted(buckets) if b >= point[1]), None)
+        return (point[0], bucket) if bucket else None
     saved = work / "builds.json"  # optimize wall times, kept for --reuse
     builds = json.loads(saved.read_text()) if args.reuse and saved.exists() else {}
     over = ("--samples", str(args.samples)) if args.samples else ()
-    jobs = [("dynamic", [f"seq={args.range}"], over)]
+    ranges = ([f"batch={args.batch}"] if args.batch else []) + [f"seq={args.range}"]
+    jobs = [("dynamic", ranges, over)]
     if args.dispatch:
         jobs.append(("dispatch", [f"seq={args.range}"], ("--buckets", args.dispatch, *over)))
     also = f"samples{args.also_samples}" if args.also_samples else None
     if also:
         jobs.append((also, [f"seq={args.range}"], ("--samples", str(args.also_samples))))
-    jobs += [(f"static{s}", static_shapes(args, s), ()) for s in sorted(set(lengths) | set(buckets))]
+    statics = sorted(set(points) | {padded(p) for p in points if padded(p)}) if args.batch else \
+        [(1, s) for s in sorted({p[1] for p in points} | set(buckets))]
+    jobs += [(f"static{label(args, p)}", static_shapes(args, p), ()) for p in statics]
     for name, shapes, extra in jobs:
         if args.reuse and name in builds and (work / name / "model.so").exists():
             continue
@@ -159,20 +189,21 @@ def main(argv=None) -> int:
         saved.write_text(json.dumps(builds))
         print(f"{name}: optimized in {builds[name]:.0f} s", flush=True)
     rows = []
-    for s in lengths:
-        bucket = next((b for b in sorted(buckets) if b >= s), None)
-        systems = {"dynamic": (work / "dynamic", s), "static": (work / f"static{s}", s)}
+    for p in points:
+        pad = padded(p)
+        systems = {"dynamic": (work / "dynamic", p), "static": (work / f"static{label(args, p)}", p)}
         if args.dispatch:
-            systems["dispatch"] = (work / "dispatch", s)
+            systems["dispatch"] = (work / "dispatch", p)
         if also:
-            systems[also] = (work / also, s)
-        if bucket:
-            systems["padded"] = (work / f"static{bucket}", bucket)
-        row = {"length": s, "bucket": bucket, **timed(s, systems, model, args)}
+            systems[also] = (work / also, p)
+        if pad:
+            systems["padded"] = (work / f"static{label(args, pad)}", pad)
+        row = {"length": label(args, p) if args.batch else p[1], "bucket": pad[1] if pad else None, **timed(p, systems, model, args)}
         ms = row["ms"]
-        row["best_peer"] = min((p for p in ("ort", "openvino") if p in ms), key=ms.get)
+        row["best_peer"] = min((q for q in ("ort", "openvino") if q in ms), key=ms.get)
         rows.append(row)
-        print(f"seq {s}: " + ", ".join(f"{n} {v:.3f}" for n, v in ms.items()) + " ms", flush=True)
+        print(f"{'batch x seq' if args.batch else 'seq'} {row['length']}: "
+              + ", ".join(f"{n} {v:.3f}" for n, v in ms.items()) + " ms", flush=True)
 
     def geomean(xs):
         return float(np.exp(np.mean(np.log(xs)))) if xs else None
@@ -183,7 +214,7 @@ def main(argv=None) -> int:
 
     def ratios(num: str, den: str) -> list[float]:
         return [ratio(r, num, den) for r in rows if num in r["ms"] and den in r["ms"]]
-    static_sum = sum(builds[f"static{s}"] for s in lengths)
+    static_sum = sum(builds[f"static{label(args, p)}"] for p in points)
     summary = {"optimize_dynamic_s": builds["dynamic"], "optimize_static_sum_s": static_sum,
                "optimize_ratio": builds["dynamic"] / static_sum}
     for name in ("dynamic", "dispatch", *([also] if also else [])):
@@ -208,7 +239,8 @@ def main(argv=None) -> int:
     names = ["dynamic", "dispatch", *([also] if also else []), "static", "padded", "ort", "openvino"]
     pairs = [("dynamic", "static"), ("dispatch", "static"), *([(also, "static")] if also else [])]
     what = "transformer block" if args.model == "block" else f"{args.model}, {args.layers} layers, vocabulary {args.vocab}"
-    lines = [f"# One executable over seq={args.range} ({what}, dim {args.dim}, {args.threads} threads, "
+    over_what = ", ".join(ranges)
+    lines = [f"# One executable over {over_what} ({what}, dim {args.dim}, {args.threads} threads, "
              f"max kernel size {args.max_kernel_size})", "",
              f"Median ms; at each length every system runs in its own process, in turns ({args.rounds} rounds of "
              f"{BLOCK} runs). The ratios are medians of the per-round ratios (two systems compared within one round, "
@@ -218,7 +250,7 @@ def main(argv=None) -> int:
              "padded: the static plan of the smallest bucket that holds the length (the padding copy not "
              "counted); ONNX Runtime and OpenVINO run the same dynamic model."
              + (f" {also}: one plan over the range timed at {args.also_samples} lengths." if also else ""), "",
-             "| seq | " + " | ".join(names) + " | " + " | ".join(f"{a} / {b}" for a, b in pairs)
+             f"| {'batch x seq' if args.batch else 'seq'} | " + " | ".join(names) + " | " + " | ".join(f"{a} / {b}" for a, b in pairs)
              + " | dynamic / best peer |",
              "|---|" + "---|" * (len(names) + len(pairs) + 1)]
     for r in rows:

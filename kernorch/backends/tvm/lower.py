@@ -529,8 +529,7 @@ class Symbols:
         has as a whole dimension; then a variable for each remaining dimension of one term (c *
         a monomial of the other symbols)."""
         dims = [d for shape in shapes for d in shape if isinstance(d, SymDim)]
-        bare = {d.names[0] for d in dims if len(d.terms) == 1 and d.terms[0][1] == 1 and d.terms[0][0][0][1] == 1
-                and len(d.terms[0][0]) == 1}
+        bare = {d.names[0] for d in dims if d.terms == ((((d.names[0], 1),), 1),)}  # (the symbol itself)
         for d in dims:
             if len(d.terms) == 1 and not set(d.names) & bare and not any(d == x for x in self.derived.values()):
                 self.derived["_".join(n if p == 1 else f"{n}{p}" for n, p in d.terms[0][0])
