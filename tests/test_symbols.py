@@ -221,3 +221,24 @@ def test_an_attention_over_a_symbolic_batch_and_length_runs_in_one_kernel(tile):
     one, _ = attention_graph(m=s, n=s, d=16, batch=2, deferred=True)
     _, static = _kernel_over(one, inputs, tile, {"seq": 64})
     assert text.count("T.parallel(") == static.count("T.parallel(") >= 1 and '_rf")' in text
+
+
+def test_the_runtime_binds_each_symbol_from_a_dimension_that_holds_it_alone():
+    """An input's dimensions are read one symbol at a time: batch*seq after batch and seq are bound
+    (checked against them), and an input whose only dimension over both is their product is
+    refused by name."""
+    from types import SimpleNamespace
+
+    from kernorch.ir import TensorType
+    from kernorch.runtime import CompiledModel
+    model = SimpleNamespace(ranges={"batch": (1, 8), "seq": (1, 64)})
+    b, s = SymDim("batch", (0, 1, 0)), SymDim("seq", (0, 1, 0))
+    bs = SymDim.of([((("batch", 1), ("seq", 1)), 1)])
+    binding: dict = {}
+    assert CompiledModel._shape(model, "x", TensorType((bs, b, s)), (12, 3, 4), binding) == (12, 3, 4)
+    assert binding == {"batch": 3, "seq": 4}
+    assert CompiledModel._shape(model, "x", TensorType((bs, b, s)), (13, 3, 4), {}) == (12, 3, 4)  # (then refused)
+    with pytest.raises(KernorchError, match="does not tell batch and seq apart"):
+        CompiledModel._shape(model, "flat", TensorType((bs, 64)), (12, 64), {})
+    with pytest.raises(KernorchError, match="seq must be in 1..64"):
+        CompiledModel._shape(model, "x", TensorType((b, s, 64)), (2, 65, 64), {})
