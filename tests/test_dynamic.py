@@ -2192,27 +2192,30 @@ def test_an_extent_is_proven_whole_over_one_period():
     assert not divisible(whole + m, 16) and not divisible(n * n - n, 2)
 
 
-@pytest.mark.parametrize("name", ["block", "gpt_like", "bert_like"])
-def test_the_dynamic_benchmark_feeds_each_of_its_models_at_any_length(name, benchmark_script):
+@pytest.mark.parametrize("name,batch", [("block", None), ("gpt_like", None), ("bert_like", None),
+                                        ("block", "1..8"), ("gpt_like", "1..8")])
+def test_the_dynamic_benchmark_feeds_each_of_its_models_at_any_length(name, batch, benchmark_script):
     """benchmarks/dynamic.py --model: the transformer block and the token models are fed inputs
     ONNX Runtime runs at any length (token ids below the vocabulary, positions and a mask where
-    the model takes them), and a static optimize binds every input at the length."""
+    the model takes them), and a static optimize binds every input at the length; with --batch,
+    at any batch too (the model's batch axis symbolic)."""
     import argparse
     import onnxruntime as ort
     from kernorch.frontend.onnx import parse_shape
     bench = benchmark_script("dynamic")
-    args = argparse.Namespace(model=name, dim=32, heads=2, layers=1, vocab=64)
+    args = argparse.Namespace(model=name, dim=32, heads=2, layers=1, vocab=64, batch=batch)
     model = bench.build_model(args)
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    assert [i.name for i in session.get_inputs()] == list(bench.feeds(args, 3, np.random.default_rng(0)))
-    for length in (1, 5):
-        inputs = bench.feeds(args, length, np.random.default_rng(length))
+    assert [i.name for i in session.get_inputs()] == list(bench.feeds(args, (1, 3), np.random.default_rng(0)))
+    for point in ((1, 1), (1, 5)) + (((3, 5), (8, 1)) if batch else ()):
+        inputs = bench.feeds(args, point, np.random.default_rng(point[1]))
         outs = session.run(None, inputs)
-        assert outs[0].shape[:2] == (1, length) and np.isfinite(outs[0]).all()
+        assert outs[0].shape[:2] == point and np.isfinite(outs[0]).all()
         if "input_ids" in inputs:
             assert inputs["input_ids"].dtype == np.int64 and inputs["input_ids"].max() < args.vocab
-        assert dict(parse_shape(s) for s in bench.static_shapes(args, length)) == \
+        assert dict(parse_shape(s) for s in bench.static_shapes(args, point)) == \
             {k: v.shape for k, v in inputs.items()}
+    assert bench.label(args, (3, 5)) == ("3x5" if batch else "5")
 
 
 @pytest.mark.parametrize("name", ["bert_like", "gpt_like"])
