@@ -105,9 +105,16 @@ def ort_session(model: Any, threads: int | None = None, level: str = "ORT_ENABLE
         so.add_session_config_entry("session.force_spinning_stop", "1")
     elif not spinning:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    where = "the model" if isinstance(model, (bytes, onnx.ModelProto)) else str(model)
     if isinstance(model, onnx.ModelProto):
         model = model.SerializeToString()
-    return ort.InferenceSession(model if isinstance(model, bytes) else str(model), so, providers=["CPUExecutionProvider"])
+    try:
+        return ort.InferenceSession(model if isinstance(model, bytes) else str(model), so,
+                                    providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 - onnxruntime raises its own Fail, InvalidGraph, ...
+        text = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise KernorchError(f"{where}: ONNX Runtime cannot load it ({text[-300:]}); kernorch checks its results "
+                            "against ONNX Runtime and times it beside it") from None
 
 
 def max_error(ref: np.ndarray, got: np.ndarray) -> dict[str, float]:

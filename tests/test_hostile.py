@@ -111,6 +111,17 @@ def test_empty_graph_and_opsets_and_domains(tmp_path, capsys):
     expect(capsys, ["inspect", tmp_path / "custom.onnx"], "node 'spell' (Magic)", "domain")
 
 
+def test_a_model_onnx_runtime_cannot_load_is_refused_by_name(tmp_path, capsys):
+    """kernorch checks its results against ONNX Runtime: a model it cannot load (an IR version newer
+    than it reads) is refused with ONNX Runtime's reason, not an internal error."""
+    m = good_model()
+    m.ir_version = 99
+    onnx.save(m, str(tmp_path / "new.onnx"))
+    expect(capsys, ["optimize", tmp_path / "new.onnx", "-o", tmp_path / "out", "--threads", "1", "--runs", "0",
+                    "--db", tmp_path / "db.sqlite", "--max-kernel-size", "1"],
+           "new.onnx: ONNX Runtime cannot load it", "IR version")
+
+
 def test_unsupported_operator_names_the_node(tmp_path, capsys):
     m = model([helper.make_node("LpNormalization", ["x"], ["y"], name="lpn")], [vi("x", [2, 3])], [vi("y", [2, 3])])
     onnx.save(m, str(tmp_path / "lp.onnx"))
