@@ -1,5 +1,6 @@
 """optimize(): the stages in order, each a function from one frozen value to the next.
 
+    verify.loadable(model, threads)                                   # ONNX Runtime can load it (checked last)
     loaded   = load(model, options)                                   # Loaded: ONNX graph + prim graph
     options  = model_options(loaded.graph, options, machine)          # where its weights are, lengths' weights
     cands    = enumerate_candidates(loaded.graph, options)            # candidates.Enumeration
@@ -1606,6 +1607,7 @@ def optimize(model, options: Options, runs: int = 20):
     """The whole pipeline: a verified CompiledModel with its report; returns (compiled, planned)."""
     from . import peers, verify
     clock = Clock()
+    verify.loadable(model, options.threads)
     with meas.Workers(options) as workers:  # (one set of build and timing processes for the run)
         planned = plan_model(model, options, clock=clock, workers=workers)
         graph = planned.loaded.graph

@@ -18,6 +18,12 @@ from .ir import KernorchError
 TOLERANCE = 1e-3
 
 
+def loadable(model, threads: int) -> None:
+    """Raise now (a KernorchError naming ONNX Runtime's reason) where ONNX Runtime cannot load
+    `model`: `verify` compares with it at the end of every optimize, after the measuring."""
+    executor.ort_session(model, threads)
+
+
 def verify(compiled, model, options, seed: int | None = None, tol: float = TOLERANCE) -> dict:
     """Compare the compiled model with ONNX Runtime; on a mismatch raise, naming the first diverging kernel."""
     seed = options.seed if seed is None else seed

@@ -113,13 +113,15 @@ def test_empty_graph_and_opsets_and_domains(tmp_path, capsys):
 
 def test_a_model_onnx_runtime_cannot_load_is_refused_by_name(tmp_path, capsys):
     """kernorch checks its results against ONNX Runtime: a model it cannot load (an IR version newer
-    than it reads) is refused with ONNX Runtime's reason, not an internal error."""
+    than it reads) is refused with ONNX Runtime's reason, not an internal error, and before the
+    optimize measures anything."""
     m = good_model()
     m.ir_version = 99
     onnx.save(m, str(tmp_path / "new.onnx"))
     expect(capsys, ["optimize", tmp_path / "new.onnx", "-o", tmp_path / "out", "--threads", "1", "--runs", "0",
                     "--db", tmp_path / "db.sqlite", "--max-kernel-size", "1"],
            "new.onnx: ONNX Runtime cannot load it", "IR version")
+    assert not (tmp_path / "db.sqlite").exists()  # (refused before anything is measured)
 
 
 def test_unsupported_operator_names_the_node(tmp_path, capsys):
