@@ -424,19 +424,16 @@ def _sliced_constant(c: str, names: tuple[str, ...], probes: list, arrays: list,
                      f"constant {c} sliced to the length")
 
 
-def generalize(graphs: Mapping, names: str | tuple[str, ...],
-               largest: Callable[[], tuple[Any, Graph]] | None = None) -> Graph:
-    """One generic graph from the static graphs fissioned at each probe of the symbol `names` (keys:
-    its values), or of several symbols (`names` a tuple; keys: tuples of their values, every
-    combination of each symbol's probes). `largest()`: (the range's largest value(s), the graph
-    fissioned there), asked for only when a folded constant changes with the length: it becomes a
-    slice of its value there, when it is one (see `_sliced_constant`)."""
-    one = isinstance(names, str)
-    names = (names,) if one else tuple(names)
+def generalize(graphs: Mapping[tuple[int, ...], Graph], names: tuple[str, ...],
+               largest: Callable[[], tuple[tuple[int, ...], Graph]] | None = None) -> Graph:
+    """One generic graph from the static graphs fissioned at each probe of the symbols `names`
+    (keys: tuples of their values, every combination of each symbol's probes). `largest()`: (the
+    ranges' largest values, the graph fissioned there), asked for only when a folded constant
+    changes with the length: it becomes a slice of its value there, when it is one (see
+    `_sliced_constant`)."""
     what = "/".join(names)
     probes = sorted(graphs)
     gs = [graphs[p] for p in probes]
-    probes = [(p,) if one else tuple(p) for p in probes]
     first = gs[0]
     for p, g in zip(probes[1:], gs[1:]):
         a, b = [q.name for q in first.prims], [q.name for q in g.prims]
@@ -454,9 +451,7 @@ def generalize(graphs: Mapping, names: str | tuple[str, ...],
                for a in arrays):
             sliced = None
             if largest is not None and not any(a is None for a in arrays):
-                if at_largest is None:
-                    hi, g = largest()
-                    at_largest = ((hi,) if one else tuple(hi), g)
+                at_largest = at_largest or largest()
                 sliced = _sliced_constant(c, names, probes, arrays, at_largest)
             if sliced is None:
                 raise KernorchError(f"constant {c!r} changes with {what} and is no leading slice of one constant "

@@ -112,7 +112,8 @@ def ort_session(model: Any, threads: int | None = None, level: str = "ORT_ENABLE
         return ort.InferenceSession(model if isinstance(model, bytes) else str(model), so,
                                     providers=["CPUExecutionProvider"])
     except Exception as e:  # noqa: BLE001 - onnxruntime raises its own Fail, InvalidGraph, ...
-        text = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        lines = str(e).strip().splitlines()
+        text = lines[-1] if lines else type(e).__name__
         raise KernorchError(f"{where}: ONNX Runtime cannot load it ({text[-300:]}); kernorch checks its results "
                             "against ONNX Runtime and times it beside it") from None
 

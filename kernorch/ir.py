@@ -75,15 +75,11 @@ class SymDim:
         return self.subs({self.name: value})
 
     def subs(self, binding: Mapping[str, int]) -> int:
+        """Its value where every one of its symbols is bound."""
         missing = [n for n in self.names if n not in binding]
         if missing:
             raise KernorchError(f"symbol {missing[0]!r} is not bound")
-        total = 0
-        for m, c in self.terms:
-            for n, p in m:
-                c *= int(binding[n]) ** p
-            total += c
-        return total
+        return self.partial(binding)
 
     def partial(self, binding: Mapping[str, int]) -> "int | SymDim":
         """The symbols of `binding` replaced by their values; the others stay."""

@@ -1572,7 +1572,7 @@ def test_positions_and_a_causal_mask_computed_from_the_length_become_slices(tmp_
         g = fission.fission(frontend.load(examples.gpt_like(seq=s)))
         return replace(g, constants={**g.constants, mask: np.asarray(g.constants[mask])[::-1].copy()})
     with pytest.raises(KernorchError, match=f"constant '{mask}' changes with seq and is no leading slice"):
-        dynamic.generalize({s: flipped(s) for s in (61, 67, 71, 73)}, "seq", lambda: (80, flipped(80)))
+        dynamic.generalize({(s,): flipped(s) for s in (61, 67, 71, 73)}, ("seq",), lambda: ((80,), flipped(80)))
 
 
 WEIGHTS = {1: 0.25, 23: 0.5, 512: 0.25}   # the samples of seq=1..512 (other lengths: probes, weight 0)
