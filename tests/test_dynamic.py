@@ -1776,6 +1776,46 @@ def test_the_kernels_copy_curve_is_the_one_the_plan_reads():
                 assert int(got) == curve_ns(pts, p), (pts, p)
 
 
+def test_the_copies_test_is_written_as_the_runs_of_lengths_where_it_holds():
+    """The kernel's test among its row copies, a comparison of cost curves (nested Selects TVM's
+    simplifiers walk in every pass), is written as the runs of lengths where it holds; equal to it
+    at every length 1..bound, and kept as it is where it holds on too many runs."""
+    from tvm import tirx
+    from kernorch.backends.tvm.schedule import INTERVALS_MAX, _as_intervals, _at_lengths, _copy_cost
+    from kernorch.backends.tvm.tirwalk import loads
+    seq = tirx.Var("seq", "int64")
+    lengths = np.arange(1, 513, dtype=np.int64)
+    rng = np.random.default_rng(3)
+    written = 0
+    for _ in range(12):
+        mrs = rng.choice([2, 4, 6, 8, 14], 2, replace=False)
+        curves = []
+        for mr in mrs:
+            ps = np.sort(rng.choice(np.arange(1, 100), 3, replace=False))
+            ts = np.cumsum(rng.integers(1000, 50000, 3))
+            curves.append(tuple((int(p), int(t)) for p, t in zip(ps, ts)))
+        cond = _copy_cost(curves[0], int(mrs[0]), seq) <= _copy_cost(curves[1], int(mrs[1]), seq)
+        got = _as_intervals(cond, {"seq": 512})
+        want = np.broadcast_to(_at_lengths(cond, "seq", lengths), lengths.shape)
+        assert (np.broadcast_to(_at_lengths(got, "seq", lengths), lengths.shape) == want).all()
+        if not got.same_as(cond):
+            written += 1
+            assert not any(isinstance(e, tirx.Select) for e in _exprs(got)) and not list(loads(got))
+    assert written >= 6
+    # a test that flips at every other length keeps its own expression
+    alternating = tirx.EQ(tirx.floormod(seq, tirx.const(2, "int64")), tirx.const(0, "int64"))
+    assert _as_intervals(alternating, {"seq": 2 * INTERVALS_MAX + 2}).same_as(alternating)
+    few = _as_intervals(alternating, {"seq": 4})
+    assert not few.same_as(alternating) and list(_at_lengths(few, "seq", lengths[:4])) == [False, True, False, True]
+
+
+def _exprs(e):
+    from kernorch.backends.tvm.tirwalk import operands
+    yield e
+    for sub in operands(e):
+        yield from _exprs(sub)
+
+
 def test_a_tile_whose_own_copies_are_cheapest_everywhere_or_without_lengths_stays_as_it_is():
     from kernorch.pipeline import row_copies
     costs = {14: (70, 30), 8: (71, 33), 1: (200, 100)}
