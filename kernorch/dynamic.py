@@ -132,6 +132,18 @@ def _one_symbol_lengths(ranges, lengths) -> None:
                             f"({', '.join(n for n, _, _ in ranges)})")
 
 
+def along(samples_ns, ranges, name: str) -> dict[int, int]:
+    """A kernel's times at its samples (Measurement.samples_ns, named by `sample_key`) where every
+    symbol of `ranges` but `name` is at its lowest value, by the value of `name`."""
+    if len(ranges) == 1:
+        return dict(samples_ns)
+    names = sorted(n for n, _, _ in ranges)
+    lows = {n: lo for n, lo, _ in ranges}
+    i = names.index(name)
+    return {key[i]: ns for key, ns in samples_ns
+            if all(v == lows[n] for n, v in zip(names, key) if n != name)}
+
+
 def sample_key(binding) -> int | tuple[int, ...]:
     """What a kernel's time at one sample binding is named by (Measurement.samples_ns, the pipeline's
     lengths): its one symbol's value, or the values of several in the order of their names."""
@@ -157,13 +169,23 @@ def relative_weights(graph, ranges, lengths, floor_ns, count: int = SAMPLES) -> 
     return tuple(float(f"{x / total:.2g}") for x in raw)
 
 
-def probe_points(ranges, lengths=(), count: int = SAMPLES) -> tuple[dict[str, int], ...]:
+def probe_points(ranges, lengths=(), count: int = SAMPLES, along: str | None = None) -> tuple[dict[str, int], ...]:
     """Bindings between the `points`, each the geometric middle of two neighbours (seq=1..512:
     5 and 109), and the lengths in the range a small row copy serves (kernorch.kernels.tiles.
     SMALL_ROWS: seq=2; seq=1 is a point): where a kernel is timed to be seen, not counted
-    (kernorch.pipeline.row_copies reads there which micro-kernel wins at which length)."""
-    if len(ranges) > 1:  # (the row copies serve one symbol)
-        return ()
+    (kernorch.pipeline.row_copies reads there which micro-kernel wins at which length).
+
+    Several symbols: the values of symbol `along` (a contraction's rows) that one symbol's
+    default points and probes have and the samples lack at the other symbols' lowest values
+    (batch=1..8 x seq=1..512 along seq: 2, 3, 8, 64 and 181 at batch=1; none without `along`)."""
+    if len(ranges) > 1:
+        if along is None:
+            return ()
+        lows = {n: lo for n, lo, _ in ranges if n != along}
+        one = next((r,) for r in ranges if r[0] == along)
+        sampled = {b[along] for b in points(ranges, lengths, count) if all(b[n] == v for n, v in lows.items())}
+        values = {b[along] for b in (*points(one), *probe_points(one))} - sampled
+        return tuple({**lows, along: v} for v in sorted(values))
     name, lo, hi = ranges[0]
     values = sorted({b[name] for b in points(ranges, lengths, count)})
     out = ({round(math.sqrt(a * b)) for a, b in zip(values, values[1:])}

@@ -34,7 +34,7 @@ from . import primitives
 from .backends import registry
 from .database import Measurement, ProfileDB
 from .frontend import onnx as frontend
-from .ir import Graph, KernorchError, kernel_graph, structural_key
+from .ir import Graph, KernorchError, SymDim, kernel_graph, structural_key
 from .kernels import LengthSwitch, Tile, Winograd, blocked, has_blocked_variant, prim_tiles, split
 from .kernels.tiles import SMALL_ROWS, curve_ns, fit_copies, passes
 from .kernels.variants import CONVERSIONS
@@ -191,14 +191,12 @@ def tile_jobs(graph: Graph, candidates, options: Options, machine: Machine) -> d
     that wins alone is the one its fused candidates use: epilogues do not change the register tile)."""
     out: dict[tuple, list[meas.KernelJob]] = {}
     at = graph
-    probes: tuple = ()
     if options.ranges:  # over a range: tiles sized at its longest length, where the work is (their 2-row
         # copy serves the shortest; sized at the middle, a bucket 1..8 raced only 3-row tiles: three
         # passes at 7 rows); attention over a symbolic length pads its seq columns to the tile and
         # reads a symbolic depth guarded, and the default schedule races its tiles
-        from .dynamic import bind, probe_points
+        from .dynamic import bind
         at = bind(graph, {name: hi for name, _, hi in options.ranges})
-        probes = tuple(tuple(b.items()) for b in probe_points(options.ranges, options.lengths, options.sample_count))
     for c in candidates:
         if len(c.members) == 1 and c.linear:
             prim = graph.by_name[c.linear]
@@ -212,7 +210,8 @@ def tile_jobs(graph: Graph, candidates, options: Options, machine: Machine) -> d
                 if tiles:
                     # a tile over symbolic rows is also timed between the samples: where a longer
                     # row count wins there, the kernel runs it there (`row_copies`)
-                    seen = probes if _rows_only_symbolic(graph, graph.by_name[c.linear]) else ()
+                    seen = _row_probes(graph.by_name[c.linear], options) if _rows_only_symbolic(
+                        graph, graph.by_name[c.linear]) else ()
                     out[(c.linear, cls)] = [replace(_job(graph, c, "tvm", _in_class(cls, t.name)), probes=seen)
                                             for t in tiles]
                     if cls is None and (prim.op == "conv" or symbolic):  # new tiles: the default competes
@@ -247,6 +246,23 @@ def fastest_schedules(measurements, jobs_by_prim: Mapping[tuple, list[meas.Kerne
     return out
 
 
+def _row_symbol(prim) -> str | None:
+    """The one symbol a contraction's rows are (seq), or None (static rows, or a product of symbols)."""
+    rows = prim.type.shape[-2] if len(prim.type.shape) >= 2 else None
+    return rows.name if isinstance(rows, SymDim) and len(rows.names) == 1 else None
+
+
+def _row_probes(prim, options: Options) -> tuple:
+    """The bindings a tile of contraction `prim` over symbolic rows is timed at beyond the samples,
+    along its rows' symbol (kernorch.dynamic.probe_points): for its row copies' curves."""
+    from .dynamic import probe_points
+    name = _row_symbol(prim)
+    if name is None:
+        return ()
+    return tuple(tuple(sorted(b.items()))
+                 for b in probe_points(options.ranges, options.lengths, options.sample_count, along=name))
+
+
 def _rows_only_symbolic(graph: Graph, prim) -> bool:
     """A contraction whose rows alone are symbolic (a weight GEMM over seq rows): columns and depth static."""
     out, a = prim.type.shape, graph.type_of(prim.inputs[0]).shape
@@ -255,12 +271,13 @@ def _rows_only_symbolic(graph: Graph, prim) -> bool:
 
 
 def row_copies(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob]],
-               tiles: Mapping[tuple, str], bounds: tuple[int, int]) -> dict[tuple, str]:
+               tiles: Mapping[tuple, str], ranges) -> dict[tuple, str]:
     """`tiles` with fitted row copies (kernorch.kernels.Tile.copies) for contractions over symbolic
     rows (their tiles timed between the samples too). Per packing and loop order (a family), each
     row count of its tiles and their SMALL_ROWS copies gets the cost curve of the lengths it ran at
     (kernorch.kernels.tiles.fit_copies); the family's kernel holds the copies that are the
-    cheapest at some length of the range `bounds` (lo, hi) and runs the cheapest at each. Where
+    cheapest at some length of its rows' range (of `ranges`, (name, lo, hi) triples; with several
+    symbols, timed with the others at their lowest values) and runs the cheapest at each. Where
     that runs the same copies as the family's fastest tile everywhere, that tile stays. The family
     kept is the one closest to the best family at every length timed (`_relative_score`).
     Micro-kernels tuned once, chosen by the length at run time by their measured cost (HAOTuner).
@@ -270,14 +287,14 @@ def row_copies(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob]],
     out = dict(tiles)
     for prim, sched in tiles.items():
         block, inner = split(sched)
-        kept = _families(measurements, jobs_by_prim, prim, block, bounds) if Tile.parse(inner) else {}
+        kept = _families(measurements, jobs_by_prim, prim, block, ranges) if Tile.parse(inner) else {}
         if kept:
             out[prim] = _in_class(block, _relative_score(kept))
     return out
 
 
 def family_copies(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob]],
-                  tiles: Mapping[tuple, str], bounds: tuple[int, int]) -> dict[tuple, tuple[str, ...]]:
+                  tiles: Mapping[tuple, str], ranges) -> dict[tuple, tuple[str, ...]]:
     """Per contraction over symbolic rows, the kernel with fitted row copies of each of its
     families (`row_copies` keeps one for the fusions around it): the contraction alone is timed in
     each, since the solver sees a kernel only at the samples (seq=1, 8, 64, 512), where a family's
@@ -286,21 +303,27 @@ def family_copies(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob
     out = {}
     for prim, sched in tiles.items():
         block = split(sched)[0]
-        fitted = tuple(_in_class(block, s) for s in _families(measurements, jobs_by_prim, prim, block, bounds)
+        fitted = tuple(_in_class(block, s) for s in _families(measurements, jobs_by_prim, prim, block, ranges)
                        if Tile.parse(s).copies)
         if fitted:
             out[prim] = fitted
     return out
 
 
-def _families(measurements, jobs_by_prim, prim, block, bounds) -> dict[str, dict[int, int]]:
+def _families(measurements, jobs_by_prim, prim, block, ranges) -> dict[str, dict[int, int]]:
     """Per family (packing and loop order) of the tiles `prim` was timed in over symbolic rows (in
     layout class `block`): the tile with fitted row copies, or its fastest tile where that runs the
-    same copies everywhere in `bounds`; each with its time (measured or read off its curves) at
-    every length timed. Empty: not a contraction over symbolic rows alone."""
-    lengths = range(bounds[0], bounds[1] + 1)
-    if not any(j.probes for j in jobs_by_prim.get(prim, ())):  # rows alone symbolic
+    same copies everywhere in its rows' range (of `ranges`); each with its time (measured or read
+    off its curves) at every length timed (with several symbols, the others at their lowest
+    values: `dynamic.along`). Empty: not a contraction over symbolic rows alone."""
+    from .dynamic import along
+    probes = next((j.probes for j in jobs_by_prim.get(prim, ()) if j.probes), None)
+    if probes is None:  # rows alone symbolic, timed between the samples
         return {}
+    # (the symbol probed: the others are at their lowest values, a range's end, which is a sample)
+    lows = {n: lo for n, lo, _ in ranges}
+    name = next(n for n, v in probes[0] if len(ranges) == 1 or v != lows[n])
+    lengths = next(range(lo, hi + 1) for n, lo, hi in ranges if n == name)
     families: dict[Tile, dict[Tile, object]] = {}   # family -> {tile: its measurement}
     for j in jobs_by_prim[prim]:
         b, i = split(j.schedule)
@@ -311,10 +334,10 @@ def _families(measurements, jobs_by_prim, prim, block, bounds) -> dict[str, dict
     kept: dict[str, dict[int, int]] = {}
     for fam in families.values():
         fastest = min(fam, key=lambda t: fam[t].median_ns)
-        fitted = replace(fastest, copies=fit_copies({t.mr: dict(m.samples_ns) for t, m in fam.items()}))
+        fitted = replace(fastest, copies=fit_copies({t.mr: along(m.samples_ns, ranges, name) for t, m in fam.items()}))
         used = {fitted.pick(n) for n in lengths}
         fitted = replace(fitted, copies=tuple(c for c in fitted.copies if c[0] in used))
-        timed = dict(fam[fastest].samples_ns)
+        timed = along(fam[fastest].samples_ns, ranges, name)
         if len(fitted.copies) > 1 and any(fitted.pick(n) != fastest.pick(n) for n in lengths):
             kept[fitted.name] = {n: min(curve_ns(pts, passes(mr, n)) for mr, pts in fitted.copies) for n in timed}
         else:
@@ -479,9 +502,9 @@ def measure_candidates(graph: Graph, enumeration, db: ProfileDB, options: Option
                                   workers=workers)
     tiles = fastest_schedules(results, by_prim)
     families: dict = {}
-    if len(options.ranges) == 1:  # (row copies: fitted over one symbol's lengths)
-        families = family_copies(results, by_prim, tiles, options.ranges[0][1:])
-        tiles = row_copies(results, by_prim, tiles, options.ranges[0][1:])
+    if options.ranges:  # (row copies: fitted over the lengths of a contraction's rows)
+        families = family_copies(results, by_prim, tiles, options.ranges)
+        tiles = row_copies(results, by_prim, tiles, options.ranges)
     direct = fastest_schedules(results, by_prim, direct=True)
     jobs = candidate_jobs(graph, enumeration.candidates, options, machine, tiles,
                           fastest_schedules(results, by_prim, rows_outer=True),

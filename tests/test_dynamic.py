@@ -1616,7 +1616,7 @@ def test_a_tile_over_symbolic_rows_runs_the_copy_cheapest_at_each_length():
     assert times["t8x32p"] == {1: 94000, 5: 104000, 23: 170000, 109: 533000, 512: 2183000}
     x64 = {1: 90000, 5: 300000, 23: 400000, 109: 900000, 512: 2000000}
     by_prim, ms = _tile_race({**times, "t6x64p": x64})
-    got = row_copies(ms, by_prim, {("mm", None): "t6x64p"}, (1, 512))
+    got = row_copies(ms, by_prim, {("mm", None): "t6x64p"}, (("seq", 1, 512),))
     t = Tile.parse(got[("mm", None)])
     assert (t.nb, t.pack) == (32, True) and dict(t.copies) == {
         14: ((1, 133000), (2, 186000), (8, 504000), (37, 2040000)),
@@ -1630,7 +1630,7 @@ def test_a_tile_over_symbolic_rows_runs_the_copy_cheapest_at_each_length():
         assert ran[t.pick(n)] == min(ran.values())
     # a tile of another packing that is faster at every length stays as it is
     by_prim, ms = _tile_race({**times, "t6x64p": {1: 90000, 5: 100000, 23: 160000, 109: 480000, 512: 1900000}})
-    kept = row_copies(ms, by_prim, {("mm", None): "t6x64p"}, (1, 512))[("mm", None)]
+    kept = row_copies(ms, by_prim, {("mm", None): "t6x64p"}, (("seq", 1, 512),))[("mm", None)]
     assert kept.split("~")[0] == "t6x64p", kept   # (its own copies: at 2 rows it runs 6, not a 2-row copy never timed)
 
 
@@ -1649,12 +1649,12 @@ def test_the_contraction_alone_is_offered_with_the_copies_of_each_family_and_not
     x32 = _copy_times({14: (80000, 53000), 8: (71000, 33000), 1: (80000, 14000)}, ["t14x32p", "t8x32p"])
     x64 = _copy_times({6: (50000, 30000), 4: (50000, 22000), 1: (50000, 14000)}, ["t6x64p", "t4x64p"])
     by_prim, ms = _tile_race({**x32, **x64})
-    fams = family_copies(ms, by_prim, {("mm", None): "t6x64p"}, (1, 512))[("mm", None)]
+    fams = family_copies(ms, by_prim, {("mm", None): "t6x64p"}, (("seq", 1, 512),))[("mm", None)]
     assert sorted(Tile.parse(f).nb for f in fams) == [32, 64] and all(len(Tile.parse(f).copies) > 1 for f in fams)
     wide = next(f for f in fams if Tile.parse(f).nb == 64)
     assert Tile.parse(wide).pick(7) == 4 and Tile.parse("t6x64p").pick(7) == 6   # 8 rows computed, not 12
-    assert row_copies(ms, by_prim, {("mm", None): "t6x64p"}, (1, 512))[("mm", None)] in fams
-    assert row_copies(ms, by_prim, {("mm", None): "default"}, (1, 512)) == {("mm", None): "default"}  # (it won)
+    assert row_copies(ms, by_prim, {("mm", None): "t6x64p"}, (("seq", 1, 512),))[("mm", None)] in fams
+    assert row_copies(ms, by_prim, {("mm", None): "default"}, (("seq", 1, 512),)) == {("mm", None): "default"}  # (it won)
     done = {**ms, ("k", "tvm", wide): Measurement("t", "k", "tvm", wide, "v", "ok", 1, samples_ns=((1, 1),))}
     assert superseded(done) == {("k", "tvm", "t6x64p"), ("k", "tvm", "t4x64p")}
     failed = {**ms, ("k", "tvm", wide): Measurement("t", "k", "tvm", wide, "v", "failed", None)}
@@ -1820,10 +1820,10 @@ def test_a_tile_whose_own_copies_are_cheapest_everywhere_or_without_lengths_stay
     from kernorch.pipeline import row_copies
     costs = {14: (70, 30), 8: (71, 33), 1: (200, 100)}
     by_prim, ms = _tile_race(_copy_times(costs, ["t14x32p", "t8x32p"]))
-    assert row_copies(ms, by_prim, {("mm", None): "t14x32p"}, (32, 512)) == {("mm", None): "t14x32p"}
+    assert row_copies(ms, by_prim, {("mm", None): "t14x32p"}, (("seq", 32, 512),)) == {("mm", None): "t14x32p"}
     # tiles over symbolic columns or depth (attention) are not timed between the samples: no copies
     by_prim, ms = _tile_race({"t8x32r": {1: 10, 23: 50, 512: 1500}, "t14x32r": {1: 10, 23: 60, 512: 900}}, probes=())
-    assert row_copies(ms, by_prim, {("mm", None): "t8x32r"}, (1, 512)) == {("mm", None): "t8x32r"}
+    assert row_copies(ms, by_prim, {("mm", None): "t8x32r"}, (("seq", 1, 512),)) == {("mm", None): "t8x32r"}
 
 
 def test_a_range_may_be_timed_at_more_lengths(tmp_path):

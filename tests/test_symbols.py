@@ -203,6 +203,51 @@ def test_a_gemm_over_a_symbolic_batch_of_symbolic_rows_pads_the_rows_alone(tile)
         assert "(batch + T.int64(" not in text and "(seq + T.int64(" in text
 
 
+def test_row_copies_over_seq_run_under_a_symbolic_batch():
+    """A tile with row copies over seq rows (kernorch.kernels.Tile.copies) on x[batch, seq, 256] @ w:
+    the copies are picked by seq alone, each under the batch loop; right at every pair, both sides
+    of each change of copy; the test among the copies is written over seq's lengths."""
+    from kernorch.ir import Graph, TensorType, make_prim
+    from kernorch.kernels import Tile
+    b, s = SymDim("batch", (0, 1, 0)), SymDim("seq", (0, 1, 0))
+    w = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
+    g = Graph((("x", TensorType((b, s, 256))),), ("y",),
+              (make_prim("y", "matmul", ["x", "w"], TensorType((b, s, 64))),), {"w": w})
+    tile = "t6x16p~6:1@18100,2@27400,4@45600,11@102000~4:1@19100,2@23700,6@47900,16@121000~1:1@16000"
+    picks = [Tile.parse(tile).pick(n) for n in range(1, 65)]
+    assert {1, 4, 6} <= set(picks)
+    changes = [n for n in range(2, 65) if picks[n - 1] != picks[n - 2]]
+    error_at, text = _kernel_over(g, ("x", "w"), tile, {"batch": 8, "seq": 64})
+    seqs = sorted({1, 64, *changes, *(n - 1 for n in changes)})
+    assert max(error_at(batch=n, seq=m) for n in (1, 3, 8) for m in seqs) < 1e-3
+    assert "(batch + T.int64(" not in text and "seq <= T.int64(" in text and "T.Select(T.Select(" not in text
+
+
+def test_tiles_over_seq_rows_under_a_batch_are_probed_along_seq_at_batch_one():
+    """With batch and seq ranging, a weight GEMM's tiles are timed along seq at batch=1 too
+    (between its samples, for the row copies' curves), and its families are read there."""
+    from kernorch import pipeline
+    from kernorch.database import Measurement
+    from kernorch.measure import KernelJob
+    from kernorch.options import Options
+    ranges = (("batch", 1, 8), ("seq", 1, 512))
+    options = Options(threads=1, max_kernel_size=1, ranges=ranges)
+    graph = dynamic.generic_graph(examples.transformer_block(seq="seq", dim=64, heads=2, hidden=128, batch="batch"),
+                                  [dynamic.Range(n, lo, hi) for n, lo, hi in ranges])
+    mm = next(p for p in graph.prims if p.op == "matmul" and pipeline._rows_only_symbolic(graph, p))
+    probes = pipeline._row_probes(mm, options)
+    assert probes == tuple((("batch", 1), ("seq", v)) for v in (2, 3, 8, 64, 181))
+    # the families read the times at batch=1 by seq: a 4-row tile ahead at 7..8 rows gets a copy there
+    def times(mr):
+        return {(b, n): b * (20000 + 9000 * -(-n // mr) * mr // 4) for b in (1, 3, 8) for n in (1, 2, 3, 8, 23, 64, 181, 512)}
+    jobs = [KernelJob("k", "tvm", f"t{mr}x16p", None, (), (), probes=probes) for mr in (4, 6)]
+    ms = {j.ident: Measurement("t", "k", "tvm", j.schedule, "v", "ok", 1000, samples_ns=tuple(sorted(times(mr).items())))
+          for j, mr in zip(jobs, (4, 6))}
+    fams = pipeline._families(ms, {("mm", None): jobs}, ("mm", None), None, ranges)
+    (name, at), = fams.items()
+    assert "~4:" in name and "~6:" in name and set(at) == {1, 2, 3, 8, 23, 64, 181, 512}, fams
+
+
 @pytest.mark.parametrize("tile", ["t4x16r", "t6x16r", "t8x32r"])
 def test_an_attention_over_a_symbolic_batch_and_length_runs_in_one_kernel(tile):
     """Scores, softmax and values over batch=1..8 x seq=1..64 (queries and keys of the length): one

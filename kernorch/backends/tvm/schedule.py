@@ -584,19 +584,16 @@ def _as_intervals(cond, bounds: dict[str, int]):
     in every pass: a 384 x 1536 GEMM over seq=1..512 in three row copies compiled in 0.26 s with
     them, 0.08 with a trivial test (Zen 2). `cond` itself where it is not such a test or holds on
     more than INTERVALS_MAX runs."""
-    if len(bounds) != 1:
+    var: list = []
+    map_expr(cond, lambda e: var.append(e) if isinstance(e, tirx.Var) else None)
+    if len({v.name for v in var}) != 1 or var[0].name not in bounds:  # (with several symbols: rows' one)
         return cond
-    (name, bound), = bounds.items()
-    var = []
-    map_expr(cond, lambda e: var.append(e) if isinstance(e, tirx.Var) and e.name == name else None)
+    n, bound = var[0], bounds[var[0].name]
     lengths = np.arange(1, int(bound) + 1, dtype=np.int64)
     try:
-        holds = np.broadcast_to(np.asarray(_at_lengths(cond, name, lengths), bool), lengths.shape)
+        holds = np.broadcast_to(np.asarray(_at_lengths(cond, n.name, lengths), bool), lengths.shape)
     except _NotApplicable:
         return cond
-    if not var:
-        return tirx.const(bool(holds[0]), "bool")
-    n = var[0]
     edges = np.flatnonzero(np.diff(np.concatenate(([False], holds, [False])).astype(np.int8)))
     runs = [(int(lengths[a]), int(lengths[b - 1])) for a, b in zip(edges[::2], edges[1::2])]
     if not runs or len(runs) > INTERVALS_MAX:
