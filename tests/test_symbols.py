@@ -223,6 +223,26 @@ def test_row_copies_over_seq_run_under_a_symbolic_batch():
     assert "(batch + T.int64(" not in text and "seq <= T.int64(" in text and "T.Select(T.Select(" not in text
 
 
+def test_the_small_row_copies_run_the_batch_inside_each_weight_panel():
+    """Under a symbolic batch, the copies a GEMM over seq rows runs at one and two rows walk the
+    batch inside each column panel of the weights (fetched once for the whole batch); the copy for
+    longer rows keeps the batch outside. Right at every pair on both sides of the copies' lengths."""
+    import re
+
+    from kernorch.ir import Graph, TensorType, make_prim
+    b, s = SymDim("batch", (0, 1, 0)), SymDim("seq", (0, 1, 0))
+    w = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
+    g = Graph((("x", TensorType((b, s, 256))),), ("y",),
+              (make_prim("y", "matmul", ["x", "w"], TensorType((b, s, 64))),), {"w": w})
+    error_at, text = _kernel_over(g, ("x", "w"), "t6x16p", {"batch": 8, "seq": 64})
+    assert max(error_at(batch=n, seq=m) for n in (1, 3, 8) for m in (1, 2, 3, 7)) < 1e-3
+    # the fused parallel loops, in order: the one-row copy, the two-row copy, the 6-row tile
+    # (loop i0 is the batch, i1 the rows, i2 the columns: its outer part i2_0 the panels)
+    fused = re.findall(r"for (\w+)_fused in T.parallel", text)
+    assert len(fused) == 3 and fused[0].startswith("i2_0_i0") and fused[1].startswith("i2_0_i0"), fused
+    assert fused[2].startswith("i0_"), fused
+
+
 def test_tiles_over_seq_rows_under_a_batch_are_probed_along_seq_at_batch_one():
     """With batch and seq ranging, a weight GEMM's tiles are timed along seq at batch=1 too
     (between its samples, for the row copies' curves), and its families are read there."""
