@@ -1500,7 +1500,9 @@ def _rule_contraction(func, lanes: int, tile: Tile | None = None, threads: int =
         vg, vo = sch.split(vo, factors=[threads, None])
         tiles_order = (vg, ro, vo)
     inside = 1  # the iterations of the fused loop a weight panel is reused over, beside its row tiles
-    if few_rows and vo is not None and outer and all(ivs[i].var.name not in vec_vars for i in range(v) if i != row):
+    batch = [i for i in range(v) if i != row]
+    if (few_rows and vo is not None and any(ext[i] > 1 for i in batch)
+            and all(ivs[i].var.name not in vec_vars for i in batch)):
         for lp in outer:
             inside = inside * sch.get(lp).extent
         outer = [vo, *outer]
