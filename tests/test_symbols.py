@@ -200,7 +200,7 @@ def test_a_gemm_over_a_symbolic_batch_of_symbolic_rows_pads_the_rows_alone(tile)
     error_at, text = _kernel_over(g, ("x", "w"), tile, {"batch": 8, "seq": 64})
     assert max(error_at(batch=n, seq=m) for n, m in PAIRS) < 1e-3
     if tile != "default":  # the padded buffer: the batch as it is, seq rounded up to the tile's rows
-        # (but at seq=1, where the batch is the rows: `test_at_one_row_the_batch_is_the_rows`)
+        # (but at seq=1, where the batch is the rows: `test_at_one_or_two_rows_the_batch_is_the_rows`)
         assert "(seq + T.int64(" in text
         padded = [line for line in text.splitlines() if "alloc_buffer" in line and "(batch + T.int64(" in line]
         assert all(", T.int64(1), T.int64(64))" in line for line in padded)
@@ -226,31 +226,32 @@ def test_row_copies_over_seq_run_under_a_symbolic_batch():
     assert "seq <= T.int64(" in text and "T.Select(T.Select(" not in text
 
 
-def test_the_small_row_copies_run_the_batch_inside_each_weight_panel():
-    """Under a symbolic batch, the copies a GEMM over seq rows runs at one and two rows walk the
-    batch inside each column panel of the weights (fetched once for the whole batch); the copy for
-    longer rows keeps the batch outside. Right at every pair on both sides of the copies' lengths."""
+def test_the_small_row_copies_run_a_static_batch_inside_each_weight_panel():
+    """Under a static batch sharing the weights (a symbolic one: `test_at_one_or_two_rows_the_batch_is_the_rows`),
+    the copies a GEMM over seq rows runs at one and two rows walk the batch inside each column
+    panel of the weights (fetched once for the whole batch); the copy for longer rows keeps the
+    batch outside. Right at lengths on both sides of the copies'."""
     import re
 
     from kernorch.ir import Graph, TensorType, make_prim
-    b, s = SymDim("batch", (0, 1, 0)), SymDim("seq", (0, 1, 0))
+    s = SymDim("seq", (0, 1, 0))
     w = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
-    g = Graph((("x", TensorType((b, s, 256))),), ("y",),
-              (make_prim("y", "matmul", ["x", "w"], TensorType((b, s, 64))),), {"w": w})
-    error_at, text = _kernel_over(g, ("x", "w"), "t6x16p", {"batch": 8, "seq": 64})
-    assert max(error_at(batch=n, seq=m) for n in (1, 3, 8) for m in (1, 2, 3, 7)) < 1e-3
-    # the fused parallel loops, in order: the copy at one row (three over batch rows:
-    # `test_at_one_row_the_batch_is_the_rows`), the two-row copy, the 6-row tile (loop i0 is the
-    # batch, i1 the rows, i2 the columns: its outer part i2_0 the panels)
+    g = Graph((("x", TensorType((4, s, 256))),), ("y",),
+              (make_prim("y", "matmul", ["x", "w"], TensorType((4, s, 64))),), {"w": w})
+    error_at, text = _kernel_over(g, ("x", "w"), "t6x16p", {"seq": 64})
+    assert max(error_at(seq=m) for m in (1, 2, 3, 7, 64)) < 1e-3
+    # the fused parallel loops: the two-row copy, then the 6-row tile (the one-row copy is serial
+    # here); loop i0 is the batch, i1 the rows, i2 the columns: its outer part i2_0 the panels
     fused = re.findall(r"for (\w+)_fused in T.parallel", text)
-    assert len(fused) == 5 and fused[3].startswith("i2_0_i0") and fused[4].startswith("i0_"), fused
+    assert fused == ["i2_0_i0_i1_0", "i0_i2_0_i1_0"], fused
 
 
-def test_at_one_row_the_batch_is_the_rows():
-    """At seq=1 a GEMM under a batch sharing its weights runs the kernel at seq=1, where the batch
-    is its rows, in the tile over them (padded to the tile; its own one- and two-row copies for a
-    batch of one or two); right at seq=1 for every batch and at longer rows. Weights that differ
-    along the batch (a batched product) keep one row per element."""
+def test_at_one_or_two_rows_the_batch_is_the_rows():
+    """At seq=1 and 2 a GEMM under a batch sharing its weights runs the kernel at seq=1, where the
+    batch is its rows, in the tile over them (padded to the tile; its own one- and two-row copies
+    for a batch of one or two), once per position of seq; right at seq=1 and 2 for every batch and
+    at longer rows. Weights that differ along the batch (a batched product) keep one or two rows
+    per element."""
     from kernorch.ir import Graph, TensorType, make_prim
     b, s = SymDim("batch", (0, 1, 0)), SymDim("seq", (0, 1, 0))
     w = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
@@ -259,7 +260,8 @@ def test_at_one_row_the_batch_is_the_rows():
     error_at, text = _kernel_over(g, ("x", "w"), "t6x16p", {"batch": 8, "seq": 64})
     assert max(error_at(batch=n, seq=m) for n in range(1, 9) for m in (1, 2, 5)) < 1e-3
     assert "T.sblock_alloc_buffer(((batch + T.int64(5)) // T.int64(6) * T.int64(6), T.int64(1), T.int64(64))" in text
-    assert "batch <= T.int64(1)" in text and "batch <= T.int64(2)" in text
+    assert "batch <= T.int64(1)" in text and "batch <= T.int64(2)" in text and "for seq_at in range(seq):" in text
+    assert "batch >= T.int64(4)" in text  # (two rows: the passes per position from 4 sequences on)
     # a product whose right operand has the batch too: no such copy
     wb = Graph((("x", TensorType((b, s, 64))), ("v", TensorType((b, 64, 32)))), ("y",),
                (make_prim("y", "matmul", ["x", "v"], TensorType((b, s, 32))),), {})

@@ -27,7 +27,7 @@ from .lower import (AT_LENGTH_FUNC, AT_LENGTH_WHEN, BOUNDS_ATTR, CAUSAL_ATTR, NA
                     OPERAND_PADDED, QUERIES_PADDED, ROWS_OUT, SWITCH_FIRST, UNPACK, VIEW, bounds_of, derived_bounds, divisible,
                     symbol_vars)
 from .passes import LAUNCH
-from .tirwalk import (buffers_in, found, is_call, loads, map_expr, operands, rewrite, substitute,
+from .tirwalk import (buffers_in, found, is_call, loads, map_expr, operands, rewrite, shift_indices, substitute,
                       substitute_buffers, with_body)
 from .target import vector_bits
 
@@ -231,11 +231,14 @@ def _tile_over_rows(func, lanes: int, tile: Tile, mode: str, threads: int = 1,
     in 0.10-0.13 s with a one-row copy no length ran, 0.06-0.08 without; for an executable in
     0.16-0.22 and 0.07-0.09 s; the code compiled the same.)"""
     def copy(t: Tile) -> tirx.PrimFunc:
-        if t.mr == 1 and base.mr > 1 and (one := _one_row_over_batch(func, rows, lanes, base, mode, threads)):
-            return one
+        small = rows is not None and t.mr in SMALL_ROWS and t.mr < base.mr
+        over = _few_rows_over_batch(func, rows, t.mr, lanes, base, mode, threads) if small else None
+        if over is not None and t.mr == 1:
+            return over[0]
         # (a small copy runs at up to its own rows: the batch goes inside its weight panels)
-        few = rows is not None and t.mr in SMALL_ROWS and t.mr < base.mr
-        out = _scheduled(_tiled(func, lanes, t, mode, threads, few), f"contraction {mode}")["main"]
+        out = _scheduled(_tiled(func, lanes, t, mode, threads, small), f"contraction {mode}")["main"]
+        if over is not None:  # (from BATCH_ROWS_FROM on: a pass per position of seq, the batch as rows)
+            return _either(over[1] >= tirx.IntImm(over[1].ty.dtype, BATCH_ROWS_FROM), over[0], out)
         if t.mr > 1 and rows is None:
             return _peeled_tail(out, t.mr)
         return _exact_tail(out, rows, t.mr, [n for n in lengths if runs(n) == t.mr]) if gemm and t.mr > 1 else out
@@ -270,48 +273,72 @@ def _tile_over_rows(func, lanes: int, tile: Tile, mode: str, threads: int = 1,
     return tvm.IRModule({"main": out})
 
 
-def _one_row_over_batch(func, rows, lanes: int, tile: Tile, mode: str, threads: int) -> tirx.PrimFunc | None:
-    """The copy a GEMM over seq rows under a batch runs at one row (seq=1): `func` at seq=1, where
-    the batch is its rows, in `tile` over them (with its own small copies for one and two batch
-    rows), its parameters `func`'s. None where there is no such batch, or the weights differ along
-    it. One row per batch element in a one-row tile is a chain of two multiply-adds per step: a
-    384 x 1536 GEMM at batch=8 x seq=1 took 4x its time at 1x1 (Zen 2, weights cold)."""
-    if not isinstance(rows, tirx.Var) or not _weights_shared_over_batch(func):
+# a batch of two-row sequences runs a pass over the weights per position of seq, the batch as rows, from this
+# many sequences on (384 x 1536, weights cold, Zen 2: batch=3 178 us against 202-220 for the two passes, 4: 229
+# against 208-222, 8: 456 against 316-324); below, the two-row copy with the batch inside each weight panel
+BATCH_ROWS_FROM = 4
+
+
+def _few_rows_over_batch(func, rows, m: int, lanes: int, tile: Tile, mode: str,
+                         threads: int) -> tuple[tirx.PrimFunc, object] | None:
+    """The copy a GEMM over seq rows under a batch runs at `m` (SMALL_ROWS) rows: `func` at seq=1,
+    where the batch is its rows, in `tile` over them (with its own small copies for one and two
+    batch rows), run for each position of seq in turn (it serves seq <= m); its parameters
+    `func`'s. None where there is no such batch,
+    the weights differ along it, or a parameter has seq on two axes. One or two rows per batch
+    element are a chain of two or four multiply-adds per step: a 384 x 1536 GEMM at batch=8 x
+    seq=1 took 4x its time at 1x1 (Zen 2, weights cold). Returns (the copy, the batch's size)."""
+    batch = _shared_batch(func)
+    if not isinstance(rows, tirx.Var) or batch is None:
         return None
-    one = func.specialize({p: tirx.decl_buffer([_at_one(d, rows) for d in p.shape], p.dtype, p.name)
-                           for p in func.params if any(d.same_as(rows) for d in p.shape)})
+    axes = {}
+    for p in func.params:
+        at = [k for k, d in enumerate(p.shape) if d.same_as(rows)]
+        if len(at) > 1:
+            return None
+        if at:
+            axes[p] = at[0]
+    one = func.specialize({p: tirx.decl_buffer([_at_one(d, rows) for d in p.shape], p.dtype, p.name) for p in axes})
     if _symbolic_rows(one) is None:
         return None
     try:
         done = _tile_over_rows(one, lanes, tile, mode, threads)["main"]
     except KernorchError as e:
-        log.debug("no one-row copy over the batch for %s: %s", mode, e)
+        log.debug("no %d-row copy over the batch for %s: %s", m, mode, e)
         return None
-    body = substitute_buffers(done.body, list(zip(done.params, func.params)))
-    return tirx.PrimFunc(func.params, body, func.ret_type, done.attrs)
+    body = substitute_buffers(done.body.block.body, list(zip(done.params, func.params)))
+    if m > 1:  # (at every length up to m: each position of seq in turn)
+        j = tirx.Var("seq_at", rows.ty.dtype)
+        body = tirx.For(j, tirx.IntImm(rows.ty.dtype, 0), rows, tirx.ForKind.SERIAL,
+                        shift_indices(body, [(p, axis, j) for p, axis in axes.items()]))
+    return _with_root_body(tirx.PrimFunc(func.params, done.body, func.ret_type, done.attrs), body), batch
 
 
 def _at_one(dim, var):
     return tirx.IntImm(var.ty.dtype, 1) if dim.same_as(var) else dim
 
 
-def _weights_shared_over_batch(func) -> bool:
-    """Whether `func`'s one contraction has a symbolic batch (`_symbolic_batch`) that its
-    vectorized operand (the weights) does not index."""
+def _shared_batch(func):
+    """The size (an expression) of the symbolic batch (`_symbolic_batch`) of `func`'s one
+    contraction when its vectorized operand (the weights) does not index it, else None."""
     found = _single_contraction(func)
     if found is None:
-        return False
+        return None
     sch, blk, loops, nsp = found
     stmt = sch.get(blk)
     operands = _contraction_operands(stmt)
     if operands is None:
-        return False
-    ext = [_extent(sch, lp) for lp in loops]
-    batch = _symbolic_batch(ext, nsp)
+        return None
+    batch = _symbolic_batch([_extent(sch, lp) for lp in loops], nsp)
     ivs = list(stmt.iter_vars)
     column = ivs[nsp - 1].var.name
     weights = next((o for o in operands if column in _var_names(o)), None)
-    return bool(batch) and weights is not None and all(ivs[i].var.name not in _var_names(weights) for i in batch)
+    if not batch or weights is None or any(ivs[i].var.name in _var_names(weights) for i in batch):
+        return None
+    size = None
+    for i in sorted(batch):
+        size = sch.get(loops[i]).extent if size is None else size * sch.get(loops[i]).extent
+    return size
 
 
 def _with_narrow_keys(wide: tirx.PrimFunc, narrow: tirx.PrimFunc, when, lanes: int, tile: Tile, mode: str,

@@ -237,12 +237,27 @@ def buffers_in(stmt) -> list:
     return list(seen.values())
 
 
-def _map_buffers(stmt, bufs: _Buffers):
-    """`stmt` rebuilt with each buffer it uses passed through `bufs.get` (None: kept)."""
+def shift_indices(stmt, shifts):
+    """`stmt` with every access to the buffer of each (buffer, axis, offset) of `shifts` moved by
+    `offset` along `axis` (loads, stores and blocks' regions): the same code on the next slice."""
+    return _map_buffers(stmt, _Buffers([]), _Buffers([(b, (axis, off)) for b, axis, off in shifts]))
+
+
+def _map_buffers(stmt, bufs: _Buffers, shifts: _Buffers | None = None):
+    """`stmt` rebuilt with each buffer it uses passed through `bufs.get` (None: kept), and its
+    indices along an axis moved where `shifts.get` gives (axis, offset) for the buffer."""
+    def moved(buf, indices):
+        at = shifts.get(buf) if shifts is not None else None
+        if at is None:
+            return indices
+        axis, off = at
+        return [i + off if k == axis else i for k, i in enumerate(indices)]
+
     def load(e):
         if is_load(e):
             new = bufs.get(e.source)
-            return tirx.BufferLoad(new if new is not None else e.source, [expr(i) for i in e.indices])
+            return tirx.BufferLoad(new if new is not None else e.source,
+                                   moved(e.source, [expr(i) for i in e.indices]))
         return None
 
     def expr(e):
@@ -250,12 +265,18 @@ def _map_buffers(stmt, bufs: _Buffers):
 
     def region(r):
         new = bufs.get(r.source)
-        return r if new is None else tirx.BufferRegion(new, r.region)
+        at = shifts.get(r.source) if shifts is not None else None
+        if new is None and at is None:
+            return r
+        rng = r.region if at is None else [tvm.ir.Range.from_min_extent(x.min + at[1], x.extent) if k == at[0] else x
+                                            for k, x in enumerate(r.region)]
+        return tirx.BufferRegion(new if new is not None else r.source, rng)
 
     def visit(st):
         if isinstance(st, tirx.BufferStore):
             new = bufs.get(st.buffer)
-            return tirx.BufferStore(new if new is not None else st.buffer, expr(st.value), [expr(i) for i in st.indices])
+            return tirx.BufferStore(new if new is not None else st.buffer, expr(st.value),
+                                    moved(st.buffer, [expr(i) for i in st.indices]))
         if isinstance(st, tirx.For):
             return tirx.For(st.loop_var, expr(st.min), expr(st.extent), st.kind, rewrite(st.body, visit),
                             st.thread_binding, st.annotations)
