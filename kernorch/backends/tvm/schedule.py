@@ -284,10 +284,10 @@ def _few_rows_over_batch(func, rows, m: int, lanes: int, tile: Tile, mode: str,
     """The copy a GEMM over seq rows under a batch runs at `m` (SMALL_ROWS) rows: `func` at seq=1,
     where the batch is its rows, in `tile` over them (with its own small copies for one and two
     batch rows), run for each position of seq in turn (it serves seq <= m); its parameters
-    `func`'s. None where there is no such batch,
-    the weights differ along it, or a parameter has seq on two axes. One or two rows per batch
-    element are a chain of two or four multiply-adds per step: a 384 x 1536 GEMM at batch=8 x
-    seq=1 took 4x its time at 1x1 (Zen 2, weights cold). Returns (the copy, the batch's size)."""
+    `func`'s. None where there is no such batch, the weights differ along it, or a parameter has
+    seq on two axes. One or two rows per batch element are a chain of two or four multiply-adds
+    per step: a 384 x 1536 GEMM at batch=8 x seq=1 took 4x its time at 1x1 (Zen 2, weights cold).
+    Returns (the copy, the batch's size)."""
     batch = _shared_batch(func)
     if not isinstance(rows, tirx.Var) or batch is None:
         return None
