@@ -328,6 +328,28 @@ def test_time_export_and_load(tmp_path, target):
     np.testing.assert_allclose(k2(x)[0], k(x)[0], rtol=RTOL, atol=ATOL)
     assert set(kt.versions()) == {"tvm", "tvm-ffi"}
 
+def test_a_kernel_is_linked_by_ld_alone_and_runs_from_its_file(tmp_path, target, monkeypatch):
+    """A kernel's export links its object with binutils' ld, not the C++ compiler driver, and the
+    library runs as the kernel did (a parallel, packed GEMM: TVM's parallel launch and error
+    functions resolve in the loading process). Anything but objects goes to TVM's create_shared."""
+    from kernorch.backends.tvm import objects
+    from kernorch.kernels import pack_args
+    from tvm.support import cc
+    graph, inputs = gemm_graph(m=64, k=128, n=256)
+    mod = kt.schedule(kt.lower(graph, list(graph.prims), inputs, list(graph.outputs), "t4x16p"), target, "t4x16p")
+    assert "T.parallel" in mod.script()
+    k = kt.build(mod, target)
+    run, called = objects.subprocess.run, []
+    monkeypatch.setattr(objects.subprocess, "run", lambda cmd, **kw: called.append(Path(cmd[0]).name) or run(cmd, **kw))
+    k.export(str(tmp_path / "k.so"), str(tmp_path / "k.o"))
+    assert called == ["ld"] and (tmp_path / "k.o").exists()
+    arrays = pack_args(graph, inputs, "t4x16p", _arrays(graph, inputs, np.random.default_rng(4)))
+    np.testing.assert_array_equal(kt.load(str(tmp_path / "k.so"))(*arrays)[0], k(*arrays)[0])
+    driver = []
+    monkeypatch.setattr(cc, "create_shared", lambda out, objs, options=None, **kw: driver.append(objs))
+    objects.link_shared(str(tmp_path / "c.so"), [str(tmp_path / "devc.c")])
+    assert driver == [[str(tmp_path / "devc.c")]]
+
 
 # -------------------------------------------------------------------------------------------------
 # micro-kernel tiles and packed weights
