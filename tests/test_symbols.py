@@ -187,43 +187,96 @@ def _kernel_over(graph, inputs, tile, bounds):
 PAIRS = ((1, 1), (2, 7), (3, 13), (8, 64), (5, 33))
 
 
-@pytest.mark.parametrize("tile", ["default", "t4x16p", "t4x16pr", "t6x16r"])
-def test_a_gemm_over_a_symbolic_batch_of_symbolic_rows_pads_the_rows_alone(tile):
-    """x[batch, seq, 256] @ w: the batch is a loop outside the row tiles and only seq is padded to
-    the tile (both padded, a 384 x 1536 GEMM over batch=1..8 x seq=1..512 took 7x and 5.6x the
-    time of seq alone at 1x1 and 1x512, Zen 2); right at every pair."""
+def _gemm_over_batch(k=256, n=64, transposed=False):
+    """x[batch, seq, k] @ w[k, n]: its output as it is, or `transposed` to [batch, n, seq] (the batch
+    and the rows then not one axis of it)."""
     from kernorch.ir import Graph, TensorType, make_prim
     b, s = SymDim("batch", (0, 1, 0)), SymDim("seq", (0, 1, 0))
-    w = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
-    g = Graph((("x", TensorType((b, s, 256))),), ("y",),
-              (make_prim("y", "matmul", ["x", "w"], TensorType((b, s, 64))),), {"w": w})
-    error_at, text = _kernel_over(g, ("x", "w"), tile, {"batch": 8, "seq": 64})
+    w = np.random.default_rng(0).standard_normal((k, n)).astype(np.float32)
+    ps = [make_prim("mm", "matmul", ["x", "w"], TensorType((b, s, n)))]
+    if transposed:
+        ps.append(make_prim("y", "transpose", ["mm"], TensorType((b, n, s)), perm=(0, 2, 1)))
+    return Graph((("x", TensorType((b, s, k))),), (ps[-1].name,), tuple(ps), {"w": w})
+
+
+PASSES = ((1, 1), (2, 7), (8, 64), (5, 103), (8, 100), (8, 128))  # (5 x 103: two passes, the second of 3 rows)
+
+
+@pytest.mark.parametrize("tile", ["t4x16p", "t4x16pr", "t6x16r"])
+def test_a_gemm_over_a_batch_of_sequences_sharing_its_weights_runs_their_rows_as_one(tile):
+    """x[batch, seq, 256] @ w: the batch and the rows are one axis of the input and the output, and
+    the tile runs over batch x seq rows (the buffers padded to the tile sized by the longest pass,
+    not by the batch), in passes of FLAT_ROWS_PASS rows over views of the parameters; right at
+    every pair, one pass or more."""
+    from kernorch.backends.tvm.schedule import FLAT_ROWS_PASS
+    error_at, text = _kernel_over(_gemm_over_batch(), ("x", "w"), tile, {"batch": 8, "seq": 128})
+    assert FLAT_ROWS_PASS == 512 and max(error_at(batch=n, seq=m) for n, m in PASSES) < 1e-3
+    assert "for pass_at in range((batch * seq + T.int64(511)) // T.int64(512)):" in text
+    assert "in0_x_rows = in0_x.view(T.int64(1), batch * seq, T.int64(256)" in text
+    allocs = [line for line in text.splitlines() if "alloc_buffer" in line]
+    assert allocs and not any("batch" in line or "seq" in line for line in allocs), allocs
+
+
+@pytest.mark.parametrize("tile", ["default", "t4x16p", "t4x16pr", "t6x16r"])
+def test_a_gemm_whose_output_parts_the_batch_from_the_rows_pads_the_rows_alone(tile):
+    """The GEMM's output transposed to [batch, 64, seq] (and the default schedule: no tile): the
+    batch is a loop outside the row tiles and only seq is padded to the tile (both padded, a 384 x
+    1536 GEMM over batch=1..8 x seq=1..512 took 7x and 5.6x the time of seq alone at 1x1 and 1x512,
+    Zen 2); right at every pair."""
+    transposed = tile != "default"
+    graph = _gemm_over_batch(transposed=transposed)
+    error_at, text = _kernel_over(graph, ("x", "w"), tile, {"batch": 8, "seq": 64})
     assert max(error_at(batch=n, seq=m) for n, m in PAIRS) < 1e-3
-    if tile != "default":  # the padded buffer: the batch as it is, seq rounded up to the tile's rows
+    assert "pass_at" not in text
+    if transposed:  # the padded buffer: the batch as it is, seq rounded up to the tile's rows
         # (but at seq=1, where the batch is the rows: `test_at_one_or_two_rows_the_batch_is_the_rows`)
         assert "(seq + T.int64(" in text
         padded = [line for line in text.splitlines() if "alloc_buffer" in line and "(batch + T.int64(" in line]
         assert all(", T.int64(1), T.int64(64))" in line for line in padded)
 
 
+def test_a_gemm_is_run_as_rows_of_its_batch_only_where_each_row_is_computed_alone():
+    """`schedule._row_wise`: a GEMM over seq rows computes each row from its own row; a sum over the
+    rows, or a product whose operand has the batch (a batched product), does not run as rows of
+    batch x seq (computed right either way)."""
+    import importlib
+
+    import tvm
+
+    from kernorch.backends import tvm as tb
+    from kernorch.ir import Graph, TensorType, make_prim
+    sched = importlib.import_module("kernorch.backends.tvm.schedule")
+    s = SymDim("seq", (0, 1, 0))
+    w = np.zeros((32, 16), np.float32)
+    gemm = Graph((("x", TensorType((1, s, 32))),), ("y",), (make_prim("y", "matmul", ["x", "w"], TensorType((1, s, 16))),),
+                 {"w": w})
+    total = Graph((("x", TensorType((1, s, 32))),), ("y",),
+                  (make_prim("y", "reduce_sum", ["x"], TensorType((1, 1, 32)), axes=(1,), keepdims=1),), {})
+    for graph, inputs, expect in ((gemm, ["x", "w"], True), (total, ["x"], False)):
+        func = tb.lower(graph, graph.prims, inputs, ["y"])["main"]
+        seq = next(d for p in func.params for d in p.shape if isinstance(d, tvm.tirx.Var))
+        assert sched._row_wise(func, seq) == expect, graph.prims[0].op
+    b = SymDim("batch", (0, 1, 0))
+    batched = Graph((("x", TensorType((b, s, 64))), ("v", TensorType((b, 64, 32)))), ("y",),
+                    (make_prim("y", "matmul", ["x", "v"], TensorType((b, s, 32))),), {})
+    error_at, text = _kernel_over(batched, ("x", "v"), "t4x16r", {"batch": 8, "seq": 64})
+    assert max(error_at(batch=n, seq=m) for n, m in PAIRS) < 1e-3 and "pass_at" not in text
+
+
 def test_row_copies_over_seq_run_under_a_symbolic_batch():
     """A tile with row copies over seq rows (kernorch.kernels.Tile.copies) on x[batch, seq, 256] @ w:
-    the copies are picked by seq alone, each under the batch loop; right at every pair, both sides
-    of each change of copy; the test among the copies is written over seq's lengths."""
-    from kernorch.ir import Graph, TensorType, make_prim
+    the copies are picked by the rows of a pass over batch x seq; right at every pair on both sides
+    of each change of copy; the test among the copies is written over the lengths of a pass."""
     from kernorch.kernels import Tile
-    b, s = SymDim("batch", (0, 1, 0)), SymDim("seq", (0, 1, 0))
-    w = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
-    g = Graph((("x", TensorType((b, s, 256))),), ("y",),
-              (make_prim("y", "matmul", ["x", "w"], TensorType((b, s, 64))),), {"w": w})
     tile = "t6x16p~6:1@18100,2@27400,4@45600,11@102000~4:1@19100,2@23700,6@47900,16@121000~1:1@16000"
     picks = [Tile.parse(tile).pick(n) for n in range(1, 65)]
     assert {1, 4, 6} <= set(picks)
     changes = [n for n in range(2, 65) if picks[n - 1] != picks[n - 2]]
-    error_at, text = _kernel_over(g, ("x", "w"), tile, {"batch": 8, "seq": 64})
-    seqs = sorted({1, 64, *changes, *(n - 1 for n in changes)})
-    assert max(error_at(batch=n, seq=m) for n in (1, 3, 8) for m in seqs) < 1e-3
-    assert "seq <= T.int64(" in text and "T.Select(T.Select(" not in text
+    error_at, text = _kernel_over(_gemm_over_batch(), ("x", "w"), tile, {"batch": 8, "seq": 64})
+    rows = sorted({1, 64, *changes, *(n - 1 for n in changes)})
+    assert max(error_at(batch=1, seq=m) for m in rows) < 1e-3
+    assert max(error_at(batch=n, seq=m) for n in (3, 8) for m in (1, 2, 3, 13, 64)) < 1e-3
+    assert "pass_at" in text and "T.Select(T.Select(" not in text
 
 
 def test_the_small_row_copies_run_a_static_batch_inside_each_weight_panel():
@@ -247,17 +300,15 @@ def test_the_small_row_copies_run_a_static_batch_inside_each_weight_panel():
 
 
 def test_at_one_or_two_rows_the_batch_is_the_rows():
-    """At seq=1 and 2 a GEMM under a batch sharing its weights runs the kernel at seq=1, where the
+    """At seq=1 and 2 a GEMM under a batch sharing its weights (where its rows do not run as batch x
+    seq: its output transposed to [batch, 64, seq]) runs the kernel at seq=1, where the
     batch is its rows, in the tile over them (padded to the tile; its own one- and two-row copies
     for a batch of one or two), once per position of seq; right at seq=1 and 2 for every batch and
     at longer rows. Weights that differ along the batch (a batched product) keep one or two rows
     per element."""
     from kernorch.ir import Graph, TensorType, make_prim
     b, s = SymDim("batch", (0, 1, 0)), SymDim("seq", (0, 1, 0))
-    w = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
-    g = Graph((("x", TensorType((b, s, 256))),), ("y",),
-              (make_prim("y", "matmul", ["x", "w"], TensorType((b, s, 64))),), {"w": w})
-    error_at, text = _kernel_over(g, ("x", "w"), "t6x16p", {"batch": 8, "seq": 64})
+    error_at, text = _kernel_over(_gemm_over_batch(transposed=True), ("x", "w"), "t6x16p", {"batch": 8, "seq": 64})
     assert max(error_at(batch=n, seq=m) for n in range(1, 9) for m in (1, 2, 5)) < 1e-3
     assert "T.sblock_alloc_buffer(((batch + T.int64(5)) // T.int64(6) * T.int64(6), T.int64(1), T.int64(64))" in text
     assert "batch <= T.int64(1)" in text and "batch <= T.int64(2)" in text and "for seq_at in range(seq):" in text
