@@ -23,9 +23,9 @@ from ...ir import KernorchError
 from ...kernels import LengthSwitch, Tile, Winograd, blocked, split
 from ...kernels.tiles import NARROW_KEYS, PADDED_ROWS, SERIAL_MAX_MACS, SMALL_ROWS, ran_copy, row_tile
 from ...kernels.variants import CONVERSIONS
-from .lower import (AT_LENGTH_FUNC, AT_LENGTH_WHEN, BOUNDS_ATTR, CAUSAL_ATTR, DERIVED_ATTR, NARROW_KEYS_FUNC, NARROW_KEYS_WHEN,
-                    OPERAND_PADDED, QUERIES_PADDED, ROWS_OUT, SWITCH_FIRST, UNPACK, VIEW, bounds_of, derived_bounds, divisible,
-                    symbol_vars)
+from .lower import (AT_LENGTH_FUNC, AT_LENGTH_WHEN, BOUNDS_ATTR, CAUSAL_ATTR, DERIVED_ATTR, NARROW_KEYS_FUNC,
+                    NARROW_KEYS_WHEN, OPERAND_PADDED, QUERIES_PADDED, ROWS_OUT, SWITCH_FIRST, UNPACK, VIEW, bounds_of,
+                    derived_bounds, divisible, symbol_vars)
 from .passes import LAUNCH
 from .tirwalk import (buffers_in, found, is_call, loads, map_expr, operands, rewrite, shift_indices, substitute,
                       substitute_buffers, with_body)
@@ -55,7 +55,8 @@ log = logging.getLogger(__name__)
 #: 63: over static keys a padded attention's mask or bias copy stays a stage (`_inline_pass`).
 #: 64: a causal attention's row tiles skip the keys past their last row (`_skip_masked_keys`).
 #: 65: a transpose over a symbolic innermost axis padded to the vectors is tiled (`_tile_transpose`).
-SCHEDULES_VERSION = 65
+#: 66: a GEMM over a batch of sequences sharing its weights runs their rows as one (`_over_flat_rows`).
+SCHEDULES_VERSION = 66
 
 _DATA_PAR, _COMM_REDUCE = 0, 2  # tirx.IterVar kinds
 _MIN_ROWS = 4  # the row rule needs this many rows to share among threads
@@ -219,7 +220,8 @@ def _length_switch(mod: tvm.IRModule, target, mode: str, switch: LengthSwitch, b
 
 def _tile_over_rows(func, lanes: int, tile: Tile, mode: str, threads: int = 1,
                     at: Sequence[int] | None = None, static: Sequence[int] = ()) -> tvm.IRModule:
-    """The micro-kernel `tile` on `func`; over a symbolic row extent, a copy per row count of
+    """The micro-kernel `tile` on `func` (a GEMM over a batch of sequences: over their rows as one,
+    `_over_flat_rows`); over a symbolic row extent, a copy per row count of
     `tile.copies` picked at run time by their fitted costs at the length (`_cheapest`), or without
     copies the tile and a copy of each SMALL_ROWS row count below its own for those lengths
     (`_by_rows`). `at` (the only lengths the build runs at): only the copies they pick are
