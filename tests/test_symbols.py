@@ -187,45 +187,50 @@ def _kernel_over(graph, inputs, tile, bounds):
 PAIRS = ((1, 1), (2, 7), (3, 13), (8, 64), (5, 33))
 
 
-def _gemm_over_batch(k=256, n=64, transposed=False):
-    """x[batch, seq, k] @ w[k, n]: its output as it is, or `transposed` to [batch, n, seq] (the batch
-    and the rows then not one axis of it)."""
+def _gemm_over_batch(k=256, n=64, transposed=False, read_transposed=False):
+    """x[batch, seq, k] @ w[k, n]: its output as it is, or `transposed` to [batch, n, seq]; with
+    `read_transposed`, x read from xt[batch, k, seq] (the batch and the rows apart in an input)."""
     from kernorch.ir import Graph, TensorType, make_prim
     b, s = SymDim("batch", (0, 1, 0)), SymDim("seq", (0, 1, 0))
     w = np.random.default_rng(0).standard_normal((k, n)).astype(np.float32)
-    ps = [make_prim("mm", "matmul", ["x", "w"], TensorType((b, s, n)))]
+    ps = [make_prim("x", "transpose", ["xt"], TensorType((b, s, k)), perm=(0, 2, 1))] if read_transposed else []
+    ps.append(make_prim("mm", "matmul", ["x", "w"], TensorType((b, s, n))))
     if transposed:
         ps.append(make_prim("y", "transpose", ["mm"], TensorType((b, n, s)), perm=(0, 2, 1)))
-    return Graph((("x", TensorType((b, s, k))),), (ps[-1].name,), tuple(ps), {"w": w})
+    x = ("xt", TensorType((b, k, s))) if read_transposed else ("x", TensorType((b, s, k)))
+    return Graph((x,), (ps[-1].name,), tuple(ps), {"w": w})
 
 
 PASSES = ((1, 1), (2, 7), (8, 64), (5, 103), (8, 100), (8, 128))  # (5 x 103: two passes, the second of 3 rows)
 
 
-@pytest.mark.parametrize("tile", ["t4x16p", "t4x16pr", "t6x16r"])
-def test_a_gemm_over_a_batch_of_sequences_sharing_its_weights_runs_their_rows_as_one(tile):
-    """x[batch, seq, 256] @ w: the batch and the rows are one axis of the input and the output, and
-    the tile runs over batch x seq rows (the buffers padded to the tile sized by the longest pass,
-    not by the batch), in passes of FLAT_ROWS_PASS rows over views of the parameters; right at
-    every pair, one pass or more."""
+@pytest.mark.parametrize("tile, transposed", [("t4x16p", False), ("t4x16pr", False), ("t6x16r", False),
+                                              ("t4x16p", True), ("t6x16r", True)])
+def test_a_gemm_over_a_batch_of_sequences_sharing_its_weights_runs_their_rows_as_one(tile, transposed):
+    """x[batch, seq, 256] @ w: the batch and the rows are one axis of the input (and of the output,
+    or the output `transposed` to [batch, 64, seq], row i written at batch i // seq, position i %
+    seq), and the tile runs over batch x seq rows (the buffers padded to the tile sized by the
+    longest pass, not by the batch), in passes of FLAT_ROWS_PASS rows over views of the
+    parameters; right at every pair, one pass or more."""
     from kernorch.backends.tvm.schedule import FLAT_ROWS_PASS
-    error_at, text = _kernel_over(_gemm_over_batch(), ("x", "w"), tile, {"batch": 8, "seq": 128})
+    error_at, text = _kernel_over(_gemm_over_batch(transposed=transposed), ("x", "w"), tile, {"batch": 8, "seq": 128})
     assert FLAT_ROWS_PASS == 512 and max(error_at(batch=n, seq=m) for n, m in PASSES) < 1e-3
     assert "for pass_at in range((batch * seq + T.int64(511)) // T.int64(512)):" in text
     assert "in0_x_rows = in0_x.view(T.int64(1), batch * seq, T.int64(256)" in text
+    assert ("pass_at * T.int64(512)) // seq" in text) == transposed
     allocs = [line for line in text.splitlines() if "alloc_buffer" in line]
     assert allocs and not any("batch" in line or "seq" in line for line in allocs), allocs
 
 
 @pytest.mark.parametrize("tile", ["default", "t4x16p", "t4x16pr", "t6x16r"])
-def test_a_gemm_whose_output_parts_the_batch_from_the_rows_pads_the_rows_alone(tile):
-    """The GEMM's output transposed to [batch, 64, seq] (and the default schedule: no tile): the
-    batch is a loop outside the row tiles and only seq is padded to the tile (both padded, a 384 x
-    1536 GEMM over batch=1..8 x seq=1..512 took 7x and 5.6x the time of seq alone at 1x1 and 1x512,
-    Zen 2); right at every pair."""
+def test_a_gemm_whose_input_parts_the_batch_from_the_rows_pads_the_rows_alone(tile):
+    """The GEMM's input read from [batch, 256, seq] (and the default schedule: no tile): the batch
+    is a loop outside the row tiles and only seq is padded to the tile (both padded, a 384 x 1536
+    GEMM over batch=1..8 x seq=1..512 took 7x and 5.6x the time of seq alone at 1x1 and 1x512, Zen
+    2); right at every pair."""
     transposed = tile != "default"
-    graph = _gemm_over_batch(transposed=transposed)
-    error_at, text = _kernel_over(graph, ("x", "w"), tile, {"batch": 8, "seq": 64})
+    graph = _gemm_over_batch(read_transposed=transposed)
+    error_at, text = _kernel_over(graph, ("xt" if transposed else "x", "w"), tile, {"batch": 8, "seq": 64})
     assert max(error_at(batch=n, seq=m) for n, m in PAIRS) < 1e-3
     assert "pass_at" not in text
     if transposed:  # the padded buffer: the batch as it is, seq rounded up to the tile's rows
@@ -301,14 +306,14 @@ def test_the_small_row_copies_run_a_static_batch_inside_each_weight_panel():
 
 def test_at_one_or_two_rows_the_batch_is_the_rows():
     """At seq=1 and 2 a GEMM under a batch sharing its weights (where its rows do not run as batch x
-    seq: its output transposed to [batch, 64, seq]) runs the kernel at seq=1, where the
+    seq: its input read from [batch, 256, seq]) runs the kernel at seq=1, where the
     batch is its rows, in the tile over them (padded to the tile; its own one- and two-row copies
     for a batch of one or two), once per position of seq; right at seq=1 and 2 for every batch and
     at longer rows. Weights that differ along the batch (a batched product) keep one or two rows
     per element."""
     from kernorch.ir import Graph, TensorType, make_prim
     b, s = SymDim("batch", (0, 1, 0)), SymDim("seq", (0, 1, 0))
-    error_at, text = _kernel_over(_gemm_over_batch(transposed=True), ("x", "w"), "t6x16p", {"batch": 8, "seq": 64})
+    error_at, text = _kernel_over(_gemm_over_batch(read_transposed=True), ("xt", "w"), "t6x16p", {"batch": 8, "seq": 64})
     assert max(error_at(batch=n, seq=m) for n in range(1, 9) for m in (1, 2, 5)) < 1e-3
     assert "T.sblock_alloc_buffer(((batch + T.int64(5)) // T.int64(6) * T.int64(6), T.int64(1), T.int64(64))" in text
     assert "batch <= T.int64(1)" in text and "batch <= T.int64(2)" in text and "for seq_at in range(seq):" in text

@@ -24,11 +24,11 @@ from ...kernels import LengthSwitch, Tile, Winograd, blocked, split
 from ...kernels.tiles import NARROW_KEYS, PADDED_ROWS, SERIAL_MAX_MACS, SMALL_ROWS, ran_copy, row_tile
 from ...kernels.variants import CONVERSIONS
 from .lower import (AT_LENGTH_FUNC, AT_LENGTH_WHEN, BOUNDS_ATTR, CAUSAL_ATTR, DERIVED_ATTR, NARROW_KEYS_FUNC,
-                    NARROW_KEYS_WHEN, OPERAND_PADDED, QUERIES_PADDED, ROWS_OUT, SWITCH_FIRST, UNPACK, VIEW, bounds_of,
-                    derived_bounds, divisible, symbol_vars)
+                    NARROW_KEYS_WHEN, NUM_INPUTS_ATTR, OPERAND_PADDED, QUERIES_PADDED, ROWS_OUT, SWITCH_FIRST, UNPACK,
+                    VIEW, bounds_of, derived_bounds, divisible, symbol_vars)
 from .passes import LAUNCH
 from .tirwalk import (buffers_in, found, is_call, loads, map_expr, operands, rewrite, shift_indices, substitute,
-                      substitute_buffers, with_body)
+                      substitute_buffers, unmerge_rows, with_body)
 from .target import vector_bits
 
 log = logging.getLogger(__name__)
@@ -355,35 +355,42 @@ FLAT_ROWS_PASS = 512
 
 def _over_flat_rows(func, lanes: int, tile: Tile, mode: str, threads: int) -> tirx.PrimFunc | None:
     """`tile` on a GEMM over a batch of sequences sharing its weights, run as a GEMM of batch x seq
-    rows: `func` with the batch and its rows merged into one symbol (each parameter that has them,
-    the batch right before the rows, read as one axis: the same memory), scheduled over that symbol
-    with its row copies, and run on views of the parameters in passes of FLAT_ROWS_PASS rows at
-    most (the copy of each pass picked by its rows). None where the batch and rows are not one such
-    pair everywhere or a block is not row by row (`_row_wise`). Each weight panel is then fetched
-    once a pass, where the batch outside the row tiles fetched it once per sequence and padded each
-    one to the tile: a 384 x 1536 GEMM, weights cold, Zen 2: 8x2 310 -> 213 us, 2x7 270 -> 209."""
-    rows, batch = _symbolic_rows(func), _shared_batch(func)
+    rows: `func` with the batch and its rows merged into one symbol, scheduled over that symbol
+    with its row copies, and run in passes of FLAT_ROWS_PASS rows at most (the copy of each pass
+    picked by its rows). A parameter with the batch right before the rows is read as one axis of
+    them (a view: the same memory); an output with the two apart (a projection transposed to
+    heads, [batch, heads, seq, 64]) is written at row i's batch i // seq and position i % seq
+    (`tirwalk.unmerge_rows`). None where an input has them apart, a parameter has one without
+    the other, or a block is not row by row (`_row_wise`). Each weight panel is then fetched once
+    a pass, where the batch outside the row tiles fetched it once per sequence and padded each one
+    to the tile: a 384 x 1536 GEMM, weights cold, Zen 2: 8x2 310 -> 213 us, 2x7 270 -> 209."""
     bounds = bounds_of(func)
-    if not isinstance(rows, tirx.Var) or not isinstance(batch, tirx.Var) or set(bounds) != {batch.name, rows.name} \
-            or (func.attrs is not None and DERIVED_ATTR in func.attrs):
+    if len(bounds) != 2 or (func.attrs is not None and DERIVED_ATTR in func.attrs):
         return None
-    merged = {}
-    for p in func.params:
-        at = [k for k, d in enumerate(p.shape) if d.same_as(batch) or d.same_as(rows)]
-        if not at:
+    rows, batch = _symbolic_rows(func), _shared_batch(func)
+    if not isinstance(rows, tirx.Var) or not isinstance(batch, tirx.Var) or set(bounds) != {batch.name, rows.name}:
+        return None
+    inputs = int(func.attrs[NUM_INPUTS_ATTR]) if NUM_INPUTS_ATTR in func.attrs else len(func.params) - 1
+    axes = {}  # parameter name -> (its batch axis, its rows axis)
+    for k, p in enumerate(func.params):
+        kb = [a for a, d in enumerate(p.shape) if d.same_as(batch)]
+        kr = [a for a, d in enumerate(p.shape) if d.same_as(rows)]
+        if not kb and not kr:
             continue
-        if len(at) != 2 or not (p.shape[at[0]].same_as(batch) and at[1] == at[0] + 1):
+        if len(kb) != 1 or len(kr) != 1 or (kr[0] != kb[0] + 1 and k < inputs):
             return None
-        merged[p.name] = at[0]
+        axes[p.name] = (kb[0], kr[0])
     dt = rows.ty.dtype
     flat = tirx.Var(f"{batch.name}_{rows.name}", dt)
 
-    def rows_as(buf, extent, name=None):  # `buf` with its batch and rows (or its merged rows) one axis of `extent`
-        k = merged[buf.name]
-        return tirx.decl_buffer([*buf.shape[:k], tirx.IntImm(dt, 1), extent, *buf.shape[k + 2:]], buf.dtype,
-                                name or buf.name)
+    def rows_as(buf, extent, name=None):  # `buf` with its batch of one and its rows `extent` (one axis if merged)
+        kb, kr = axes[buf.name]
+        one = tirx.IntImm(dt, 1)
+        shape = ([*buf.shape[:kb], one, extent, *buf.shape[kb + 2:]] if kr == kb + 1 else
+                 [one if a == kb else extent if a == kr else d for a, d in enumerate(buf.shape)])
+        return tirx.decl_buffer(shape, buf.dtype, name or buf.name)
     most = min(FLAT_ROWS_PASS, bounds[batch.name] * bounds[rows.name])
-    one = func.specialize({p: rows_as(p, flat) for p in func.params if p.name in merged})
+    one = func.specialize({p: rows_as(p, flat) for p in func.params if p.name in axes})
     one = one.with_attr(BOUNDS_ATTR, {flat.name: most})
     if not _row_wise(one, flat):
         return None
@@ -398,18 +405,21 @@ def _over_flat_rows(func, lanes: int, tile: Tile, mode: str, threads: int) -> ti
     # 1..most, as it sees a parameter's length asserted: passes.bound_symbols), the buffers sized by them as
     # large as the longest pass's
     n = tirx.min(tirx.IntImm(dt, most), tirx.max(tirx.IntImm(dt, 1), total - start))
-    ours = [q for q in done.params if q.name in merged]
+    ours = [q for q in done.params if q.name in axes]
     spec = done.specialize({q: rows_as(q, n) for q in ours})
     longest = done.specialize({q: rows_as(q, tirx.IntImm(dt, most)) for q in ours}).body.block.alloc_buffers
-    views = {p.name: rows_as(p, total, f"{p.name}_rows") for p in func.params if p.name in merged}
+    merged = [p for p in func.params if p.name in axes and axes[p.name][1] == axes[p.name][0] + 1]
+    views = {p.name: rows_as(p, total, f"{p.name}_rows") for p in merged}
+    apart = {p.name: p for p in func.params if p.name in axes and p.name not in views}
     body, allocs = spec.body.block.body, spec.body.block.alloc_buffers
     # (specialize gave the body buffers of its own for the parameters': found by their names)
-    own = [b for b in buffers_in(body) if b.name in views and not any(b.same_as(a) for a in allocs)]
-    body = substitute_buffers(body, [*((b, views[b.name]) for b in own), *zip(allocs, longest)])
-    body = shift_indices(body, [(v, merged[name] + 1, start) for name, v in views.items()])
+    own = [b for b in buffers_in(body) if b.name in axes and not any(b.same_as(a) for a in allocs)]
+    body = substitute_buffers(body, [*((b, views[b.name]) for b in own if b.name in views), *zip(allocs, longest)])
+    body = shift_indices(body, [(v, axes[name][1], start) for name, v in views.items()])
+    body = unmerge_rows(body, [(b, apart[b.name], *axes[b.name], start, rows) for b in own if b.name in apart])
     passes = tirx.For(j, tirx.IntImm(dt, 0), (total + tirx.IntImm(dt, most - 1)) // tirx.IntImm(dt, most),
                       tirx.ForKind.SERIAL, body)
-    decls = [tirx.DeclBuffer(views[p.name], data=p.data) for p in func.params if p.name in merged]
+    decls = [tirx.DeclBuffer(views[p.name], data=p.data) for p in merged]
     out = tirx.PrimFunc(func.params, spec.body, func.ret_type, done.attrs).with_attr(BOUNDS_ATTR, bounds)
     return _with_root_body(out, tirx.SeqStmt([*decls, passes]), list(longest))
 

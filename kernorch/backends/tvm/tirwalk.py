@@ -237,21 +237,62 @@ def buffers_in(stmt) -> list:
     return list(seen.values())
 
 
+class _Shift:
+    """Indices moved by `offset` along `axis`."""
+
+    def __init__(self, axis: int, offset):
+        self.axis, self.offset = axis, offset
+
+    def indices(self, indices):
+        return [i + self.offset if k == self.axis else i for k, i in enumerate(indices)]
+
+    def region(self, ranges):
+        return [tvm.ir.Range.from_min_extent(x.min + self.offset, x.extent) if k == self.axis else x
+                for k, x in enumerate(ranges)]
+
+
+class _Unmerged:
+    """Row i (plus `offset`) of a buffer whose axis `rows` holds `batch` x `length` rows, on a buffer
+    with them on two axes: `batch` at (i + offset) // length and `rows` at (i + offset) % length
+    (the index on `batch` was 0: an axis of one)."""
+
+    def __init__(self, batch: int, rows: int, offset, length, extents):
+        self.batch, self.rows, self.offset, self.length, self.extents = batch, rows, offset, length, extents
+
+    def indices(self, indices):
+        at = indices[self.rows] + self.offset
+        out = list(indices)
+        out[self.batch], out[self.rows] = tirx.floordiv(at, self.length), tirx.floormod(at, self.length)
+        return out
+
+    def region(self, ranges):  # (the whole of both axes: a block's region may hold more than it reads)
+        return [tvm.ir.Range.from_min_extent(tirx.const(0, self.extents[k].ty.dtype), self.extents[k])
+                if k in (self.batch, self.rows) else x for k, x in enumerate(ranges)]
+
+
 def shift_indices(stmt, shifts):
     """`stmt` with every access to the buffer of each (buffer, axis, offset) of `shifts` moved by
     `offset` along `axis` (loads, stores and blocks' regions): the same code on the next slice."""
-    return _map_buffers(stmt, _Buffers([]), _Buffers([(b, (axis, off)) for b, axis, off in shifts]))
+    return _map_buffers(stmt, _Buffers([]), _Buffers([(b, _Shift(axis, off)) for b, axis, off in shifts]))
 
 
-def _map_buffers(stmt, bufs: _Buffers, shifts: _Buffers | None = None):
+def unmerge_rows(stmt, unmerged):
+    """`stmt` with each access to the first buffer of each (buffer, other, batch axis, rows axis,
+    offset, length) of `unmerged` made to `other`, row i (its index on the rows axis, plus
+    `offset`) at (i + offset) // length on the batch axis and (i + offset) % length on the rows
+    axis: code written for a batch's rows as one axis (its batch axis of one) on a buffer with the
+    batch and its rows apart."""
+    return _map_buffers(stmt, _Buffers([(b, o) for b, o, *_ in unmerged]),
+                        _Buffers([(b, _Unmerged(kb, kr, off, n, list(o.shape))) for b, o, kb, kr, off, n in unmerged]))
+
+
+def _map_buffers(stmt, bufs: _Buffers, moves: _Buffers | None = None):
     """`stmt` rebuilt with each buffer it uses passed through `bufs.get` (None: kept), and its
-    indices along an axis moved where `shifts.get` gives (axis, offset) for the buffer."""
+    indices and blocks' regions moved where `moves.get` gives a move for the buffer (`_Shift`,
+    `_Unmerged`)."""
     def moved(buf, indices):
-        at = shifts.get(buf) if shifts is not None else None
-        if at is None:
-            return indices
-        axis, off = at
-        return [i + off if k == axis else i for k, i in enumerate(indices)]
+        move = moves.get(buf) if moves is not None else None
+        return indices if move is None else move.indices(indices)
 
     def load(e):
         if is_load(e):
@@ -265,12 +306,11 @@ def _map_buffers(stmt, bufs: _Buffers, shifts: _Buffers | None = None):
 
     def region(r):
         new = bufs.get(r.source)
-        at = shifts.get(r.source) if shifts is not None else None
-        if new is None and at is None:
+        move = moves.get(r.source) if moves is not None else None
+        if new is None and move is None:
             return r
-        rng = r.region if at is None else [tvm.ir.Range.from_min_extent(x.min + at[1], x.extent) if k == at[0] else x
-                                            for k, x in enumerate(r.region)]
-        return tirx.BufferRegion(new if new is not None else r.source, rng)
+        return tirx.BufferRegion(new if new is not None else r.source,
+                                 list(r.region) if move is None else move.region(list(r.region)))
 
     def visit(st):
         if isinstance(st, tirx.BufferStore):
