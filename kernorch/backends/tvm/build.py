@@ -18,7 +18,7 @@ from tvm import s_tir, tirx
 from tvm.script import tirx as T
 
 from ...ir import KernorchError
-from .lower import NUM_INPUTS_ATTR, bounds_of, symbol_vars
+from .lower import bounds_of, num_inputs, symbol_vars
 from .objects import export_keeping
 from .passes import PIPELINE
 from .schedule import CACHE_LINE
@@ -207,9 +207,8 @@ def build(mod: tvm.IRModule, target: tvm.target.Target) -> BuiltKernel:
     params = []
     for buf in func.params:  # 0.27: params are Buffers (no buffer_map)
         params.append((tuple(int(s) if isinstance(s, tirx.IntImm) else str(s) for s in buf.shape), str(buf.dtype)))
-    n_in = func.attrs[NUM_INPUTS_ATTR] if func.attrs is not None and NUM_INPUTS_ATTR in func.attrs else len(params) - 1
     check_bounds(mod)
-    return BuiltKernel(None, params, int(n_in), compile_kernel(mod, target))
+    return BuiltKernel(None, params, num_inputs(func), compile_kernel(mod, target))
 
 
 def compile_kernel(mod: tvm.IRModule, target):

@@ -115,6 +115,12 @@ def derived_bounds(func, bounds: dict[str, int]) -> dict[str, int]:
     return out
 
 
+def num_inputs(func) -> int:
+    """How many of a kernel's parameters are inputs (NUM_INPUTS_ATTR; without it, all but the last)."""
+    attrs = func.attrs
+    return int(attrs[NUM_INPUTS_ATTR]) if attrs is not None and NUM_INPUTS_ATTR in attrs else len(func.params) - 1
+
+
 def bounds_of(func) -> dict[str, int]:
     """A kernel's BOUNDS_ATTR: {symbol: the largest value it serves}, {} for a static kernel."""
     attrs = func.attrs

@@ -24,8 +24,8 @@ from ...kernels import LengthSwitch, Tile, Winograd, blocked, split
 from ...kernels.tiles import NARROW_KEYS, PADDED_ROWS, SERIAL_MAX_MACS, SMALL_ROWS, ran_copy, row_tile
 from ...kernels.variants import CONVERSIONS
 from .lower import (AT_LENGTH_FUNC, AT_LENGTH_WHEN, BOUNDS_ATTR, CAUSAL_ATTR, DERIVED_ATTR, NARROW_KEYS_FUNC,
-                    NARROW_KEYS_WHEN, NUM_INPUTS_ATTR, OPERAND_PADDED, QUERIES_PADDED, ROWS_OUT, SWITCH_FIRST, UNPACK,
-                    VIEW, bounds_of, derived_bounds, divisible, symbol_vars)
+                    NARROW_KEYS_WHEN, OPERAND_PADDED, QUERIES_PADDED, ROWS_OUT, SWITCH_FIRST, UNPACK, VIEW, bounds_of,
+                    derived_bounds, divisible, num_inputs, symbol_vars)
 from .passes import LAUNCH
 from .tirwalk import (buffers_in, found, is_call, loads, map_expr, operands, rewrite, shift_indices, substitute,
                       substitute_buffers, unmerge_rows, with_body)
@@ -248,12 +248,12 @@ def _tile_over_rows(func, lanes: int, tile: Tile, mode: str, threads: int = 1,
     def runs(n: int) -> int:  # the copy that runs at n rows
         return tile.pick(n) if tile.copies else ran_copy(tile.mr, n)
 
-    flat = _over_flat_rows(func, lanes, tile, mode, threads)
+    rows = _symbolic_rows(func)
+    flat = _over_flat_rows(func, rows, lanes, tile, mode, threads)
     if flat is not None:
         return tvm.IRModule({"main": flat})
 
     base = replace(tile, copies=())
-    rows = _symbolic_rows(func)
     bounds = list(bounds_of(func).values())
     gemm = rows is not None and _count_contractions(func) == 1 and len(bounds) == 1
     lengths = (at if at is not None else range(1, bounds[0] + 1)) if gemm else ()
@@ -353,9 +353,9 @@ def _shared_batch(func):
 FLAT_ROWS_PASS = 512
 
 
-def _over_flat_rows(func, lanes: int, tile: Tile, mode: str, threads: int) -> tirx.PrimFunc | None:
+def _over_flat_rows(func, rows, lanes: int, tile: Tile, mode: str, threads: int) -> tirx.PrimFunc | None:
     """`tile` on a GEMM over a batch of sequences sharing its weights, run as a GEMM of batch x seq
-    rows: `func` with the batch and its rows merged into one symbol, scheduled over that symbol
+    rows (`rows`: its `_symbolic_rows`): `func` with the batch and its rows merged into one symbol, scheduled over that symbol
     with its row copies, and run in passes of FLAT_ROWS_PASS rows at most (the copy of each pass
     picked by its rows). A parameter with the batch right before the rows is read as one axis of
     them (a view: the same memory); an output with the two apart (a projection transposed to
@@ -367,10 +367,10 @@ def _over_flat_rows(func, lanes: int, tile: Tile, mode: str, threads: int) -> ti
     bounds = bounds_of(func)
     if len(bounds) != 2 or (func.attrs is not None and DERIVED_ATTR in func.attrs):
         return None
-    rows, batch = _symbolic_rows(func), _shared_batch(func)
-    if not isinstance(rows, tirx.Var) or not isinstance(batch, tirx.Var) or set(bounds) != {batch.name, rows.name}:
+    batch = _shared_batch(func) if isinstance(rows, tirx.Var) else None
+    if not isinstance(batch, tirx.Var) or set(bounds) != {batch.name, rows.name}:
         return None
-    inputs = int(func.attrs[NUM_INPUTS_ATTR]) if NUM_INPUTS_ATTR in func.attrs else len(func.params) - 1
+    inputs = num_inputs(func)
     axes = {}  # parameter name -> (its batch axis, its rows axis)
     for k, p in enumerate(func.params):
         kb = [a for a, d in enumerate(p.shape) if d.same_as(batch)]
@@ -385,9 +385,9 @@ def _over_flat_rows(func, lanes: int, tile: Tile, mode: str, threads: int) -> ti
 
     def rows_as(buf, extent, name=None):  # `buf` with its batch of one and its rows `extent` (one axis if merged)
         kb, kr = axes[buf.name]
-        one = tirx.IntImm(dt, 1)
-        shape = ([*buf.shape[:kb], one, extent, *buf.shape[kb + 2:]] if kr == kb + 1 else
-                 [one if a == kb else extent if a == kr else d for a, d in enumerate(buf.shape)])
+        unit = tirx.IntImm(dt, 1)
+        shape = ([*buf.shape[:kb], unit, extent, *buf.shape[kb + 2:]] if kr == kb + 1 else
+                 [unit if a == kb else extent if a == kr else d for a, d in enumerate(buf.shape)])
         return tirx.decl_buffer(shape, buf.dtype, name or buf.name)
     most = min(FLAT_ROWS_PASS, bounds[batch.name] * bounds[rows.name])
     one = func.specialize({p: rows_as(p, flat) for p in func.params if p.name in axes})
