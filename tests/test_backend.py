@@ -395,12 +395,23 @@ def test_a_softmax_over_the_columns_runs_per_row_tile_in_cache(tile, axis, per_r
     column tiles, the parallel loop walks row tiles, each finishes its whole rows and runs the
     softmax on them (one parallel loop, the scores a row tile's buffer); columns outside, or a
     reduction over the rows, keep the epilogue's passes. Exact either way (rows that do not divide
-    the tile included)."""
+    the tile included). Per row tile, a reduction's lane partials walk the row's chunks with the
+    tile's rows unrolled inside (a register of partials per row), initialised before the chunks."""
     graph, inputs = scores_softmax_graph(axis=axis)
     mod = _run_variant(graph, inputs, tile, target)
     text = mod["main"].script()
     assert (text.count("T.parallel(") == 1) == per_row
-    assert not per_row or 'reduce_max_rf")' in text  # the row's max by vector lanes
+    if per_row:  # the row's max by vector lanes, the rows unrolled under the chunks
+        rows = int(tile[1:].split("x")[0])
+        lines = text.splitlines()
+        at = next(i for i, line in enumerate(lines) if 'sblock("reduce_max_rf_update")' in line)
+        nest = []
+        while lines[at - 1].strip().startswith("for "):
+            at -= 1
+            nest.insert(0, lines[at].strip())
+        nest = [line for line in nest if "range(1)" not in line][-3:]  # (unit loops aside)
+        assert "T.unroll" not in nest[0] and "T.vectorized" not in nest[0] and nest[1].endswith(f"T.unroll({rows}):") and "T.vectorized(" in nest[2], nest
+        assert 'sblock("reduce_max_rf_init")' in text
 
 
 @pytest.mark.parametrize("tile", ["t4x{nb}pr", "t4x{nb}prs"])
@@ -419,7 +430,7 @@ def test_a_row_reduction_after_a_bias_and_relu_runs_per_row_tile(tile, target):
     consts = {"w": rng.standard_normal((k, n)).astype(np.float32), "b": rng.standard_normal(n).astype(np.float32)}
     graph = Graph((("x", f32(m, k)),), ("r", "mx"), tuple(ps), constants=consts)  # relu an output too: not inlined into the max
     mod = _run_variant(graph, ["x", "w", "b"], tile.format(nb=2 * lanes), target)
-    assert 'reduce_max_rf")' in mod["main"].script()  # the max by vector lanes, per row tile
+    assert 'reduce_max_rf_update")' in mod["main"].script()  # the max by vector lanes, per row tile
 
 
 def attention_graph(m=50, d=32, n=128, batch=2, deferred=False, scaled=False):
@@ -455,7 +466,7 @@ def test_attention_runs_row_tile_by_row_tile_in_one_parallel_loop(tile, shape, t
     mod = _run_variant(graph, inputs, tile, target)
     text = mod["main"].script()
     assert text.count("T.parallel(") == (0 if tile.endswith("s") else 1)
-    assert '_rf")' in text  # the reductions over the keys by vector lanes
+    assert re.search(r'_rf(_update)?"\)', text)  # the reductions over the keys by vector lanes
 
 
 def test_values_tile_fits_the_registers_and_keeps_every_column_while_two_rows_fit():
