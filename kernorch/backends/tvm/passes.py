@@ -297,6 +297,21 @@ def one_launch(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
     return _rewrite_funcs(mod, visit)
 
 
+def _compaction() -> list:
+    """The lowering's passes up to the buffers' compaction (where each buffer is allocated, and how
+    large)."""
+    st = s_tir.transform
+    return [bound_symbols, let_repeated, st.CanonicalizeLoop(), st.LowerInitBlock(),
+            st.PlanAndUpdateBufferAllocationLocation(), st.ConvertBlocksToOpaque(),
+            hide_root_buffers, st.CompactBufferAllocation(), restore_root_buffers]
+
+
+def compacted(mod: tvm.IRModule) -> tvm.IRModule:
+    """A scheduled kernel module as the lowering leaves it after compacting its buffers (for tests
+    and inspection: each allocation where it will be made, at the size it will have)."""
+    return tvm.ir.transform.Sequential(_compaction())(mod)
+
+
 def _lowering():
     """TVM 0.27's default lowering (tvm.s_tir.pipeline.default_s_tir_pipeline: its passes in its
     order, read from the same configuration) with `bound_symbols` and `let_repeated` first and the
@@ -319,9 +334,7 @@ def _lowering():
     def lowering(mod: tvm.IRModule, _ctx) -> tvm.IRModule:
         config = tvm.transform.PassContext.current().config
         st, tx = s_tir.transform, tirx.transform
-        passes = [bound_symbols, let_repeated, st.CanonicalizeLoop(), st.LowerInitBlock(),
-                  st.PlanAndUpdateBufferAllocationLocation(), st.ConvertBlocksToOpaque(),
-                  hide_root_buffers, st.CompactBufferAllocation(), restore_root_buffers,
+        passes = [*_compaction(),
                   st.LowerMatchBuffer(), st.StmtSimplify(), st.AnnotateIrregularLoop(), st.LowerOpaqueBlock(),
                   one_launch, tx.FlattenBuffer(), tx.BF16ComputeLegalize(), tx.NarrowDataType(32), st.LoopPartition(),
                   tx.VectorizeLoop(not bool(config.get("tirx.disable_vectorize", False)))]
