@@ -662,16 +662,28 @@ def test_packed_weight_is_a_parameter_of_the_packed_shape(target):
                                                   (64, 64, "t8x32", False), (1, 64, "t1x32p", False)])
 def test_packed_tiles_prefetch_the_next_weight_panel(m, n, tile, fetches, target):
     """A packed tile walking row tiles inside each weight panel prefetches its share of the next
-    panel spread over its reduction loop (a line at each step k where k*share//K begins: 24 lines
-    over 96 steps here); not with a guarded row tail (LLVM then keeps the accumulators in
-    memory), rows outside panels, one panel only, an unpacked weight, or one row (a matrix-vector
-    product). Results exact either way."""
+    panel spread over its reduction loop; not with a guarded row tail (LLVM then keeps the
+    accumulators in memory), rows outside panels, one panel only, an unpacked weight, or one row (a
+    matrix-vector product). The panel's first PREFETCH_SPREAD tiles fetch it (192 lines here, 48
+    each, one every other step of 96); its other tiles run the reduction loop without prefetch
+    code. Results exact either way."""
     graph, inputs = gemm_graph(m=m, k=96, n=n, const=tile.endswith("p") or tile.endswith("pr"))
     mod = _run_variant(graph, inputs, tile, target)
     text = mod["main"].script()
     assert ("T.prefetch(" in text) == fetches
     if fetches:  # inside the reduction loop, not a burst before it
-        assert re.search(r"for k in range\(96\):\n\s+if k \* 24 % 96 < 24:\n\s+T.prefetch", text)
+        assert re.search(r"for k in range\(96\):\n\s+if k % 2 == 0:\n\s+T.prefetch", text), text
+        assert len(re.findall(r"for k in range\(96\):", text)) == 2  # (and the other tiles' loop)
+
+
+def test_prefetches_go_a_power_of_two_steps_apart():
+    """A tile's share of the next panel's lines goes a power of two steps apart (a test without a
+    division at every step), as far apart as the share still fits in the reduction loop."""
+    from kernorch.backends.tvm.schedule import _every_power_of_two
+    assert [_every_power_of_two(1536, share) for share in (31, 384, 768, 1536, 1000)] == [32, 4, 2, 1, 1]
+    for steps, share in ((1536, 31), (96, 48), (384, 7)):
+        every = _every_power_of_two(steps, share)
+        assert every & (every - 1) == 0 and every * share <= steps < 2 * every * share
 
 
 def _columns_per_thread(mod, threads: int, block: str = "matmul_update") -> list[set[int]]:
