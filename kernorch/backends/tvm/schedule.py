@@ -2284,10 +2284,10 @@ def _every_power_of_two(steps: int, share: int) -> int:
     """How many reduction steps apart a tile's `share` prefetches go over `steps`: the largest power
     of two that fits them all in. Spread evenly instead (step k fetching when `k * share % steps <
     share`), the test cost a division by a constant at every step, most of them fetching nothing:
-    a 300 x 1536 x 384 GEMM (t6x16p, 50 row tiles a panel: 31 lines each over 1536 steps, Zen 2,
-    2 threads, weights cold) took 2.14 ms with it, 1.75 without prefetch, 1.72 fetching every
-    32nd step (the same GEMM over a symbolic length, whose shares happened to be a power of two
-    apart, 1.72)."""
+    a 300 x 1536 x 384 GEMM (t6x16p, 50 row tiles a panel, 31 lines each over 1536 steps, Zen 2,
+    2 threads, weights cold) took 2.14 ms that way, 1.99 with every tile fetching a power of two
+    steps apart, 1.72 with only the panel's first PREFETCH_SPREAD tiles fetching (1.75 without
+    prefetch; the same GEMM over a symbolic length, whose shares were a power of two apart, 1.72)."""
     every = 1
     while every * 2 * share <= steps:
         every *= 2
