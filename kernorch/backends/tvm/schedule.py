@@ -2251,28 +2251,27 @@ def _prefetch_next_panel(sch, par, red_loop, weight, panels: int, tiles) -> bool
         return tirx.For(red.loop_var, red.min, red.extent, red.kind, tirx.SeqStmt([fetch, red.body]),
                         red.thread_binding, red.annotations)
 
+    # the panel's first PREFETCH_SPREAD tiles (all, when it has fewer) fetch it, a share each, spread
+    # over their steps; the other tiles run the reduction loop as it was, without prefetch code
+    # (static, every tile fetching a share under its test took 1.16x as long: 300 x 1536 x 384,
+    # t6x16p, 50 tiles a panel, Zen 2, 2 threads, weights cold, 1.99 ms against 1.72)
     t = tirx.floormod(f, tiles)
-    if static:  # the panel's first PREFETCH_SPREAD tiles fetch it, a share each; the others run the
-        # reduction loop as it was (every tile fetching a share under its test took 1.16x as long:
-        # 300 x 1536 x 384, t6x16p, 50 tiles a panel, Zen 2, 2 threads, weights cold, 1.99 ms against 1.72)
-        fetchers = min(tiles, PREFETCH_SPREAD)
-        fetch = fetching(spread(t, -(-lines // fetchers)))
-        body = fetch if fetchers == tiles else tirx.IfThenElse(t < fetchers, fetch, red)
-    else:  # the number of tiles per panel is known at run time only: the panel's first PREFETCH_SPREAD
-        # tiles fetch a share each, spread over their steps; the other tiles run the reduction loop
-        # as it was, without prefetch code. The panel's last tile, the one a length leaves short,
-        # runs a fetching loop of its own (whose exact copies `_exact_tail` makes): its share (its
-        # lines clamped to the panel's last: one line already there) and, where the panel has fewer
-        # than PREFETCH_SPREAD tiles, the shares past its own (the tiles the panel lacks), each
-        # under a test of its index only. One loop for all, the fetch under its condition on k,
+    fetchers = min(tiles, PREFETCH_SPREAD) if static else PREFETCH_SPREAD
+    share = -(-lines // fetchers)
+    fetches = fetching(spread(t, share))
+    if static:
+        body = fetches if fetchers == tiles else tirx.IfThenElse(t < fetchers, fetches, red)
+    else:  # the number of tiles per panel is known at run time only. The panel's last tile, the
+        # one a length leaves short, runs a fetching loop of its own (whose exact copies
+        # `_exact_tail` makes): its share (its lines clamped to the panel's last: one line already
+        # there) and, where the panel has fewer than PREFETCH_SPREAD tiles, the shares past its own
+        # (the tiles the panel lacks), each under a test of its index only. One loop for all, the fetch under its condition on k,
         # took 1.3x as long hot on a Zen 3 (AVX2; a seq x 384 x 384 t6x16p GEMM at seq=512: 1260
         # against 960 us) where only one tile in 86 fetched; a share computed at run time made LLVM
         # spill the accumulators (2.3x slower); the extra shares tested in the first tiles' loop
         # too cost 2-5 % at seq=32-128 hot.
-        share = -(-lines // PREFETCH_SPREAD)
         last = fetching(spread(t, share, [(t < q, q) for q in range(1, PREFETCH_SPREAD)]))
-        body = tirx.IfThenElse(t == tiles - 1, last,
-                               tirx.IfThenElse(t < PREFETCH_SPREAD, fetching(spread(t, share)), red))
+        body = tirx.IfThenElse(t == tiles - 1, last, tirx.IfThenElse(t < fetchers, fetches, red))
     # (the loops share the body's blocks: no schedule primitive may look one up after this)
     seq[at] = body
     new = tirx.For(f, loop.min, loop.extent, loop.kind, tirx.SeqStmt(seq), loop.thread_binding, loop.annotations)
