@@ -157,9 +157,10 @@ def options_from(args) -> Options:
         if not kw.get("ranges"):
             raise KernorchError("--buckets cuts a range: give one with --shape NAME=LO..HI")
         from .dynamic import buckets
-        if len(kw["ranges"]) > 1:
+        if len(kw["ranges"]) > 1 and args.buckets.strip() not in ("samples", "one"):
             raise KernorchError(f"--buckets cuts the range of one symbol; {len(kw['ranges'])} vary "
-                                f"({', '.join(n for n, _, _ in kw['ranges'])}): their kernels serve one plan")
+                                f"({', '.join(n for n, _, _ in kw['ranges'])}): give `samples` (a plan per "
+                                "sample, one symbol dispatching) or `one`")
         if args.buckets.strip() == "samples":
             kw["sample_plans"] = True
         elif args.buckets.strip() == "one":

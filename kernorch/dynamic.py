@@ -16,7 +16,8 @@ Several symbols at once (batch=1..8 and seq=1..512): the model is fissioned at e
 of their probes (4 x 4), and each integer is fitted one symbol after the other, a polynomial with
 each symbol of degree <= 2 (batch*seq for rows flattened by a Reshape to (-1, 64)). The range is
 then timed at every combination of each symbol's samples, weighted by the product of their
-weights; one plan serves it (buckets, plans per sample length and row copies are one symbol's).
+weights. Plans per sample dispatch along one of the symbols (`pipeline.sample_choices`); buckets
+with edges, observed lengths and row copies are one symbol's.
 
 What is refused, with the node named: a graph whose structure changes with the value (a different
 set of prims, different wiring, an attribute that is not an integer changing), an integer that
@@ -151,6 +152,12 @@ def sample_key(binding) -> int | tuple[int, ...]:
     return int(items[0][1]) if len(items) == 1 else tuple(int(v) for _, v in items)
 
 
+def key_text(ranges, key) -> str:
+    """A sample's key (`sample_key`) as text, its symbols named: "seq=8", "batch=1, seq=8"."""
+    values = key if isinstance(key, tuple) else (key,)
+    return ", ".join(f"{n}={v}" for n, v in zip(sorted(n for n, _, _ in ranges), values))
+
+
 def samples_of(options: Options) -> tuple:
     """The `samples` a run's options ask for: their range, observed lengths, weights and count."""
     return samples(options.ranges, options.lengths, options.sample_weights, options.sample_count)
@@ -275,11 +282,13 @@ def bucket_weights(parts, lengths=()) -> list[float]:
 # a dispatching plan's meta key: "range" where its buckets' kernels were measured over the whole
 # range (pipeline.sample_plans), not each over its bucket (kernorch.backends.tvm.relax.build_module)
 BUCKET_BOUNDS = "bucket_bounds"
+# a dispatching plan's meta key over several symbols: the one its buckets cut (pipeline.sample_choices)
+DISPATCH_ON = "dispatch_on"
 
 
 def plan_buckets(meta) -> list[tuple[int, int]]:
-    """The buckets of a plan that dispatches on its symbol (meta["buckets"]: "1..8,9..64,65..512"),
-    as (lo, hi) pairs; [] for a plan that serves its range with one set of kernels."""
+    """The buckets of a plan that dispatches on a symbol (meta["buckets"]: "1..8,9..64,65..512", of
+    `dispatch_symbol`), as (lo, hi) pairs; [] for a plan that serves its range with one set of kernels."""
     out = []
     for part in meta.get("buckets", "").split(","):
         if part:
@@ -294,8 +303,18 @@ def example_bucket(meta) -> int:
     parts = plan_buckets(meta)
     if not parts:
         return 0
-    (name, (lo, hi)), = plan_ranges(meta).items()
+    name = dispatch_symbol(meta)
+    lo, hi = plan_ranges(meta)[name]
     return bucket_of(parts, middle(((name, lo, hi),))[name])
+
+
+def dispatch_symbol(meta) -> str | None:
+    """The symbol a dispatching plan's buckets cut: its one symbol, or over several the one named
+    (meta[DISPATCH_ON]); None for a plan without buckets."""
+    if not plan_buckets(meta):
+        return None
+    names = list(plan_ranges(meta))
+    return meta.get(DISPATCH_ON) or (names[0] if len(names) == 1 else None)
 
 
 def plan_ranges(meta) -> dict[str, tuple[int, int]]:

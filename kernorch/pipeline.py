@@ -1195,8 +1195,8 @@ def plan_model(model, options: Options, db: ProfileDB | None = None, machine: Ma
     clock = clock or Clock()
     own = db is None
     db = db or ProfileDB(options.resolved_db())
-    if len(options.ranges) > 1 and (options.bucket_edges or options.sample_plans or options.lengths):
-        raise KernorchError(f"buckets, plans per sample and observed lengths serve one symbol; "
+    if len(options.ranges) > 1 and (options.bucket_edges or options.lengths):
+        raise KernorchError(f"buckets with edges and observed lengths serve one symbol; "
                             f"{len(options.ranges)} vary ({', '.join(n for n, _, _ in options.ranges)})")
     try:
         if options.ranges and options.bucket_edges:
@@ -1321,7 +1321,7 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
         if options.ranges and options.sample_plans:
             measured = refine_samples(loaded.graph, enumeration, measured, options, meta, db, machine, workers, clock)
     one, choices = None, ()
-    if len(options.ranges) == 1 and (options.sample_plans or options.sample_gain):  # (several symbols: one plan)
+    if options.ranges and (options.sample_plans or options.sample_gain):
         with clock("orchestrate"):
             gain = 0.0 if options.sample_plans else options.sample_gain
             choices = sample_choices(loaded.graph, enumeration, measured, options, meta, plan, db, gain)
@@ -1348,6 +1348,7 @@ def refine_samples(graph: Graph, enumeration, measured: Measured, options: Optio
     over 1..512: the fusions only long lengths want were never measured (measuring every candidate
     of the transformer block, Zen 4, the plan at 512 came out 3.7 % faster than the one plan
     there, the one at 23 2 % and at 1 2.5 %). Every kernel measured is timed over the whole range."""
+    from .dynamic import key_text
     clock = clock or Clock()
     while measured.pending:  # until a pass over every length wants nothing unmeasured: a round at one
         # length moves the learned estimates every other length was solved with (residual, correction)
@@ -1360,8 +1361,8 @@ def refine_samples(graph: Graph, enumeration, measured: Measured, options: Optio
                 previous = plan
                 if not plan.estimated:
                     break
-                log.info("refine at %s=%d: measuring %d kernels its plan wants (%d unmeasured)",
-                         options.ranges[0][0], length, len(plan.estimated), len(measured.pending))
+                log.info("refine at %s: measuring %d kernels its plan wants (%d unmeasured)",
+                         key_text(options.ranges, length), len(plan.estimated), len(measured.pending))
                 with clock("measure"):
                     measured = refine(measured, plan.estimated, db, options, machine, workers)
                 measured = replace(measured, stats=replace(measured.stats, rounds=measured.stats.rounds + 1))
@@ -1542,10 +1543,14 @@ def sample_plans(graph: Graph, enumeration, measured: Measured, options: Options
 
 def sample_choices(graph: Graph, enumeration, measured: Measured, options: Options, meta: Mapping[str, str],
                    plan, db: ProfileDB | None = None, gain: float = 0.0) -> list:
-    """The plan each sample length of `measured.at` runs, as `sample_plans` chooses it."""
+    """The plan each sample length of `measured.at` runs, as `sample_plans` chooses it (several
+    symbols: `_sliced_choices`)."""
     lengths = [length for length, _ in measured.at]
     done = measured_only(measured)
     boundary = int(meta.get("boundary_ns", 0))
+    if len(options.ranges) > 1:
+        own = [orchestrate(graph, enumeration, at_sample(done, k), options, meta, db=db) for k in range(len(lengths))]
+        return _sliced_choices(own, plan, done, options.ranges, boundary, gain)
     at = []
     for k, length in enumerate(lengths):
         own = orchestrate(graph, enumeration, at_sample(done, k), options, meta, db=db)
@@ -1560,19 +1565,79 @@ def sample_choices(graph: Graph, enumeration, measured: Measured, options: Optio
     return at
 
 
+def _sliced_choices(own: Sequence, plan, measured: Measured, ranges, boundary_ns: int, gain: float) -> list:
+    """Over several symbols, the plan of each sample of `measured.at` (its own plans `own`) when one
+    symbol dispatches: per value of that symbol, its slice of the samples (every value of the
+    others) runs one plan, the own plan of one of them or the one plan `plan`, whichever the slice
+    is predicted to take the least time in (its samples weighted as the range weighs them); an own
+    plan only where it is predicted `gain` faster over the slice than the one plan. The symbol is
+    the one whose slices' plans are predicted the fastest over the whole range. (The transformer
+    block over batch=1..8 x seq=1..512, Zen 2: the one plan took 1.11-1.15x the static plans' time
+    at 8x128 and 8x512, 1.03x and 1.09x ONNX Runtime's, while the static plans there led it.)"""
+    from .dynamic import key_text
+    keys, weights = [k for k, _ in measured.at], [w for _, w in measured.at]
+
+    def cost(p, ks):  # the slice's weighted time in plan p (None: a kernel without a time there)
+        ts = [_cost_at(p, measured, keys[k], boundary_ns) for k in ks]
+        return None if None in ts else sum(weights[k] * t for k, t in zip(ks, ts))
+    best = None
+    for i, name in enumerate(sorted(n for n, _, _ in ranges)):
+        chosen, total = [plan] * len(keys), 0.0
+        for v in sorted({key[i] for key in keys}):
+            ks = [k for k, key in enumerate(keys) if key[i] == v]
+            ours = cost(plan, ks)
+            pick, least = plan, ours
+            for k in ks:
+                mine = cost(own[k], ks)
+                if mine is not None and ours is not None and mine <= (1.0 - gain) * ours and mine < least:
+                    pick, least = own[k], mine
+            for k in ks:
+                chosen[k] = pick
+            total += least if least is not None else math.inf
+        if best is None or total < best[0]:
+            best = (total, name, chosen)
+    _, name, chosen = best
+    ones = cost(plan, range(len(keys)))
+    for k, p in enumerate(chosen):
+        if p is own[k] and p is not plan:
+            log.info("the plan of %s serves its %s: predicted faster there than the one plan (%s in all)", key_text(
+                ranges, keys[k]), name, f"{best[0] / ones:.3f}x" if ones else "-")
+    return chosen
+
+
+def _slices(at: Sequence, keys: Sequence, ranges) -> tuple[tuple[str, int, int], list, list[int], list]:
+    """The plans `at` of the samples `keys` (`Measured.at`) as one symbol dispatches them: (its
+    range, its values at the samples ascending, each sample's index among those values, the plan of
+    each value). One symbol: each sample its own value. Several: the symbol whose every value's
+    samples run the same plan (`_sliced_choices` chose them so; where all run the same, the first)."""
+    if len(ranges) == 1:
+        return tuple(ranges[0]), list(keys), list(range(len(keys))), list(at)
+    names = sorted(n for n, _, _ in ranges)
+    for i, name in enumerate(names):
+        values = sorted({key[i] for key in keys})
+        index = [values.index(key[i]) for key in keys]
+        per = {}
+        if all(per.setdefault(index[k], _kernels_of(p)) == _kernels_of(p) for k, p in enumerate(at)):
+            first = [next(p for k, p in enumerate(at) if index[k] == j) for j in range(len(values))]
+            return next(tuple(r) for r in ranges if r[0] == name), values, index, first
+    raise KernorchError("internal: the samples' plans differ along every symbol; one symbol dispatches")
+
+
 def joined_samples(at: Sequence, plan, measured: Measured, options: Options, meta: Mapping[str, str]):
     """The plans `at` of the sample lengths of `measured.at` as one plan (`sample_plans`): `plan`
-    where they are all the same, else the plan that dispatches among them."""
-    from .dynamic import BUCKET_BOUNDS, cut, sample_edges
-    lengths = [length for length, _ in measured.at]
-    plans, edges = [at[0]], []
-    for e, p in zip(sample_edges(options.ranges[0], lengths), at[1:]):
+    where they are all the same, else the plan that dispatches among them (several symbols: along
+    the one `_slices` finds, named in meta[dynamic.DISPATCH_ON])."""
+    from .dynamic import BUCKET_BOUNDS, DISPATCH_ON, cut, sample_edges
+    rng, values, _, per = _slices(at, [key for key, _ in measured.at], options.ranges)
+    plans, edges = [per[0]], []
+    for e, p in zip(sample_edges(rng, values), per[1:]):
         if _kernels_of(p) != _kernels_of(plans[-1]):
             plans.append(p)
             edges.append(e)
     if len(plans) == 1:
         return plan
-    return _dispatch(plans, cut(options.ranges[0], edges), options, {**meta, BUCKET_BOUNDS: "range"})
+    on = {DISPATCH_ON: rng[0]} if len(options.ranges) > 1 else {}
+    return _dispatch(plans, cut(rng, edges), options, {**meta, BUCKET_BOUNDS: "range", **on})
 
 
 def _cost_at(plan, measured: Measured, length: int, boundary_ns: int) -> int | None:
@@ -1665,6 +1730,8 @@ def screen_samples(planned: Planned, options: Options) -> Planned:
     and most plans were dropped there: gpt_like over seq=1..512 (Zen 2) built 27 kernels whole in
     11.7 s for the own plans of 1, 64 and 512, and kept only 512's, which ran 0.95x the one plan's
     time at 512; 1's ran 1.08x at 1 and 64's 1.00x at 64."""
+    if len(options.ranges) > 1:  # (several symbols: its executables serve one symbol's samples, `at`;
+        return planned            # `measured_dispatch` alone checks the own plans, built whole)
     from . import executor
     from .dynamic import bind
     graph, one, name = planned.loaded.graph, planned.one, options.ranges[0][0]
@@ -1729,12 +1796,15 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
     at 512 and 1.04x at 300.) Returns (compiled, planned), `planned.dispatch` the last times against
     the one plan's at every length timed."""
     from . import executor
-    from .dynamic import bind
-    graph, name, one = planned.loaded.graph, options.ranges[0][0], planned.one
+    from .dynamic import bind, middle
+    graph, one = planned.loaded.graph, planned.one
+    rng, values, index, choices = _slices(planned.choices, [key for key, _ in planned.measured.at], options.ranges)
+    name = rng[0]  # (several symbols: the one dispatching; the others at their middles)
     single = emit(graph, one, options, planned.machine, workers)
-    probes = dispatch_probes(options.ranges[0], [length for length, _ in planned.measured.at])
-    feeds = {n: executor.random_feeds(bind(graph, {name: n}), options.seed) for ns in probes for n in ns}
-    choices, plan, checked = list(planned.choices), planned.plan, dict(planned.dispatch)
+    probes = dispatch_probes(rng, values)
+    feeds = {n: executor.random_feeds(bind(graph, {**middle(options.ranges), name: n}), options.seed)
+             for ns in probes for n in ns}
+    plan, checked = planned.plan, dict(planned.dispatch)
     own = [k for k, c in enumerate(choices) if _kernels_of(c) != _kernels_of(one)]  # buckets with their own plan
     todo = list(_dispatch_timed(probes, own))  # the buckets timed (again: those whose plan changed since)
     for _ in probes:
@@ -1752,7 +1822,7 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
             break
         todo = [k for k in own if k not in kept]
         choices = [c if k in kept else one for k, c in enumerate(choices)]
-        plan = joined_samples(choices, one, planned.measured, options, planned.plan.meta)
+        plan = joined_samples([choices[j] for j in index], one, planned.measured, options, planned.plan.meta)
         log.info("own plans kept at %s", ", ".join(f"{name}={probes[k][0]}..{probes[k][-1]}" for k in kept)
                  or "no length")
         if plan is one:
@@ -1762,7 +1832,7 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
         if 0 not in kept:  # the one plan runs the first bucket inline, as in its own executable, and
             break          # every own plan kept runs as it was timed: nothing to time again
         own = kept
-    return compiled, replace(planned, plan=plan, choices=tuple(choices), dispatch=checked)
+    return compiled, replace(planned, plan=plan, choices=tuple(choices[j] for j in index), dispatch=checked)
 
 
 def _dispatch_timed(probes: Sequence[tuple[int, ...]], own: Sequence[int]) -> dict[int, tuple[int, ...]]:

@@ -28,7 +28,7 @@ from typing import Mapping
 import numpy as np
 
 from . import __version__
-from .dynamic import bucket_of, plan_buckets, plan_ranges
+from .dynamic import bucket_of, dispatch_symbol, plan_buckets, plan_ranges
 from .ir import Graph, KernorchError, SymDim
 from .options import Machine
 from .plan import Plan
@@ -69,7 +69,7 @@ class CompiledModel:
         buckets = plan_buckets(self.plan.meta)
         if not buckets:
             return self.plan
-        (value,) = self._checked(inputs)[1].values()
+        value = self._checked(inputs)[1][dispatch_symbol(self.plan.meta)]
         return self.plan.bucket(bucket_of(buckets, value))
 
     def _checked(self, inputs: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], dict[str, int]]:
@@ -105,9 +105,13 @@ class CompiledModel:
         if not self.ranges:
             return [self.graph]
         from .dynamic import bind, middle, points, probe_points
-        if len(self.ranges) > 1:  # several symbols: every combination of their ends and middles
+        if len(self.ranges) > 1:  # several symbols: every combination of their ends and middles (with
+            # buckets, each bucket's ends and middle too, the others at their middles)
             rngs = tuple((n, lo, hi) for n, (lo, hi) in self.ranges.items())
-            at = [middle(rngs), *points(rngs, count=3)]
+            name = dispatch_symbol(self.plan.meta)
+            at = [middle(rngs), *points(rngs, count=3)] + [
+                {**middle(rngs), **b} for blo, bhi in plan_buckets(self.plan.meta)
+                for b in points(((name, blo, bhi),), count=3)]
             return [bind(self.graph, b) for b in {tuple(sorted(b.items())): b for b in at}.values()]
         (name, (lo, hi)), = self.ranges.items()
         rng = ((name, lo, hi),)

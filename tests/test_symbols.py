@@ -389,3 +389,95 @@ def test_the_runtime_binds_each_symbol_from_a_dimension_that_holds_it_alone():
         CompiledModel._shape(model, "flat", TensorType((bs, 64)), (12, 64), {})
     with pytest.raises(KernorchError, match="seq must be in 1..64"):
         CompiledModel._shape(model, "x", TensorType((b, s, 64)), (2, 65, 64), {})
+
+
+def test_plans_per_sample_over_two_symbols_dispatch_along_one():
+    """`sample_choices` over batch x seq (here its own plans given): per value of one symbol, its
+    slice of the samples (every batch at that seq) runs the plan predicted the fastest over it, an
+    own plan of one of its samples or the one plan, an own plan only where it is `gain` faster over
+    the slice; the symbol whose slices are the fastest in all dispatches. `joined_samples` then cuts
+    that symbol's range (dynamic.sample_edges between its values) and names it (DISPATCH_ON); the
+    plans where every sample runs the one plan are the one plan."""
+    from kernorch import pipeline
+    from kernorch.database import Measurement
+    from kernorch.measure import MeasureStats
+    from kernorch.options import Options
+    from kernorch.plan import Kernel, Plan, SolverStats
+    ranges = (("batch", 1, 8), ("seq", 1, 512))
+    keys = [(b, s) for b in (1, 3, 8) for s in (1, 23, 512)]
+    at = tuple((k, 1.0 / len(keys)) for k in keys)
+
+    def plan_of(tag):
+        return Plan((Kernel("k0", tag, "tvm", ("x",), ("x",), ("y",), 1, schedule=tag),), (), ("y",),
+                    SolverStats("optimal", 1, 1, 0.0, 0.0, 0), meta={"ranges": "batch=1..8,seq=1..512"})
+
+    def timed(tag, ns):  # ns(batch, seq): the kernel's time at each sample
+        t = [(k, ns(*k)) for k in keys]
+        return (tag, "tvm", tag), Measurement("m", tag, "tvm", tag, "v", "ok", sum(v for _, v in t) // len(t), (),
+                                              samples_ns=tuple(t))
+    one, long, wide = plan_of("one"), plan_of("long"), plan_of("wide")
+    measured = pipeline.Measured(dict([timed("one", lambda b, s: 100), timed("long", lambda b, s: 50 if s == 512 else 200),
+                                       timed("wide", lambda b, s: 80 if b == 8 else 300)]), MeasureStats(), at=at)
+    options = Options(threads=1, ranges=ranges)
+    # the own plan of every seq=512 sample is `long` (2x faster there), of 8x1 `wide` (1.25x there,
+    # 3x slower at the other batches): along seq, 512's slice runs `long`; along batch, 8's slice
+    # would run `wide` only where it wins over the slice, and `long` nowhere (slower over every batch)
+    own = [long if s == 512 else wide if (b, s) == (8, 1) else one for b, s in keys]
+    chosen = pipeline._sliced_choices(own, one, measured, ranges, 0, 0.03)
+    assert [c.kernels[0].key for c in chosen] == ["long" if s == 512 else "one" for _, s in keys]
+    plan = pipeline.joined_samples(chosen, one, measured, options, {**one.meta, "boundary_ns": "0"})
+    assert plan.meta[dynamic.DISPATCH_ON] == "seq" and dynamic.dispatch_symbol(plan.meta) == "seq"
+    assert dynamic.plan_buckets(plan.meta) == [(1, 108), (109, 512)] and plan.meta[dynamic.BUCKET_BOUNDS] == "range"
+    assert [k.key for k in plan.bucket(0).kernels] == ["one"] and [k.key for k in plan.bucket(1).kernels] == ["long"]
+    assert dynamic.example_bucket(plan.meta) == 0  # (seq's middle, 23)
+    # asked for a gain the slice does not reach (`long` is 2x faster over seq=512): the one plan
+    assert pipeline.joined_samples(pipeline._sliced_choices(own, one, measured, ranges, 0, 0.6), one, measured,
+                                   options, one.meta) is one
+    # where a batch's slice gains the most: `wide` at every batch=8 sample, `long` nowhere
+    own = [wide if b == 8 else one for b, s in keys]
+    plan = pipeline.joined_samples(pipeline._sliced_choices(own, one, measured, ranges, 0, 0.03), one, measured,
+                                   options, one.meta)
+    assert plan.meta[dynamic.DISPATCH_ON] == "batch" and dynamic.plan_buckets(plan.meta) == [(1, 4), (5, 8)]
+    # samples whose plans differ along both symbols are no dispatch of one symbol
+    with pytest.raises(KernorchError, match="one symbol dispatches"):
+        pipeline._slices([wide if (b, s) == (8, 512) else one for b, s in keys], keys, ranges)
+
+
+def test_a_plan_dispatching_along_one_of_two_symbols_runs_right(tmp_path):
+    """Over batch=1..4 x seq=1..64, the one plan's kernels made 20x slower at seq=64: the samples
+    there get plans of their own, and the plan dispatches along one symbol (`sample_plans`). Built,
+    the executable runs each pair in the bucket of that symbol's value (its profile's kernels), right
+    against ONNX Runtime on both sides of every edge and at both ends of the other symbol."""
+    import onnxruntime as ort
+    from dataclasses import replace
+
+    from kernorch import pipeline
+    from kernorch.options import Machine, Options
+    path = tmp_path / "block.onnx"
+    onnx.save(examples.transformer_block(seq="seq", batch="batch", dim=64, heads=2, hidden=64), str(path))
+    options = Options(threads=1, max_kernel_size=2, repeats=3, min_repeat_ms=1.0, workers=2, compare_untuned=0,
+                      db_path=str(tmp_path / "db.sqlite"), ranges=(("batch", 1, 4), ("seq", 1, 64)), samples=3,
+                      sample_gain=0.0)
+    planned = pipeline.plan_model(str(path), options)
+    one, measured, graph = planned.plan, planned.measured, planned.loaded.graph
+    assert planned.one is None and not dynamic.plan_buckets(one.meta)
+    ones = {(k.key, k.impl, k.schedule) for k in one.kernels}
+    slowed = {i: replace(m, samples_ns=tuple((n, t * 20 if n[1] == 64 else t) for n, t in m.samples_ns))
+              if i in ones else m for i, m in measured.measurements.items()}
+    plan = pipeline.sample_plans(graph, planned.enumeration, replace(measured, measurements=slowed), options,
+                                 one.meta, one)
+    name, parts = dynamic.dispatch_symbol(plan.meta), dynamic.plan_buckets(plan.meta)
+    assert name in ("batch", "seq") and len(parts) >= 2 and plan.meta[dynamic.DISPATCH_ON] == name
+    compiled = pipeline.emit(graph, plan, options, Machine.host())
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    other = {"batch": "seq", "seq": "batch"}[name]
+    values = sorted({v for lo, hi in parts for v in (lo, hi)})
+    for v in values:
+        for w in (1, dict(batch=4, seq=64)[other]):
+            b, s = (v, w) if name == "batch" else (w, v)
+            x = np.random.default_rng(b * 100 + s).standard_normal((b, s, 64)).astype(np.float32)
+            np.testing.assert_allclose(compiled.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=1e-4,
+                                       atol=1e-4, err_msg=f"batch={b}, seq={s}")
+            ran = {plan.kernels[p["kernel"]].bucket for p in compiled.profile({"x": x}, runs=1) if p["kernel"] is not None}
+            assert ran == {dynamic.bucket_of(parts, v)}, (b, s)
+            assert {k.bucket for k in compiled.plan_for({"x": x}).kernels} == ran

@@ -24,7 +24,7 @@ from ...layouts import kernel_io
 from ...timing import time_calls
 from .. import registry
 from .build import check_bounds, compile_objects, register_packed, relax_func
-from ...dynamic import BUCKET_BOUNDS, plan_buckets, plan_ranges
+from ...dynamic import BUCKET_BOUNDS, dispatch_symbol, plan_buckets, plan_ranges
 from .lower import Symbols, lower
 from . import objects, passes
 from .objects import object_path
@@ -137,7 +137,8 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
     """The Relax IRModule of the plan. Over a symbolic dimension (plan.meta["ranges"]: "seq=1..512")
     the function's shapes use one int64 variable per symbol, bounded by the range's upper end (the
     VM plans its buffers for it); the kernels bind their own variables from their arguments. A plan
-    with buckets (plan.meta["buckets"]) dispatches on the symbol's value in `main`: `if seq <= 8:
+    with buckets (plan.meta["buckets"]) dispatches on the value of its symbol (over several, the
+    one named: dynamic.dispatch_symbol) in `main`: `if seq <= 8:
     <the first bucket's kernels> elif seq <= 64: bucket1(...) else: bucket2(...)`. A bucket called
     as a function checks every parameter again (its weights too: 22 more tensor checks and 17 more
     shape matches per call for the transformer block), which cost the shortest lengths about 7 %
@@ -197,7 +198,7 @@ def build_module(graph: Graph, plan, target, weight_params: Sequence[tuple[str, 
                          private=True):
             funcs.append(bb.emit_func_output(emit(in_bucket(b), inputs, wvars, bucket_bounds(plan, b))))
     inputs, wvars = params()
-    (name, _), = plan_ranges(plan.meta).items()
+    name = dispatch_symbol(plan.meta)
     with bb.function("main", inputs + wvars, attrs=attrs):
         call = relax.Call(funcs[-1], inputs + wvars)
         for b in reversed(range(1, len(parts) - 1)):  # built inside out: the last bucket is the innermost else
@@ -220,7 +221,7 @@ def bucket_bounds(plan, bucket: int | None) -> dict[str, int]:
     parts = plan_buckets(plan.meta)
     if bucket is None or not parts or plan.meta.get(BUCKET_BOUNDS) == "range":
         return bounds
-    return {n: parts[bucket][1] for n in bounds}
+    return {**bounds, dispatch_symbol(plan.meta): parts[bucket][1]}
 
 
 def unnamed_kernels(graph: Graph, plan, threads: int, objects_dir: str | Path, machine=None) -> list[tuple]:
