@@ -1580,7 +1580,7 @@ def _sliced_choices(own: Sequence, plan, measured: Measured, ranges, boundary_ns
     def cost(p, ks):  # the slice's weighted time in plan p (None: a kernel without a time there)
         ts = [_cost_at(p, measured, keys[k], boundary_ns) for k in ks]
         return None if None in ts else sum(weights[k] * t for k, t in zip(ks, ts))
-    best = None
+    best, gains = None, []
     for i, name in enumerate(sorted(n for n, _, _ in ranges)):
         chosen, total = [plan] * len(keys), 0.0
         for v in sorted({key[i] for key in keys}):
@@ -1594,14 +1594,15 @@ def _sliced_choices(own: Sequence, plan, measured: Measured, ranges, boundary_ns
             for k in ks:
                 chosen[k] = pick
             total += least if least is not None else math.inf
+            if pick is not plan:
+                gains.append((name, v, keys[own.index(pick)], 1.0 - least / ours))
         if best is None or total < best[0]:
             best = (total, name, chosen)
     _, name, chosen = best
-    ones = cost(plan, range(len(keys)))
-    for k, p in enumerate(chosen):
-        if p is own[k] and p is not plan:
-            log.info("the plan of %s serves its %s: predicted faster there than the one plan (%s in all)", key_text(
-                ranges, keys[k]), name, f"{best[0] / ones:.3f}x" if ones else "-")
+    for n, v, key, saved in gains:
+        if n == name:
+            log.info("the plan of %s serves %s=%d: predicted %.1f %% faster there than the one plan", key_text(
+                ranges, key), name, v, 100 * saved)
     return chosen
 
 
