@@ -19,9 +19,10 @@ profile database of its own, wall time recorded:
   running in the smallest bucket that holds it (the padding copy itself is not counted).
 
 `--batch 1..8` makes the batch axis symbolic too (block, gpt_like): the dynamic executable is
-optimized over both (`--shape batch=1..8 --shape seq=LO..HI`, one plan), timed at the pairs of
-`--points` (batch x seq), against a static plan per pair and pad-to-bucket padding the seq of each
-pair (its batch kept); no dispatch.
+optimized over both (`--shape batch=1..8 --shape seq=LO..HI`: one plan, or plans of their own
+dispatched along one symbol where they run faster), timed at the pairs of `--points` (batch x seq),
+against a static plan per pair and pad-to-bucket padding the seq of each pair (its batch kept); no
+separate dispatching system.
 
 Timing: at each length, every kernorch executable, ONNX Runtime (the same dynamic model, all
 optimizations) and OpenVINO (f32, LATENCY hint, the dynamic model compiled once) run in processes
@@ -132,7 +133,7 @@ def main(argv=None) -> int:
     ap.add_argument("--range", default="1..512")
     ap.add_argument("--lengths", default="1,7,32,128,300,512")
     ap.add_argument("--batch", default=None, metavar="LO..HI",
-                    help="a symbolic batch too (block, gpt_like): one plan over batch x seq, no dispatch")
+                    help="a symbolic batch too (block, gpt_like): the dynamic executable over batch x seq")
     ap.add_argument("--points", default="1x1,2x7,4x32,8x128,3x300,8x512",
                     help="with --batch: the batch x seq pairs timed")
     ap.add_argument("--buckets", default="32,128,512", help="pad-to-bucket: the static lengths padded to")
@@ -225,6 +226,8 @@ def main(argv=None) -> int:
         summary[name] = {"vs_static_max": max(vs_static), "vs_static_geomean": geomean(vs_static),
                          "pad_over_geomean": geomean(vs_pad), "vs_best_peer_max": max(vs_peer),
                          "vs_best_peer_geomean": geomean(vs_peer)}
+    meta = json.loads((work / "dynamic" / "plan.json").read_text()).get("meta", {})
+    summary["dynamic_buckets"] = " ".join(filter(None, (meta.get("dispatch_on"), meta.get("buckets")))) or "one plan"
     static_peer = [ratio(r, "static", r["best_peer"]) for r in rows]
     summary["static"] = {"vs_best_peer_max": max(static_peer), "vs_best_peer_geomean": geomean(static_peer)}
     if args.dispatch:
@@ -244,8 +247,10 @@ def main(argv=None) -> int:
              f"max kernel size {args.max_kernel_size})", "",
              f"Median ms; at each length every system runs in its own process, in turns ({args.rounds} rounds of "
              f"{BLOCK} runs). The ratios are medians of the per-round ratios (two systems compared within one round, "
-             "seconds apart: kernorch.peers.round_ratios). dynamic: one plan over the range"
-             + (f" (timed at {args.samples} lengths)" if args.samples else "") + "; dispatch: a plan per bucket "
+             "seconds apart: kernorch.peers.round_ratios). dynamic: `kernorch optimize` over the range"
+             + (f" (timed at {args.samples} lengths)" if args.samples else "")
+             + f", one plan or own plans dispatched where they run faster (here: {summary['dynamic_buckets']})"
+             + "; dispatch: a plan per bucket "
              f"({args.dispatch or 'none'}) chosen inside the executable; static: a plan made for that length; "
              "padded: the static plan of the smallest bucket that holds the length (the padding copy not "
              "counted); ONNX Runtime and OpenVINO run the same dynamic model."
