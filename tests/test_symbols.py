@@ -481,3 +481,52 @@ def test_a_plan_dispatching_along_one_of_two_symbols_runs_right(tmp_path):
             ran = {plan.kernels[p["kernel"]].bucket for p in compiled.profile({"x": x}, runs=1) if p["kernel"] is not None}
             assert ran == {dynamic.bucket_of(parts, v)}, (b, s)
             assert {k.bucket for k in compiled.plan_for({"x": x}).kernels} == ran
+
+
+def test_the_dispatch_over_two_symbols_is_timed_along_the_one_dispatching(monkeypatch):
+    """`measured_dispatch` over batch x seq times the dispatching executable against the one plan's
+    at the probes of the dispatching symbol's buckets (here scripted), the other symbol at its
+    middle, and keeps a slice's own plan only where it ran DISPATCH_GAIN faster over its bucket;
+    the choices stay one per slice, and with none kept the one plan's executable is the result."""
+    from kernorch import executor, pipeline
+    from kernorch.measure import MeasureStats
+    from kernorch.options import Machine, Options
+    from kernorch.plan import Kernel, Plan, SolverStats
+
+    def plan_of(tag):
+        k = Kernel("k0", tag, "tvm", ("x",), ("x",), ("y",), 1, schedule=tag)
+        return Plan((k,), (), ("y",), SolverStats("optimal", 1, 1, 0.0, 0.0, 0),
+                    meta={"ranges": "batch=1..8,seq=1..512"})
+    one, long = plan_of("one"), plan_of("long")
+    options = Options(threads=1, ranges=(("batch", 1, 8), ("seq", 1, 512)))
+    keys = [(b, s) for b in (1, 3, 8) for s in (1, 23, 512)]
+    measured = pipeline.Measured({}, MeasureStats(), at=tuple((k, 1 / 9) for k in keys))
+
+    class Exe:
+        def __init__(self, plan):
+            self.plan = plan
+    monkeypatch.setattr(pipeline, "emit", lambda g, plan, o, m, *_: Exe(plan))
+    monkeypatch.setattr(dynamic, "bind", lambda g, binding: binding)
+    monkeypatch.setattr(executor, "random_feeds", lambda binding, seed=0: binding)
+    timed = []
+
+    def run(speed):
+        monkeypatch.setattr(pipeline, "alternated", lambda a, b, feeds: (
+            timed.append(dict(feeds)), speed(a.plan, feeds), 1.0, 1.0)[1:])
+        timed.clear()
+        choices = [long if s == 512 else one for _, s in keys]
+        plan = pipeline.joined_samples(choices, one, measured, options, one.meta)
+        assert plan.meta[dynamic.DISPATCH_ON] == "seq"
+        planned = pipeline.Planned(pipeline.Loaded("m", None, None), None, measured, plan, None, {}, Machine.host(),
+                                   one, tuple(choices))
+        return pipeline.measured_dispatch(Exe(plan), planned, options)
+
+    def runs(plan, seq):
+        parts = dynamic.plan_buckets(plan.meta)
+        return (plan.bucket(dynamic.bucket_of(parts, seq)) if parts else plan).kernels[0].key
+    compiled, planned = run(lambda plan, feeds: 0.95 if runs(plan, feeds["seq"]) == "long" else 1.0)
+    assert {f["batch"] for f in timed} == {3} and [f["seq"] for f in timed] == [109, 236, 512]
+    assert compiled.plan is planned.plan and dynamic.plan_buckets(planned.plan.meta) == [(1, 108), (109, 512)]
+    assert [c.kernels[0].key for c in planned.choices] == ["long" if s == 512 else "one" for _, s in keys]
+    compiled, planned = run(lambda plan, feeds: 1.0)
+    assert planned.plan is one and compiled.plan is one and planned.choices == (one,) * 9
