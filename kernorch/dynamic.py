@@ -153,9 +153,8 @@ def sample_key(binding) -> int | tuple[int, ...]:
 
 
 def key_text(ranges, key) -> str:
-    """A sample's key (`sample_key`) as text, its symbols named: "seq=8", "batch=1, seq=8"."""
-    values = key if isinstance(key, tuple) else (key,)
-    return ", ".join(f"{n}={v}" for n, v in zip(sorted(n for n, _, _ in ranges), values))
+    """A sample's key (`sample_key`) as text, its symbols named: "seq=8", "batch=1,seq=8"."""
+    return _at(tuple(sorted(n for n, _, _ in ranges)), key if isinstance(key, tuple) else (key,))
 
 
 def samples_of(options: Options) -> tuple:

@@ -1583,19 +1583,20 @@ def _sliced_choices(own: Sequence, plan, measured: Measured, ranges, boundary_ns
     best, gains = None, []
     for i, name in enumerate(sorted(n for n, _, _ in ranges)):
         chosen, total = [plan] * len(keys), 0.0
-        for v in sorted({key[i] for key in keys}):
-            ks = [k for k, key in enumerate(keys) if key[i] == v]
+        values, index = _values_along(keys, i)
+        for j, v in enumerate(values):
+            ks = [k for k in range(len(keys)) if index[k] == j]
             ours = cost(plan, ks)
-            pick, least = plan, ours
+            pick, least = None, ours   # (pick: the sample whose own plan the slice runs; None: the one plan)
             for k in ks:
                 mine = cost(own[k], ks)
                 if mine is not None and ours is not None and mine <= (1.0 - gain) * ours and mine < least:
-                    pick, least = own[k], mine
+                    pick, least = k, mine
             for k in ks:
-                chosen[k] = pick
+                chosen[k] = plan if pick is None else own[pick]
             total += least if least is not None else math.inf
-            if pick is not plan:
-                gains.append((name, v, keys[own.index(pick)], 1.0 - least / ours))
+            if pick is not None:
+                gains.append((name, v, keys[pick], 1.0 - least / ours))
         if best is None or total < best[0]:
             best = (total, name, chosen)
     _, name, chosen = best
@@ -1615,13 +1616,18 @@ def _slices(at: Sequence, keys: Sequence, ranges) -> tuple[tuple[str, int, int],
         return tuple(ranges[0]), list(keys), list(range(len(keys))), list(at)
     names = sorted(n for n, _, _ in ranges)
     for i, name in enumerate(names):
-        values = sorted({key[i] for key in keys})
-        index = [values.index(key[i]) for key in keys]
+        values, index = _values_along(keys, i)
         per = {}
         if all(per.setdefault(index[k], _kernels_of(p)) == _kernels_of(p) for k, p in enumerate(at)):
             first = [next(p for k, p in enumerate(at) if index[k] == j) for j in range(len(values))]
             return next(tuple(r) for r in ranges if r[0] == name), values, index, first
     raise KernorchError("internal: the samples' plans differ along every symbol; one symbol dispatches")
+
+
+def _values_along(keys: Sequence[tuple], i: int) -> tuple[list, list[int]]:
+    """The values the i-th symbol of the sample `keys` takes, ascending, and each key's index among them."""
+    values = sorted({key[i] for key in keys})
+    return values, [values.index(key[i]) for key in keys]
 
 
 def joined_samples(at: Sequence, plan, measured: Measured, options: Options, meta: Mapping[str, str]):

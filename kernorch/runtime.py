@@ -105,20 +105,16 @@ class CompiledModel:
         if not self.ranges:
             return [self.graph]
         from .dynamic import bind, middle, points, probe_points
-        if len(self.ranges) > 1:  # several symbols: every combination of their ends and middles (with
-            # buckets, each bucket's ends and middle too, the others at their middles)
-            rngs = tuple((n, lo, hi) for n, (lo, hi) in self.ranges.items())
-            name = dispatch_symbol(self.plan.meta)
-            at = [middle(rngs), *points(rngs, count=3)] + [
-                {**middle(rngs), **b} for blo, bhi in plan_buckets(self.plan.meta)
-                for b in points(((name, blo, bhi),), count=3)]
-            return [bind(self.graph, b) for b in {tuple(sorted(b.items())): b for b in at}.values()]
-        (name, (lo, hi)), = self.ranges.items()
-        rng = ((name, lo, hi),)
-        first, middle, last = points(rng, count=3)
-        at = [middle, first, last, *probe_points(rng, count=3)] + [
-            b for blo, bhi in plan_buckets(self.plan.meta) for b in points(((name, blo, bhi),), count=3)]
-        return [bind(self.graph, b) for b in {tuple(b.items()): b for b in at}.values()]
+        rngs = tuple((n, lo, hi) for n, (lo, hi) in self.ranges.items())
+        if len(rngs) > 1:  # several symbols: every combination of their ends and middles
+            at = [middle(rngs), *points(rngs, count=3)]
+        else:
+            first, mid, last = points(rngs, count=3)
+            at = [mid, first, last, *probe_points(rngs, count=3)]
+        name = dispatch_symbol(self.plan.meta)  # (with buckets: the others at their middles)
+        at += [{**middle(rngs), **b} for blo, bhi in plan_buckets(self.plan.meta)
+               for b in points(((name, blo, bhi),), count=3)]
+        return [bind(self.graph, b) for b in {tuple(sorted(b.items())): b for b in at}.values()]
 
     @property
     def example_graph(self) -> Graph:
