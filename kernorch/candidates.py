@@ -35,7 +35,7 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from . import primitives
 from .ir import Graph, KernorchError, Prim, graph_index, structural_key
@@ -445,9 +445,11 @@ def enumerate_candidates(graph: Graph, part: Partition,
     return r.candidates, r.rejected
 
 
-def enumerate_all(graph: Graph, opts: EnumOptions | None = None, max_prims: int = 64) -> Enumeration:
-    """Partition the graph, then enumerate every partition's candidates, with per-partition stats."""
-    parts = partition(graph, max_prims)
+def enumerate_all(graph: Graph, opts: EnumOptions | None = None, max_prims: int = 64,
+                  at: Mapping[str, int] | None = None) -> Enumeration:
+    """Partition the graph (its cuts weighed with each symbol at `at`), then enumerate every
+    partition's candidates, with per-partition stats."""
+    parts = partition(graph, max_prims, at)
     candidates: list[Candidate] = []
     rejected: list[Rejected] = []
     stats = []

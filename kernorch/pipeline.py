@@ -162,7 +162,9 @@ def enum_options(options: Options) -> cands.EnumOptions:
 
 
 def enumerate_candidates(graph: Graph, options: Options) -> cands.Enumeration:
-    return cands.enumerate_all(graph, enum_options(options), options.max_partition)
+    """The candidates; a graph over symbols is cut where the fewest bytes cross at their largest values."""
+    return cands.enumerate_all(graph, enum_options(options), options.max_partition,
+                               {n: hi for n, _, hi in options.ranges})
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ import pytest
 from kernorch import primitives
 from kernorch.candidates import (NOT_CONNECTED, NOT_CONVEX, OPAQUE, OVER_SIZE, TOO_MANY_OUTPUTS, TWO_LINEAR,
                                  EnumOptions, weight, enumerate_all, enumerate_candidates, enumerate_partition, legality)
-from kernorch.ir import Graph, KernorchError, TensorType, make_prim
-from kernorch.partition import Partition, cut_widths, partition
+from kernorch.ir import Graph, KernorchError, SymDim, TensorType, make_prim
+from kernorch.partition import Partition, cut_bytes, cut_widths, partition
 
 OPAQUE_ATTRS = {"onnx_op": "Hardmax", "onnx_attrs": (("axis", -1),), "out_index": 0}
 
@@ -416,6 +416,40 @@ def test_cuts_fall_between_transformer_layers():
     assert all(len(p.outputs) == 1 for p in parts)
     widths = cut_widths(g)
     assert widths[0] == 0 and min(widths[1:]) == 1
+
+
+def _narrowing_chain(rows) -> Graph:
+    """relu, a matmul down to 4 columns, relu, a matmul up to 256 columns, relu, relu: one tensor
+    crosses every cut, of rows x 256, 4, 4, 256, 256 floats."""
+    b = Builder()
+    x = b.input("x", (rows, 256))
+    h = b.add("relu", b.add("matmul", b.add("relu", x), b.const("w1", (256, 4))))
+    b.add("relu", b.add("relu", b.add("matmul", h, b.const("w2", (4, 256)))))
+    return b.graph()
+
+
+def test_cuts_of_one_width_fall_where_the_fewest_bytes_cross():
+    g = _narrowing_chain(1)
+    assert cut_widths(g)[1:] == [1] * 5
+    assert cut_bytes(g)[1:] == [1024, 16, 16, 1024, 1024]
+    # the window of the first cut is before prims 2..4: the narrow tensor, not the later wide one
+    assert [len(p.prims) for p in partition(g, max_prims=4)] == [3, 3]
+
+
+def test_symbolic_cuts_are_weighed_at_the_symbols_values():
+    seq = SymDim("seq", (0, 1, 0))
+    b = Builder()
+    x = b.input("x", (seq, 4))
+    small = b.add("relu", b.add("relu", x))                     # seq x 4
+    wide = b.add("matmul", b.add("relu", small), b.const("w", (4, 64)))   # seq x 64
+    b.add("relu", b.add("relu", b.add("reduce_sum", wide, axes=(0,), keepdims=1)))  # 1 x 64
+    g = b.graph()
+    assert cut_widths(g)[1:] == [1] * 6
+    assert cut_bytes(g, {"seq": 512})[1:] == [2048 * 4, 2048 * 4, 2048 * 4, 512 * 64 * 4, 256, 256]
+    assert cut_bytes(g)[1:3] == [16, 16]  # (a symbol without a value counts as 1)
+    # the first cut falls before prim 2..5: at seq=512 after the reduction, at seq=1 before the matmul
+    assert [len(p.prims) for p in partition(g, 5, {"seq": 512})] == [5, 2]
+    assert [len(p.prims) for p in partition(g, 5, {"seq": 1})] == [3, 4]
 
 
 def check_partitions(g: Graph, parts: list[Partition], max_prims: int):
