@@ -265,17 +265,6 @@ def _row_probes(prim, options: Options) -> tuple:
                  for b in probe_points(options.ranges, options.lengths, options.sample_count, along=name))
 
 
-def _attention_probes(scores, options: Options) -> tuple:
-    """The bindings an attention over one symbolic length (`scores`, its first contraction) is
-    timed at beyond the samples: the probes between them past the SMALL_ROWS lengths, where its
-    register tiles differ (every tile runs its static copy below). Over seq=1..512, 23 and 181:
-    at 32 a gpt_like attention took 21.7 us in t6x64r, the fastest at 64 and 512, against 9.8 in
-    t14x32r (Xeon model 167), and a plan timed at the samples alone never saw it."""
-    if len(options.ranges) != 1:
-        return ()
-    return tuple(b for b in _row_probes(scores, options) if dict(b)[options.ranges[0][0]] > max(SMALL_ROWS))
-
-
 def _rows_only_symbolic(graph: Graph, prim) -> bool:
     """A contraction whose rows alone are symbolic (a weight GEMM over seq rows): columns and depth static."""
     out, a = prim.type.shape, graph.type_of(prim.inputs[0]).shape
@@ -446,19 +435,16 @@ def candidate_jobs(graph: Graph, candidates, options: Options, machine: Machine,
             for cls in classes:
                 schedule = tiles.get((c.linear, cls), _in_class(cls, "default")) if impl.native else "-"
                 schedules = [schedule]
-                probes: tuple = ()
                 if impl.native and attention_tiles and (c.linear, cls) in attention_tiles and cands.attention_parts(
                         graph, c.members) is not None:
                     every = attention_tiles[(c.linear, cls)]
                     schedules = list(every) if not graph.by_name[c.linear].type.static else [every[0]]
-                    probes = _attention_probes(graph.by_name[c.linear], options)
                 if impl.native and row_tiles and (c.linear, cls) in row_tiles and _row_wise(graph, c):
                     schedules.append(row_tiles[(c.linear, cls)])
                 if impl.native and families and list(c.members) == [c.linear]:  # the contraction alone
                     schedules += [s for s in families.get((c.linear, cls), ()) if s not in schedules]
                 for s in schedules:
-                    jobs.setdefault((c.key, impl.name, s), meas.KernelJob(c.key, impl.name, s, kg, c.inputs, c.outputs,
-                                                                          probes=probes))
+                    jobs.setdefault((c.key, impl.name, s), meas.KernelJob(c.key, impl.name, s, kg, c.inputs, c.outputs))
         if (untuned < options.compare_untuned and len(c.members) > 1 and (c.key, "tvm", "none") not in jobs
                 and registry.get("tvm").supports(kg, kg.prims, c.inputs, c.outputs) is None):
             jobs[(c.key, "tvm", "none")] = meas.KernelJob(c.key, "tvm", "none", kg, c.inputs, c.outputs)
@@ -1433,25 +1419,9 @@ def measure_attention_tiles(measured: Measured, db: ProfileDB, options: Options,
         return measured, batches > 0
     log.info("measuring %d attentions in two tiles, switched by the length", len(switches))
     results, stats = meas.measure(switches, db, options, machine, label="switch", workers=workers)
-    gone = switched_tiles(results)
-    measured = replace(measured, measurements={i: m for i, m in {**measured.measurements, **results}.items()
-                                               if i not in gone}, stats=measured.stats.merged(stats))
+    measured = replace(measured, measurements={**measured.measurements, **results},
+                       stats=measured.stats.merged(stats))
     return measured, True
-
-
-def switched_tiles(measurements) -> set[tuple[str, str, str]]:
-    """The fusions' tiles a measured length switch of them runs (`length_switches`): the solver is
-    offered the switch alone. It runs each tile at the lengths that tile was timed the fastest, so
-    at the samples it times like them, and the solver, weighing the samples alone, took a tile
-    left plain by the timings' noise (session 56: one switch measured in four cold optimizes,
-    chosen in none)."""
-    out = set()
-    for (key, impl, schedule), m in measurements.items():
-        block, inner = split(schedule)
-        switch = LengthSwitch.parse(inner)
-        if switch is not None and m.ok:
-            out |= {(key, impl, _in_class(block, t)) for t in (switch.first, switch.then)}
-    return out
 
 
 # a fusion is measured switching tiles with the length (`length_switches`) where at some sample length
@@ -1461,37 +1431,34 @@ SWITCH_GAIN = 0.03
 
 def length_switches(measured: Measured, keys: Sequence[str], rng: tuple[str, int, int]) -> dict[str, LengthSwitch]:
     """Per attention fusion of `keys` measured in several register tiles whose fastest changes
-    with the length: the switch (kernels.LengthSwitch) between two tiles at the edge between two
-    lengths timed (dynamic.sample_edges) that runs the lengths in the least time relative to the
-    fastest tile at each, below the edge the tile of least relative time there, above it the one
-    above; where at some length it is SWITCH_GAIN faster than the fusion's tile fastest over the
-    range (its tiles' times there). (Switching at the first length another tile was the fastest
-    at, a tile 0.5 % faster at 8 hid one 2x faster at 23.) The lengths: the samples and the probes every tile was timed at
-    (`_attention_probes`), past the SMALL_ROWS ones (every tile runs its static copy there)."""
+    with the length: the switch (kernels.LengthSwitch) that runs the tile fastest at the shortest
+    sample up to the edge before the first sample another is fastest at (dynamic.sample_edges),
+    above it the tile fastest relative to the others over the samples from there on; where at some
+    sample it is SWITCH_GAIN faster than the fusion's tile fastest over the range (its tiles' times
+    there). The samples of SMALL_ROWS do not count: every tile runs its static copy there."""
     from .dynamic import sample_edges
+    if not keys:
+        return {}
+    lengths = [n for n, _ in measured.at if n]
+    tiled = [k for k, n in enumerate(lengths) if n > max(SMALL_ROWS)]
+    if len(tiled) < 2:
+        return {}
+    edges = sample_edges(rng, lengths)
     out = {}
     for key in keys:
-        timed = [dict(m.samples_ns) for i, m in measured.measurements.items()
-                 if i[0] == key and m.ok and Tile.parse(split(i[2])[1]) is not None]
-        lengths = sorted(n for n in set.intersection(*(set(t) for t in timed)) if n > max(SMALL_ROWS)) if timed else []
         times = _tile_times(measured, key, [*lengths, 0])  # (0: over the range)
-        if len(lengths) < 2 or len(times) < 2:
+        if len(times) < 2:
             continue
-        edges = sample_edges(rng, lengths)
-        at = {t: ns[:-1] for t, ns in times.items()}
-        ratio = {t: [ns / max(1, min(a[k] for a in at.values())) for k, ns in enumerate(a)] for t, a in at.items()}
-
-        def fastest(part: range) -> tuple[float, str]:  # the tile of least relative time over `part`
-            return min((sum(ratio[t][k] for k in part), t) for t in at)
-        splits = [(fastest(range(j))[0] + fastest(range(j, len(lengths)))[0], j) for j in range(1, len(lengths))
-                  if fastest(range(j))[1] != fastest(range(j, len(lengths)))[1]]
-        if not splits:
+        at = {t: {k: ns[k] for k in tiled} for t, ns in times.items()}
+        best = {k: min(at, key=lambda t: at[t][k]) for k in tiled}
+        j = next((k for k in tiled if best[k] != best[tiled[0]]), None)
+        if j is None:
             continue
-        j = min(splits)[1]
-        first, then = fastest(range(j))[1], fastest(range(j, len(lengths)))[1]
+        first = best[tiled[0]]
+        then = min(at, key=lambda t: (sum(at[t][k] / at[best[k]][k] for k in tiled if k >= j), t))
         overall = min(times, key=lambda t: (times[t][-1], t))
-        switched = [at[first if k < j else then][k] for k in range(len(lengths))]
-        if any(at[overall][k] >= (1 + SWITCH_GAIN) * ns for k, ns in enumerate(switched)):
+        switched = {k: at[first if k < j else then][k] for k in tiled}
+        if then != first and any(at[overall][k] >= (1 + SWITCH_GAIN) * switched[k] for k in tiled):
             out[key] = LengthSwitch(first, edges[j - 1], then)
     return out
 

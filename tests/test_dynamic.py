@@ -2388,46 +2388,6 @@ def test_an_attention_whose_fastest_tile_changes_with_the_length_gets_a_switch()
     assert pipeline.length_switches(early, ["e"], ("seq", 1, 512)) == {}  # 1.02x at 8: not enough
 
 
-def test_a_switch_is_found_between_the_samples_and_replaces_its_tiles():
-    """An attention timed at the probes between the samples too (`_attention_probes`: 23 and 181
-    over 1..512; 3 and the SMALL_ROWS lengths are not tiled apart) is switched where a tile is the
-    fastest at a probe alone: t14x32r at 23, 2x the 64-wide tile fastest at every sample from 8 on,
-    up to the edge between 23 and 64. A tile not timed at a probe leaves that probe out. Measured,
-    the switch replaces the two tiles it runs (`switched_tiles`)."""
-    from dataclasses import replace
-    from kernorch import pipeline
-    from kernorch.database import Measurement
-    from kernorch.kernels import LengthSwitch
-    from kernorch.measure import MeasureStats
-    from kernorch.options import Options
-    at = ((1, 0.3), (8, 0.6), (64, 0.09), (512, 0.01))
-    options = Options(ranges=(("seq", 1, 512),))
-    scores = next(p for p in dynamic.generic_graph(examples.gpt_like(), dynamic.parse_range("seq=1..512")).prims
-                  if p.op == "matmul" and not isinstance(p.type.shape[-1], int))
-    assert [dict(b)["seq"] for b in pipeline._attention_probes(scores, options)] == [3, 23, 181]
-    assert pipeline._attention_probes(scores, Options(ranges=(("seq", 1, 512), ("batch", 1, 8)))) == ()
-
-    def done(key, schedule, times):
-        samples = tuple(times.items())
-        ns = int(sum(w * times[n] for n, w in at))
-        return (key, "tvm", schedule), Measurement("m", key, "tvm", schedule, "v", "ok", ns, (ns,), "", 0.1, "",
-                                                   samples_ns=samples)
-    wide = {1: 10, 3: 12, 8: 20, 23: 100, 64: 150, 181: 800, 512: 3000}
-    narrow = {1: 10, 3: 12, 8: 20.1, 23: 50, 64: 200, 181: 1000, 512: 4000}
-    measured = pipeline.Measured(dict([done("a", "t6x64r", wide), done("a", "t14x32r", narrow)]), MeasureStats(), at=at)
-    assert pipeline.length_switches(measured, ["a"], ("seq", 1, 512)) == {"a": LengthSwitch("t14x32r", 38, "t6x64r")}
-    unprobed = {n: t for n, t in narrow.items() if n in dict(at)}
-    measured = pipeline.Measured(dict([done("a", "t6x64r", wide), done("a", "t14x32r", unprobed)]), MeasureStats(), at=at)
-    assert pipeline.length_switches(measured, ["a"], ("seq", 1, 512)) == {}  # (at 8 the narrow one is 0.5 % faster)
-    measurements = dict([done("a", "t6x64r", wide), done("a", "t14x32r", narrow), done("a", "t4x64r", wide),
-                         done("a", "b16/t14x32r|38|t6x64r", wide), done("b", "t14x32r|38|t6x64r", wide),
-                         done("b", "t6x64r", wide)])
-    assert pipeline.switched_tiles(measurements) == {("a", "tvm", "b16/t14x32r"), ("a", "tvm", "b16/t6x64r"),
-                                                     ("b", "tvm", "t14x32r"), ("b", "tvm", "t6x64r")}
-    failed = {i: replace(m, status="refused") for i, m in measurements.items() if i[0] == "b"}
-    assert pipeline.switched_tiles(failed) == set()
-
-
 def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch):
     """`measured_dispatch` times the dispatching executable against the one plan's at every sample
     length with an own plan and the ends of its bucket (here scripted) and keeps a sample's own plan
