@@ -1716,6 +1716,9 @@ def optimize(model, options: Options, runs: int = 20):
         if planned.one is not None:
             with clock("dispatch"):
                 compiled, planned = measured_dispatch(compiled, planned, options, workers)
+        if len(options.ranges) == 1 and options.loop_order:
+            with clock("loop order"):
+                compiled, planned = measured_loop_order(compiled, planned, options, workers)
     with clock("verify"):
         check = verify.verify(compiled, model, options)
     timing = {}
@@ -1842,6 +1845,79 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
             break          # every own plan kept runs as it was timed: nothing to time again
         own = kept
     return compiled, replace(planned, plan=plan, choices=tuple(choices[j] for j in index), dispatch=checked)
+
+
+# a kernel of the plan over a range runs its weight panels outside its row tiles only where that is
+# this much faster inside the executable over the lengths timed (`measured_loop_order`)
+LOOP_ORDER_GAIN = 0.01
+
+
+def columns_outside(schedule: str) -> str | None:
+    """The schedule of a packed tile with its row tiles outside the column panels (`Tile.rows_outer`)
+    with the loop order turned: the column panels outside, the same tile, packing and row copies.
+    None for any other schedule."""
+    block, inner = split(schedule)
+    tile = Tile.parse(inner)
+    if tile is None or not tile.pack or not tile.rows_outer:
+        return None
+    return _in_class(block, replace(tile, rows_outer=False).name)
+
+
+def measured_loop_order(compiled, planned: Planned, options: Options, workers: meas.Workers | None = None):
+    """Over one symbolic length: the kernels of the plan in packed tiles with their row tiles outside
+    the column panels, run with the column panels outside where the executable runs faster so. The
+    plan's executable and the one with those kernels turned are timed in turns (`alternated`) at the
+    lengths `measured_dispatch` times (each bucket's ends, middle and sample); a bucket keeps its
+    kernels turned where its lengths ran LOOP_ORDER_GAIN faster (the ratios' geometric mean).
+
+    The family of a contraction over symbolic rows is chosen by its tiles timed alone
+    (`row_copies`), and alone, at a few rows, the two orders rank otherwise than inside the model:
+    the transformer block's 384 x 384 projections over seq=1..512 (Xeon model 167) timed 1.5 us
+    faster at 2-8 rows with their rows outside (12.0 against 13.5 at 8) and 10 % slower from 23 rows
+    on, and the rows-outside family was kept. With its 28 such kernels turned, gpt_like's one plan
+    ran 3 % faster at 8, 3-5 % at 16-64, 2-4 % at 128, the same at 1; the block's (4 kernels) 2-5 %
+    faster at 8-16, 0-2 % at 22-64. (Their profiles inside the executables put the kernels' own
+    gains higher, 8-13 % for some: the calls timed one by one.)
+    Returns (compiled, planned); the plan names the kernels turned (`meta["columns_outside"]`)."""
+    from . import executor
+    from .dynamic import bind, bucket_of, plan_buckets
+    plan = planned.plan
+    turned = {i: t for i, k in enumerate(plan.kernels) if (t := columns_outside(k.schedule)) is not None}
+    if not turned:
+        return compiled, planned
+    graph, rng = planned.loaded.graph, options.ranges[0]
+
+    def with_turned(which) -> Plan:
+        out = replace(plan, kernels=tuple(replace(k, schedule=turned[i]) if i in which else k
+                                          for i, k in enumerate(plan.kernels)))
+        return replace(out, meta={**out.meta, "columns_outside": ",".join(plan.kernels[i].id for i in sorted(which))})
+    every = with_turned(turned)
+    try:
+        other = emit(graph, every, options, planned.machine, workers)
+    except KernorchError as e:  # (a tile the turned order does not apply to: the plan stays)
+        log.info("loop order: the kernels with columns outside did not build (%s)", e)
+        return compiled, planned
+    parts = plan_buckets(plan.meta)
+    buckets = {plan.kernels[i].bucket for i in turned}
+    lengths = [n for n in sorted({n for ns in dispatch_probes(rng, sorted(n for n, _ in planned.measured.at))
+                                  for n in ns}) if (bucket_of(parts, n) if parts else 0) in buckets]
+    over = {}
+    for n in lengths:
+        feeds = executor.random_feeds(bind(graph, {rng[0]: n}), options.seed)
+        over[n] = alternated(other, compiled, feeds)[0]
+    log.info("loop order: %d kernels with columns outside, the executable's time against the plan's: %s",
+             len(turned), ", ".join(f"{rng[0]}={n} {r:.3f}" for n, r in over.items()))
+    served: dict[int, list[float]] = {}
+    for n, r in over.items():
+        served.setdefault(bucket_of(parts, n) if parts else 0, []).append(r)
+    faster = {b for b, r in served.items() if math.exp(statistics.fmean(map(math.log, r))) <= 1 - LOOP_ORDER_GAIN}
+    kept = {i for i in turned if plan.kernels[i].bucket in faster}
+    if not kept:
+        return compiled, planned
+    mixed = every if kept == set(turned) else with_turned(kept)
+    if mixed is not every:
+        other = emit(graph, mixed, options, planned.machine, workers)
+    return other, replace(planned, plan=mixed)
 
 
 def _dispatch_timed(probes: Sequence[tuple[int, ...]], own: Sequence[int]) -> dict[int, tuple[int, ...]]:

@@ -2757,3 +2757,75 @@ def test_no_cut_falls_inside_an_attention_of_gpt_like_over_seq():
         softmax = [c.name for c in g.consumers[e]] + [e]
         assert len({where[p] for p in softmax}) == 1, softmax
         assert any(set(softmax) <= set(c.members) for c in en.candidates), e
+
+
+def test_columns_outside_turns_a_packed_tile_with_rows_outside():
+    """`pipeline.columns_outside`: the same tile, packing and row copies with the column panels
+    outside; nothing for a tile with them outside already, an unpacked one or another schedule."""
+    from kernorch import pipeline
+    copies = "~14:1@12000,2@25600~8:1@11600,3@26800"
+    assert pipeline.columns_outside("t8x32pr" + copies) == "t8x32p" + copies
+    assert pipeline.columns_outside("b16/t6x64pr") == "b16/t6x64p"
+    assert pipeline.columns_outside("t8x32prs") == "t8x32ps"
+    for schedule in ("t8x32p", "t6x64r", "default", "t14x32r|22|t6x64r", "-"):
+        assert pipeline.columns_outside(schedule) is None
+
+
+def test_a_bucket_keeps_its_kernels_with_columns_outside_where_the_executable_runs_faster(monkeypatch):
+    """`measured_loop_order` emits the plan with every packed rows-outside kernel turned, times it
+    against the plan's executable in turns at each bucket's probes (`dispatch_probes`), and keeps a
+    bucket's kernels turned where its lengths ran LOOP_ORDER_GAIN faster (geometric mean); the plan
+    names them. Nothing turned: the plan and its executable stay; a turned kernel that does not
+    build: the same."""
+    from dataclasses import replace
+    from kernorch import executor, pipeline
+    from kernorch.measure import MeasureStats
+    from kernorch.options import Machine, Options
+    from kernorch.plan import Kernel, Plan, SolverStats
+
+    def kernel(i, schedule, bucket):
+        return Kernel(f"c{i}", f"k{i}", "tvm", (f"m{i}",), ("x",), (f"m{i}",), 1, schedule=schedule, bucket=bucket)
+    plan = Plan((kernel(0, "t8x32pr~8:1@1000", 0), kernel(1, "t6x64r", 0), kernel(2, "t8x32pr", 1),
+                 kernel(3, "t6x64p", 1)), (), ("m3",), SolverStats("optimal", 1, 1, 0.0, 0.0, 0),
+                meta={"ranges": "seq=1..512", "buckets": "1..181,182..512"})
+    options = Options(threads=1, ranges=(("seq", 1, 512),))
+    at = ((1, 0.3), (8, 0.6), (64, 0.1), (512, 0.01))
+    planned = pipeline.Planned(pipeline.Loaded("m", None, None), None, pipeline.Measured({}, MeasureStats(), at=at),
+                               plan, None, {}, Machine.host())
+
+    class Exe:
+        def __init__(self, plan):
+            self.plan = plan
+    emitted = []
+    monkeypatch.setattr(pipeline, "emit", lambda g, p, o, m, *_: (emitted.append(p), Exe(p))[1])
+    monkeypatch.setattr(dynamic, "bind", lambda g, binding: binding)
+    monkeypatch.setattr(executor, "random_feeds", lambda binding, seed=0: binding)
+    timed = []
+
+    def run(ratio):
+        """`ratio(n)`: the turned executable's time over the plan's at length n."""
+        monkeypatch.setattr(pipeline, "alternated", lambda a, b, feeds: (timed.append(feeds["seq"]),
+                                                                          ratio(feeds["seq"]), 1.0, 1.0)[1:])
+        timed.clear()
+        emitted.clear()
+        return pipeline.measured_loop_order(Exe(plan), planned, options)
+
+    # the first bucket's lengths 3 % faster, the second's level: its kernel alone turns
+    compiled, out = run(lambda n: 0.97 if n <= 181 else 1.0)
+    assert timed == [1, 2, 3, 8, 22, 23, 64, 181, 182, 305, 512]
+    assert [k.schedule for k in out.plan.kernels] == ["t8x32p~8:1@1000", "t6x64r", "t8x32pr", "t6x64p"]
+    assert out.plan.meta["columns_outside"] == "c0" and compiled.plan is out.plan and len(emitted) == 2
+    # both faster: the executable emitted with both turned is the one kept, emitted once
+    compiled, out = run(lambda n: 0.98)
+    assert [k.schedule for k in out.plan.kernels][::2] == ["t8x32p~8:1@1000", "t8x32p"]
+    assert out.plan.meta["columns_outside"] == "c0,c2" and len(emitted) == 1 and compiled.plan is out.plan
+    # 0.5 % faster: under the gain, the plan and its executable stay
+    compiled, out = run(lambda n: 0.995)
+    assert out is planned and compiled.plan is plan
+    # a turned kernel that does not build: nothing timed, the plan stays
+    monkeypatch.setattr(pipeline, "emit", lambda *a, **k: (_ for _ in ()).throw(KernorchError("tile does not apply")))
+    compiled, out = run(lambda n: 0.9)
+    assert out is planned and timed == []
+    # no packed tile with rows outside: nothing at all
+    none = replace(plan, kernels=tuple(replace(k, schedule="t6x64p") for k in plan.kernels))
+    assert pipeline.measured_loop_order(Exe(none), replace(planned, plan=none), options)[1].plan is none
