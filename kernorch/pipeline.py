@@ -1875,8 +1875,8 @@ def measured_loop_order(compiled, planned: Planned, options: Options, workers: m
     the transformer block's 384 x 384 projections over seq=1..512 (Xeon model 167) timed 1.5 us
     faster at 2-8 rows with their rows outside (12.0 against 13.5 at 8) and 10 % slower from 23 rows
     on, and the rows-outside family was kept. With its 28 such kernels turned, gpt_like's one plan
-    ran 3 % faster at 8, 3-5 % at 16-64, 2-4 % at 128, the same at 1; the block's (4 kernels) 2-5 %
-    faster at 8-16, 0-2 % at 22-64. (Their profiles inside the executables put the kernels' own
+    ran 3 % faster at 8, 3-6 % at 16-64, 2-4 % at 128, the same at 1; the block's (4 kernels) 1-5 %
+    faster at 8-16, 0-2 % at 22-64 (each pair of executables in turns in one process, three times). (Their profiles inside the executables put the kernels' own
     gains higher, 8-13 % for some: the calls timed one by one.)
     Returns (compiled, planned); the plan names the kernels turned (`meta["columns_outside"]`)."""
     from . import executor
@@ -1898,18 +1898,20 @@ def measured_loop_order(compiled, planned: Planned, options: Options, workers: m
         log.info("loop order: the kernels with columns outside did not build (%s)", e)
         return compiled, planned
     parts = plan_buckets(plan.meta)
+
+    def bucket(n: int) -> int:
+        return bucket_of(parts, n) if parts else 0
     buckets = {plan.kernels[i].bucket for i in turned}
-    lengths = [n for n in sorted({n for ns in dispatch_probes(rng, sorted(n for n, _ in planned.measured.at))
-                                  for n in ns}) if (bucket_of(parts, n) if parts else 0) in buckets]
+    probes = dispatch_probes(rng, sorted(n for n, _ in planned.measured.at))
     over = {}
-    for n in lengths:
+    for n in sorted({n for ns in probes for n in ns if bucket(n) in buckets}):
         feeds = executor.random_feeds(bind(graph, {rng[0]: n}), options.seed)
         over[n] = alternated(other, compiled, feeds)[0]
     log.info("loop order: %d kernels with columns outside, the executable's time against the plan's: %s",
              len(turned), ", ".join(f"{rng[0]}={n} {r:.3f}" for n, r in over.items()))
     served: dict[int, list[float]] = {}
     for n, r in over.items():
-        served.setdefault(bucket_of(parts, n) if parts else 0, []).append(r)
+        served.setdefault(bucket(n), []).append(r)
     faster = {b for b, r in served.items() if math.exp(statistics.fmean(map(math.log, r))) <= 1 - LOOP_ORDER_GAIN}
     kept = {i for i in turned if plan.kernels[i].bucket in faster}
     if not kept:
