@@ -2388,6 +2388,24 @@ def test_an_attention_whose_fastest_tile_changes_with_the_length_gets_a_switch()
     assert pipeline.length_switches(early, ["e"], ("seq", 1, 512)) == {}  # 1.02x at 8: not enough
 
 
+class _Exe:
+    """An executable stand-in: the plan it was emitted from."""
+
+    def __init__(self, plan):
+        self.plan = plan
+
+
+def _scripted_emit(monkeypatch) -> list:
+    """`pipeline.emit` made to return an `_Exe` of its plan, and a length's feeds {"seq": n}
+    (`dynamic.bind`, `executor.random_feeds`). Returns the list the plans emitted go to."""
+    from kernorch import executor, pipeline
+    emitted = []
+    monkeypatch.setattr(pipeline, "emit", lambda g, plan, o, m, *_: (emitted.append(plan), _Exe(plan))[1])
+    monkeypatch.setattr(dynamic, "bind", lambda g, binding: binding)
+    monkeypatch.setattr(executor, "random_feeds", lambda binding, seed=0: binding)
+    return emitted
+
+
 def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch):
     """`measured_dispatch` times the dispatching executable against the one plan's at every sample
     length with an own plan and the ends of its bucket (here scripted) and keeps a sample's own plan
@@ -2395,7 +2413,7 @@ def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch)
     an own plan of the shortest length goes too when the one plan, now called as a bucket
     function, runs the first length of a bucket it serves slower; re-joined until nothing changes, and without any own
     plan left the one plan's executable is the result."""
-    from kernorch import executor, pipeline
+    from kernorch import pipeline
     from kernorch.measure import MeasureStats
     from kernorch.options import Machine, Options
     from kernorch.plan import Kernel, Plan, SolverStats
@@ -2408,14 +2426,8 @@ def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch)
     options = Options(threads=1, ranges=(("seq", 1, 512),))
     at = ((1, 0.3), (8, 0.6), (64, 0.1), (512, 0.01))
     measured = pipeline.Measured({}, MeasureStats(), at=at)
-
-    class Exe:
-        def __init__(self, plan):
-            self.plan = plan
-    emitted = []
-    monkeypatch.setattr(pipeline, "emit", lambda g, plan, o, m, *_: (emitted.append(plan), Exe(plan))[1])
-    monkeypatch.setattr(dynamic, "bind", lambda g, binding: binding)
-    monkeypatch.setattr(executor, "random_feeds", lambda binding, seed=0: binding)  # the feeds: {"seq": n}
+    emitted = _scripted_emit(monkeypatch)
+    Exe = _Exe
 
     def runs(plan, n):  # the tag of the plan that runs length n in `plan`
         parts = dynamic.plan_buckets(plan.meta)
@@ -2778,7 +2790,7 @@ def test_a_bucket_keeps_its_kernels_with_columns_outside_where_the_executable_ru
     names them. Nothing turned: the plan and its executable stay; a turned kernel that does not
     build: the same."""
     from dataclasses import replace
-    from kernorch import executor, pipeline
+    from kernorch import pipeline
     from kernorch.measure import MeasureStats
     from kernorch.options import Machine, Options
     from kernorch.plan import Kernel, Plan, SolverStats
@@ -2792,14 +2804,8 @@ def test_a_bucket_keeps_its_kernels_with_columns_outside_where_the_executable_ru
     at = ((1, 0.3), (8, 0.6), (64, 0.1), (512, 0.01))
     planned = pipeline.Planned(pipeline.Loaded("m", None, None), None, pipeline.Measured({}, MeasureStats(), at=at),
                                plan, None, {}, Machine.host())
-
-    class Exe:
-        def __init__(self, plan):
-            self.plan = plan
-    emitted = []
-    monkeypatch.setattr(pipeline, "emit", lambda g, p, o, m, *_: (emitted.append(p), Exe(p))[1])
-    monkeypatch.setattr(dynamic, "bind", lambda g, binding: binding)
-    monkeypatch.setattr(executor, "random_feeds", lambda binding, seed=0: binding)
+    emitted = _scripted_emit(monkeypatch)
+    Exe = _Exe
     timed = []
 
     def run(ratio):
