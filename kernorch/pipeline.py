@@ -1876,8 +1876,9 @@ def measured_loop_order(compiled, planned: Planned, options: Options, workers: m
     faster at 2-8 rows with their rows outside (12.0 against 13.5 at 8) and 10 % slower from 23 rows
     on, and the rows-outside family was kept. With its 28 such kernels turned, gpt_like's one plan
     ran 3 % faster at 8, 3-6 % at 16-64, 2-4 % at 128, the same at 1; the block's (4 kernels) 1-5 %
-    faster at 8-16, 0-2 % at 22-64 (each pair of executables in turns in one process, three times). (Their profiles inside the executables put the kernels' own
-    gains higher, 8-13 % for some: the calls timed one by one.)
+    faster at 8-16, 0-2 % at 22-64 (each pair of executables in turns in one process, three times).
+    (Their profiles inside the executables put the kernels' own gains higher, 8-13 % for some: the
+    calls timed one by one.)
     Returns (compiled, planned); the plan names the kernels turned (`meta["columns_outside"]`)."""
     from . import executor
     from .dynamic import bind, bucket_of, plan_buckets
