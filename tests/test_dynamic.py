@@ -1169,8 +1169,9 @@ def test_the_python_api_takes_a_range(tmp_path):
     onnx.save(examples.transformer_block(seq="seq"), str(path))
     compiled = kernorch.optimize(str(path), runs=0, threads=1, max_kernel_size=2, repeats=3, min_repeat_ms=1.0,
                                  compare_untuned=0, db_path=str(tmp_path / "db.sqlite"), ranges={"seq": (1, 16)},
-                                 lengths=[3, 4, 12])
+                                 lengths=[3, 4, 12], loop_order=False)
     assert compiled.ranges == {"seq": (1, 16)}
+    assert "loop order" not in compiled.report["seconds"]  # (Options.loop_order=False: not tried)
     assert compiled.run({"x": np.ones((1, 16, 64), np.float32)})["y"].shape == (1, 16, 64)
 
 
@@ -1234,6 +1235,7 @@ def test_a_plan_per_bucket_dispatched_inside_one_executable(tmp_path, capsys):
     assert {k.bucket for k in plan.kernels} == {0, 1}
     assert plan.predicted_ns == round(sum(w * plan.bucket(b).predicted_ns for b, w in enumerate(plan.weights)))
     assert compiled.report["verify"]["ok"] and len(compiled.report["verify"]["shapes"]) >= 5  # each bucket's points
+    assert "loop order" in compiled.report["seconds"]  # (measured_loop_order ran, whatever it turned)
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     for s in range(1, 65):
         x = np.random.default_rng(s).standard_normal((1, s, 64)).astype(np.float32)
