@@ -64,8 +64,7 @@ def cut_bytes(graph: Graph, at: Mapping[str, int] | None = None) -> list[int]:
         n = np.dtype(ty.dtype).itemsize
         for d in ty.shape:
             if isinstance(d, SymDim):
-                d = d.partial(at or {})
-                d = d.partial(dict.fromkeys(d.names, 1)) if isinstance(d, SymDim) else d
+                d = d.subs({**dict.fromkeys(d.names, 1), **(at or {})})
             n *= max(0, int(d))
         return n
     return _crossing(graph, nbytes)
@@ -110,7 +109,7 @@ def partition(graph: Graph, max_prims: int = 64, at: Mapping[str, int] | None = 
         raise KernorchError(f"max_prims must be at least 1, got {max_prims}")
     n = len(graph.prims)
     widths = cut_widths(graph)
-    sizes = cut_bytes(graph, at) if n > max_prims else widths
+    sizes = cut_bytes(graph, at)
     bounds = [0]
     while n - bounds[-1] > max_prims:
         start = bounds[-1]

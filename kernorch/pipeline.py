@@ -1825,7 +1825,7 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
             checked[n], mine, ours = alternated(compiled, single, feeds[n])
             log.info("%s=%d: %.1f us in the dispatching executable against %.1f in the one plan's", name, n,
                      mine * 1e6, ours * 1e6)
-        over = {k: math.exp(statistics.fmean(math.log(checked[n]) for n in ns)) for k, ns in timed.items()}
+        over = {k: statistics.geometric_mean(checked[n] for n in ns) for k, ns in timed.items()}
         kept = [k for k in own if over[k] <= 1.0 - DISPATCH_GAIN]
         called = [k for k in timed if k not in own]
         if 0 in kept and any(over[k] > 1.0 + DISPATCH_GAIN for k in called):
@@ -1913,14 +1913,14 @@ def measured_loop_order(compiled, planned: Planned, options: Options, workers: m
     served: dict[int, list[float]] = {}
     for n, r in over.items():
         served.setdefault(bucket(n), []).append(r)
-    faster = {b for b, r in served.items() if math.exp(statistics.fmean(map(math.log, r))) <= 1 - LOOP_ORDER_GAIN}
+    faster = {b for b, r in served.items() if statistics.geometric_mean(r) <= 1 - LOOP_ORDER_GAIN}
     kept = {i for i in turned if plan.kernels[i].bucket in faster}
     if not kept:
         return compiled, planned
-    mixed = every if kept == set(turned) else with_turned(kept)
-    if mixed is not every:
-        other = emit(graph, mixed, options, planned.machine, workers)
-    return other, replace(planned, plan=mixed)
+    if kept == set(turned):
+        return other, replace(planned, plan=every)
+    mixed = with_turned(kept)
+    return emit(graph, mixed, options, planned.machine, workers), replace(planned, plan=mixed)
 
 
 def _dispatch_timed(probes: Sequence[tuple[int, ...]], own: Sequence[int]) -> dict[int, tuple[int, ...]]:
