@@ -1716,7 +1716,7 @@ def optimize(model, options: Options, runs: int = 20):
         if planned.one is not None:
             with clock("dispatch"):
                 compiled, planned = measured_dispatch(compiled, planned, options, workers)
-        if len(options.ranges) == 1 and options.loop_order:
+        if options.ranges and options.loop_order:
             with clock("loop order"):
                 compiled, planned = measured_loop_order(compiled, planned, options, workers)
     with clock("verify"):
@@ -1864,11 +1864,11 @@ def columns_outside(schedule: str) -> str | None:
 
 
 def measured_loop_order(compiled, planned: Planned, options: Options, workers: meas.Workers | None = None):
-    """Over one symbolic length: the kernels of the plan in packed tiles with their row tiles outside
-    the column panels, run with the column panels outside where the executable runs faster so. The
-    plan's executable and the one with those kernels turned are timed in turns (`alternated`) at the
-    lengths `measured_dispatch` times (each bucket's ends, middle and sample); a bucket keeps its
-    kernels turned where its lengths ran LOOP_ORDER_GAIN faster (the ratios' geometric mean).
+    """Over a range: the kernels of the plan in packed tiles with their row tiles outside the column
+    panels, run with the column panels outside where the executable runs faster so. The plan's
+    executable and the one with those kernels turned are timed in turns (`alternated`) at
+    `loop_order_points` (one symbol: each bucket's ends, middle and sample); a bucket keeps its
+    kernels turned where its points ran LOOP_ORDER_GAIN faster (the ratios' geometric mean).
 
     The family of a contraction over symbolic rows is chosen by its tiles timed alone
     (`row_copies`), and alone, at a few rows, the two orders rank otherwise than inside the model:
@@ -1881,12 +1881,12 @@ def measured_loop_order(compiled, planned: Planned, options: Options, workers: m
     calls timed one by one.)
     Returns (compiled, planned); the plan names the kernels turned (`meta["columns_outside"]`)."""
     from . import executor
-    from .dynamic import bind, bucket_of, plan_buckets
+    from .dynamic import DISPATCH_ON, bind, bucket_of, key_text, plan_buckets, sample_key
     plan = planned.plan
     turned = {i: t for i, k in enumerate(plan.kernels) if (t := columns_outside(k.schedule)) is not None}
     if not turned:
         return compiled, planned
-    graph, rng = planned.loaded.graph, options.ranges[0]
+    graph = planned.loaded.graph
 
     def with_turned(which) -> Plan:
         out = replace(plan, kernels=tuple(replace(k, schedule=turned[i]) if i in which else k
@@ -1898,21 +1898,19 @@ def measured_loop_order(compiled, planned: Planned, options: Options, workers: m
     except KernorchError as e:  # (a tile the turned order does not apply to: the plan stays)
         log.info("loop order: the kernels with columns outside did not build (%s)", e)
         return compiled, planned
-    parts = plan_buckets(plan.meta)
+    parts, on = plan_buckets(plan.meta), plan.meta.get(DISPATCH_ON, options.ranges[0][0])
 
-    def bucket(n: int) -> int:
-        return bucket_of(parts, n) if parts else 0
+    def bucket(point: Mapping[str, int]) -> int:
+        return bucket_of(parts, point[on]) if parts else 0
     buckets = {plan.kernels[i].bucket for i in turned}
-    probes = dispatch_probes(rng, sorted(n for n, _ in planned.measured.at))
-    over = {}
-    for n in sorted({n for ns in probes for n in ns if bucket(n) in buckets}):
-        feeds = executor.random_feeds(bind(graph, {rng[0]: n}), options.seed)
-        over[n] = alternated(other, compiled, feeds)[0]
+    points = [p for p in loop_order_points(options.ranges, [key for key, _ in planned.measured.at])
+              if bucket(p) in buckets]
+    over = [alternated(other, compiled, executor.random_feeds(bind(graph, p), options.seed))[0] for p in points]
     log.info("loop order: %d kernels with columns outside, the executable's time against the plan's: %s",
-             len(turned), ", ".join(f"{rng[0]}={n} {r:.3f}" for n, r in over.items()))
+             len(turned), ", ".join(f"{key_text(options.ranges, sample_key(p))} {r:.3f}" for p, r in zip(points, over)))
     served: dict[int, list[float]] = {}
-    for n, r in over.items():
-        served.setdefault(bucket(n), []).append(r)
+    for p, r in zip(points, over):
+        served.setdefault(bucket(p), []).append(r)
     faster = {b for b, r in served.items() if statistics.geometric_mean(r) <= 1 - LOOP_ORDER_GAIN}
     kept = {i for i in turned if plan.kernels[i].bucket in faster}
     if not kept:
@@ -1921,6 +1919,18 @@ def measured_loop_order(compiled, planned: Planned, options: Options, workers: m
         return other, replace(planned, plan=every)
     mixed = with_turned(kept)
     return emit(graph, mixed, options, planned.machine, workers), replace(planned, plan=mixed)
+
+
+def loop_order_points(ranges, keys: Sequence) -> list[dict[str, int]]:
+    """The bindings `measured_loop_order` times, given the sample `keys` (`Measured.at`'s): over one
+    symbol the lengths `measured_dispatch` times (`dispatch_probes`: each bucket's ends, middle and
+    sample); over several, every sample (each symbol's ends and middle in every combination: the
+    long pairs, where a weight panel's rows stream longest, among them)."""
+    if len(ranges) == 1:
+        name = ranges[0][0]
+        return [{name: n} for n in sorted({n for ns in dispatch_probes(tuple(ranges[0]), sorted(keys)) for n in ns})]
+    names = sorted(n for n, _, _ in ranges)  # (a key holds their values in this order: dynamic.sample_key)
+    return [dict(zip(names, k)) for k in sorted(keys)]
 
 
 def _dispatch_timed(probes: Sequence[tuple[int, ...]], own: Sequence[int]) -> dict[int, tuple[int, ...]]:

@@ -2837,3 +2837,40 @@ def test_a_bucket_keeps_its_kernels_with_columns_outside_where_the_executable_ru
     # no packed tile with rows outside: nothing at all
     none = replace(plan, kernels=tuple(replace(k, schedule="t6x64p") for k in plan.kernels))
     assert pipeline.measured_loop_order(Exe(none), replace(planned, plan=none), options)[1].plan is none
+
+
+def test_over_several_symbols_the_loop_order_is_timed_at_every_sample_and_decided_per_bucket_of_the_dispatching_one(
+        monkeypatch):
+    """Over batch x seq `measured_loop_order` times the two executables at every sample (`loop_order_points`:
+    the long pairs among them), each in the bucket of the symbol the plan dispatches on
+    (meta["dispatch_on"]), and turns a bucket's kernels where its samples ran faster."""
+    from kernorch import pipeline
+    from kernorch.measure import MeasureStats
+    from kernorch.options import Machine, Options
+    from kernorch.plan import Kernel, Plan, SolverStats
+
+    ranges = (("batch", 1, 8), ("seq", 1, 512))
+    keys = [dynamic.sample_key(b) for b, _ in dynamic.samples_of(Options(ranges=ranges))]
+    points = pipeline.loop_order_points(ranges, keys)
+    assert len(points) == 9 and {"batch": 8, "seq": 512} in points and {"batch": 1, "seq": 1} in points
+    assert pipeline.loop_order_points((("seq", 1, 512),), [1, 8, 64, 512]) == [
+        {"seq": n} for n in (1, 2, 3, 8, 22, 23, 64, 181, 182, 305, 512)]
+
+    def kernel(i, schedule, bucket):
+        return Kernel(f"c{i}", f"k{i}", "tvm", (f"m{i}",), ("x",), (f"m{i}",), 1, schedule=schedule, bucket=bucket)
+    plan = Plan((kernel(0, "t8x32pr", 0), kernel(1, "t14x32pr", 1)), (), ("m1",),
+                SolverStats("optimal", 1, 1, 0.0, 0.0, 0),
+                meta={"ranges": "batch=1..8,seq=1..512", "buckets": "1..4,5..512", "dispatch_on": "seq"})
+    options = Options(threads=1, ranges=ranges)
+    at = tuple((k, 1 / 9) for k in keys)
+    planned = pipeline.Planned(pipeline.Loaded("m", None, None), None, pipeline.Measured({}, MeasureStats(), at=at),
+                               plan, None, {}, Machine.host())
+    _scripted_emit(monkeypatch)
+    timed = []
+    # turned, the long pairs run 4 % faster, the short ones 1 % slower
+    monkeypatch.setattr(pipeline, "alternated", lambda a, b, feeds: (
+        timed.append((feeds["batch"], feeds["seq"])), 0.96 if feeds["seq"] > 4 else 1.01, 1.0, 1.0)[1:])
+    compiled, out = pipeline.measured_loop_order(_Exe(plan), planned, options)
+    assert sorted(timed) == sorted((p["batch"], p["seq"]) for p in points)
+    assert [k.schedule for k in out.plan.kernels] == ["t8x32pr", "t14x32p"]
+    assert out.plan.meta["columns_outside"] == "c1"
