@@ -215,6 +215,9 @@ def test_profile_attributes_every_call_to_its_kernel(optimized):
     kernels = [p["kernel"] for p in prof if p["kernel"] is not None]
     assert kernels == list(range(len(compiled.plan.kernels)))
     assert all(p["ms"] >= 0 for p in prof)
+    # every call checks the model's inputs, not its weights (the executable's own, checked at load)
+    assert compiled.graph.constants and [p["call"] for p in prof].count("vm.builtin.check_tensor_info") == len(
+        compiled.graph.inputs)
 
 
 def two_layers_model(path):
