@@ -1246,7 +1246,7 @@ def test_a_plan_per_bucket_dispatched_inside_one_executable(tmp_path, capsys):
         calls = compiled.profile(feeds, runs=1)
         ran = {plan.kernels[p["kernel"]].bucket for p in calls if p["kernel"] is not None}
         assert ran == {b} and compiled.plan_for(feeds) == plan.bucket(b)
-        # the first bucket runs inline in main (a called function checks every parameter again)
+        # the first bucket runs inline in main (a called function checks its inputs again)
         assert [p["call"] for p in calls if p["call"].startswith("bucket")] == ([] if b == 0 else [f"bucket{b}"])
         checks.append(sum(p["call"] == "vm.builtin.check_tensor_info" for p in calls))
     # ... but neither checks the weights (the executable's own, "num_input"): each the model's inputs alone
