@@ -99,6 +99,34 @@ def optimize(model: Path, out: Path, shapes: list[str], args, extra=()) -> float
     return time.perf_counter() - t0
 
 
+def where_it_went(outs: list[Path]) -> dict | None:
+    """Where the optimizes that wrote `outs` spent their time, from their report.json files: seconds per
+    stage and, of measuring, the kernels measured and their builds' and timings' seconds, summed
+    (None where a report is missing: an executable reused from an older run)."""
+    reports = [out / "report.json" for out in outs]
+    if not all(r.exists() for r in reports):
+        return None
+    stages: dict[str, float] = {}
+    total = {"measured": 0, "build_s": 0.0, "time_s": 0.0}
+    for r in reports:
+        report = json.loads(r.read_text())
+        for stage, s in report.get("seconds", {}).items():
+            stages[stage] = stages.get(stage, 0.0) + s
+        m = report.get("measure", {})
+        total["measured"] += m.get("measured", 0)
+        total["build_s"] += m.get("build_seconds", 0.0)
+        total["time_s"] += m.get("time_seconds", 0.0)
+    return {"stages_s": stages, **total}
+
+
+def went_text(name: str, w: dict) -> str:
+    """`where_it_went` as a sentence: measuring first, then the other stages of a second or more."""
+    st = w["stages_s"]
+    rest = ", ".join(f"{k} {v:.1f} s" for k, v in st.items() if k != "measure" and v >= 1.0)
+    return (f"{name}: measure {st.get('measure', 0.0):.1f} s ({w['measured']} kernels; builds {w['build_s']:.1f} s, "
+            f"timing {w['time_s']:.1f} s)" + (f", {rest}" if rest else ""))
+
+
 def timed(point, systems: dict[str, tuple[Path, tuple]], model: Path, args) -> dict:
     """Every system at `point` ((batch, length)), each in a process of its own, in turns with the
     same threads (kernorch.peers.Timer): the kernorch executables of `systems` ({label: (directory,
@@ -226,6 +254,9 @@ def main(argv=None) -> int:
         summary[name] = {"vs_static_max": max(vs_static), "vs_static_geomean": geomean(vs_static),
                          "pad_over_geomean": geomean(vs_pad), "vs_best_peer_max": max(vs_peer),
                          "vs_best_peer_geomean": geomean(vs_peer)}
+    went = {"dynamic": where_it_went([work / "dynamic"]),
+            "static": where_it_went([work / f"static{label(args, p)}" for p in points])}
+    summary["optimize_went"] = went
     meta = json.loads((work / "dynamic" / "plan.json").read_text()).get("meta", {})
     summary["dynamic_buckets"] = " ".join(filter(None, (meta.get("dispatch_on"), meta.get("buckets")))) or "one plan"
     static_peer = [ratio(r, "static", r["best_peer"]) for r in rows]
@@ -280,6 +311,10 @@ def main(argv=None) -> int:
               + (f", {also} {sm[f'optimize_{also}_s']:.0f} s" if also else "")
               + f", the static lengths together {sm['optimize_static_sum_s']:.0f} s (dynamic / static "
               f"{sm['optimize_ratio']:.2f})."]
+    if all(went.values()):
+        lines += ["", "Where it went (the optimizes' reports): "
+                  + "; ".join(went_text(n, w) for n, w in (("dynamic", went["dynamic"]),
+                                                           ("the static lengths together", went["static"]))) + "."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

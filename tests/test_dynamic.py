@@ -2261,6 +2261,25 @@ def test_the_dynamic_benchmark_feeds_each_of_its_models_at_any_length(name, batc
     assert bench.label(args, (3, 5)) == ("3x5" if batch else "5")
 
 
+def test_the_dynamic_benchmark_says_where_the_optimizes_spent_their_time(tmp_path, benchmark_script):
+    """benchmarks/dynamic.py sums the optimizes' reports: seconds per stage, kernels measured, their
+    builds' and timings' seconds; nothing where an executable reused from an older run has no report."""
+    import json
+    bench = benchmark_script("dynamic")
+    for name, measure, emit, kernels in (("a", 30.0, 3.0, 170), ("b", 10.0, 0.2, 120)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "report.json").write_text(json.dumps({
+            "seconds": {"measure": measure, "emit": emit, "time": 2.5},
+            "measure": {"measured": kernels, "build_seconds": measure / 2, "time_seconds": measure / 3}}))
+    went = bench.where_it_went([tmp_path / "a", tmp_path / "b"])
+    assert went == {"stages_s": {"measure": 40.0, "emit": 3.2, "time": 5.0}, "measured": 290, "build_s": 20.0,
+                    "time_s": 40.0 / 3}
+    assert bench.went_text("dynamic", bench.where_it_went([tmp_path / "a"])) == (
+        "dynamic: measure 30.0 s (170 kernels; builds 15.0 s, timing 10.0 s), emit 3.0 s, time 2.5 s")
+    (tmp_path / "c").mkdir()
+    assert bench.where_it_went([tmp_path / "a", tmp_path / "c"]) is None
+
+
 @pytest.mark.parametrize("name", ["bert_like", "gpt_like"])
 def test_a_masked_attention_over_seq_reads_its_mask_on_the_padded_domain(name):
     """BERT's key mask (1 x 1 x 1 x seq) and GPT's causal mask (seq x seq), added to the scores, are
