@@ -153,7 +153,7 @@ class Options:
     # at 512); at 2 % two cold runs kept it, 1.00-1.02x the static plan there, optimize 0.44-0.46
     # against 0.41 (the screen and the dispatch time each own plan before it stays)
     sample_gain: float = 0.02
-    # over one symbol: the packed tiles with rows outside also run with the columns outside and
+    # over a range: the packed tiles with rows outside also run with the columns outside and
     # kept where the executable runs them faster (pipeline.measured_loop_order)
     loop_order: bool = True
     # lengths a range is timed at (dynamic.points: 1, 8, 64, 512 over 1..512). Three (1, 23, 512) left
