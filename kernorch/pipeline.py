@@ -1867,8 +1867,14 @@ def measured_loop_order(compiled, planned: Planned, options: Options, workers: m
     """Over a range: the kernels of the plan in packed tiles with their row tiles outside the column
     panels, run with the column panels outside where the executable runs faster so. The plan's
     executable and the one with those kernels turned are timed in turns (`alternated`) at
-    `loop_order_points` (one symbol: each bucket's ends, middle and sample); a bucket keeps its
+    `loop_order_points` (one symbol: each power of two and each bucket's ends); a bucket keeps its
     kernels turned where its points ran LOOP_ORDER_GAIN faster (the ratios' geometric mean).
+
+    Timed at the lengths `measured_dispatch` times (1-3, 8, 22-23, 64 and 181 in the bucket 1..181)
+    and always in the same order (`alternated` before it alternated the order), the stage kept the
+    transformer block's rows-outside projections in that bucket in six of eight cold optimizes (its
+    ratios there 0.97-1.04), where the two executables timed in a process of their own ran
+    0.95-0.99x with them turned (0.91-0.97x at 2-181 in one; Xeon model 167).
 
     The family of a contraction over symbolic rows is chosen by its tiles timed alone
     (`row_copies`), and alone, at a few rows, the two orders rank otherwise than inside the model:
@@ -1903,7 +1909,7 @@ def measured_loop_order(compiled, planned: Planned, options: Options, workers: m
     def bucket(point: Mapping[str, int]) -> int:
         return bucket_of(parts, point[on]) if parts else 0
     buckets = {plan.kernels[i].bucket for i in turned}
-    points = [p for p in loop_order_points(options.ranges, [key for key, _ in planned.measured.at])
+    points = [p for p in loop_order_points(options.ranges, [key for key, _ in planned.measured.at], parts)
               if bucket(p) in buckets]
     over = [alternated(other, compiled, executor.random_feeds(bind(graph, p), options.seed))[0] for p in points]
     log.info("loop order: %d kernels with columns outside, the executable's time against the plan's: %s",
@@ -1921,14 +1927,19 @@ def measured_loop_order(compiled, planned: Planned, options: Options, workers: m
     return emit(graph, mixed, options, planned.machine, workers), replace(planned, plan=mixed)
 
 
-def loop_order_points(ranges, keys: Sequence) -> list[dict[str, int]]:
-    """The bindings `measured_loop_order` times, given the sample `keys` (`Measured.at`'s): over one
-    symbol the lengths `measured_dispatch` times (`dispatch_probes`: each bucket's ends, middle and
-    sample); over several, every sample (each symbol's ends and middle in every combination: the
-    long pairs, where a weight panel's rows stream longest, among them)."""
+def loop_order_points(ranges, keys: Sequence, parts: Sequence[tuple[int, int]] = ()) -> list[dict[str, int]]:
+    """The bindings `measured_loop_order` times, given the sample `keys` (`Measured.at`'s) and the
+    plan's buckets `parts` ((lo, hi) of the symbol it dispatches on). Over one symbol: each power of
+    two in the range (every octave once, as the range's weighting counts them), its ends, the
+    buckets' ends and the samples. (The lengths `measured_dispatch` times, the ends of the samples'
+    buckets, were 1-3, 22-23 and 181 of 1..181, where the turn gains least: the block's
+    projections gained 4-5 % at 16, 32 and 128 rows, 1-3 % at 2-8.) Over several symbols, every
+    sample (each symbol's ends and middle in every combination: the long pairs, where a weight
+    panel's rows stream longest, among them)."""
     if len(ranges) == 1:
-        name = ranges[0][0]
-        return [{name: n} for n in sorted({n for ns in dispatch_probes(tuple(ranges[0]), sorted(keys)) for n in ns})]
+        name, lo, hi = ranges[0]
+        octaves = {1 << i for i in range(hi.bit_length()) if lo <= 1 << i <= hi}
+        return [{name: n} for n in sorted({lo, hi, *octaves, *(e for part in parts for e in part), *keys})]
     names = sorted(n for n, _, _ in ranges)  # (a key holds their values in this order: dynamic.sample_key)
     return [dict(zip(names, k)) for k in sorted(keys)]
 
@@ -1953,8 +1964,9 @@ def dispatch_probes(rng: tuple[str, int, int], lengths: Sequence[int]) -> list[t
 
 def alternated(a, b, feeds, rounds: int = 7, round_s: float = 0.02, budget_s: float = 0.5,
                ) -> tuple[float, float, float]:
-    """Executables `a` and `b` on `feeds`, timed in turns: up to `rounds` rounds (at least 3) of as
-    many calls as take about `round_s` each (at least one), the rounds cut to about `budget_s` of
+    """Executables `a` and `b` on `feeds`, timed in turns: up to `rounds` rounds (at least 3, made
+    even: each order as often) of as many calls as take about `round_s` each (at least one), the
+    rounds cut to about `budget_s` of
     calls in all where the calls are long (gpt_like at seq=512, Zen 2: 7 rounds of 3 calls of 57 ms
     took 3.3 s a length; the ratio of two 57 ms calls varies by about 1 %). Returns a's time over
     b's as the median of the rounds' ratios (`peers.paired_ratio`: two timings seconds apart, in the
@@ -1964,9 +1976,13 @@ def alternated(a, b, feeds, rounds: int = 7, round_s: float = 0.02, budget_s: fl
     once = max(max(min(x.time(feeds, runs=2, warmup=1)) for x in (a, b)), 1e-6)
     calls = max(1, int(round_s / once))
     rounds = min(rounds, max(3, int(budget_s / (2 * calls * once))))
+    rounds += rounds % 2  # (as many rounds in each order)
     times: dict[str, list[float]] = {"a": [], "b": []}
-    for _ in range(rounds):
-        for x, name in ((a, "a"), (b, "b")):
+    for r in range(rounds):
+        # each round in the other order: timed first in every round, of two executables of the same
+        # plan the one ran 1.1-1.4 % slower (geometric means at 1-128; the transformer block over
+        # seq=1..512, in an optimize's process, Xeon model 167)
+        for x, name in ((a, "a"), (b, "b"))[::1 if r % 2 == 0 else -1]:
             times[name] += x.time(feeds, runs=calls, warmup=0)
     return paired_ratio(times, "a", "b", calls), float(np.median(times["a"])), float(np.median(times["b"]))
 

@@ -2551,9 +2551,9 @@ def test_own_plans_are_screened_at_their_samples_before_anything_is_built_whole(
 
 
 def test_two_executables_timed_in_turns_within_a_budget():
-    """`alternated` times two executables in turns, round by round; short calls fill rounds of about
-    `round_s` (7 rounds), long ones run one call a round in as many rounds (at least 3) as fit the
-    budget, so a 57 ms model is not timed for seconds at each length."""
+    """`alternated` times two executables in turns, round by round, each order in as many rounds; short
+    calls fill rounds of about `round_s` (8 rounds), long ones run one call a round in as many rounds
+    (at least 4) as fit the budget, so a 57 ms model is not timed for seconds at each length."""
     from kernorch import pipeline
 
     class Fake:
@@ -2571,10 +2571,22 @@ def test_two_executables_timed_in_turns_within_a_budget():
         assert a.calls == b.calls and a.calls[0] == (2, 1)
         return a.calls[1:]
 
-    assert timed(0.001, 0.002) == [(10, 0)] * 7  # 20 ms rounds of 2 ms calls (the slower one sets it)
+    assert timed(0.001, 0.002) == [(10, 0)] * 8  # 20 ms rounds of 2 ms calls (the slower one sets it)
     assert timed(0.057, 0.060) == [(1, 0)] * 4  # 0.5 s: 4 rounds of one call each
-    assert timed(0.5, 0.4) == [(1, 0)] * 3  # never fewer than 3 rounds
-    assert timed(0.02, 0.02, budget_s=10.0) == [(1, 0)] * 7  # never more than 7
+    assert timed(0.5, 0.4) == [(1, 0)] * 4  # never fewer than 3 rounds, and as many in each order
+    assert timed(0.02, 0.02, budget_s=10.0) == [(1, 0)] * 8  # at most 7, made even
+
+    # the one timed first in a round runs 2 % slower: each order as often, two alike compare level
+    turns = []
+
+    class First(Fake):
+        def time(self, feeds, runs, warmup):
+            first = warmup == 0 and len(turns) % 2 == 0
+            turns.extend([self] * (warmup == 0))
+            return [x * (1.02 if first else 1.0) for x in super().time(feeds, runs, warmup)]
+    a, b = First(0.001), First(0.001)
+    ratio, _, _ = pipeline.alternated(a, b, {})
+    assert ratio == pytest.approx(1.0, abs=1e-3) and turns[:4] == [a, b, b, a]
 
 
 def _symbolic_batch_kernel(graph, inputs, tile, at=None):
@@ -2806,11 +2818,11 @@ def test_columns_outside_turns_a_packed_tile_with_rows_outside():
 
 
 def test_a_bucket_keeps_its_kernels_with_columns_outside_where_the_executable_runs_faster(monkeypatch):
-    """`measured_loop_order` emits the plan with every packed rows-outside kernel turned, times it
-    against the plan's executable in turns at each bucket's probes (`dispatch_probes`), and keeps a
-    bucket's kernels turned where its lengths ran LOOP_ORDER_GAIN faster (geometric mean); the plan
-    names them. Nothing turned: the plan and its executable stay; a turned kernel that does not
-    build: the same."""
+    """`measured_loop_order` emits the plan with every packed rows-outside kernel turned, times it in
+    turns against the plan's executable at each power of two and bucket end (`loop_order_points`),
+    and keeps a bucket's kernels turned where its lengths ran LOOP_ORDER_GAIN faster (geometric
+    mean); the plan names them. Nothing turned: the plan and its executable stay; a turned kernel
+    that does not build: the same."""
     from dataclasses import replace
     from kernorch import pipeline
     from kernorch.measure import MeasureStats
@@ -2832,15 +2844,19 @@ def test_a_bucket_keeps_its_kernels_with_columns_outside_where_the_executable_ru
 
     def run(ratio):
         """`ratio(n)`: the turned executable's time over the plan's at length n."""
-        monkeypatch.setattr(pipeline, "alternated", lambda a, b, feeds: (timed.append(feeds["seq"]),
-                                                                          ratio(feeds["seq"]), 1.0, 1.0)[1:])
+        def timing(a, b, feeds):
+            assert a.plan is emitted[0] and b is given  # (the turned executable against the plan's)
+            timed.append(feeds["seq"])
+            return ratio(feeds["seq"]), 1.0, 1.0
+        monkeypatch.setattr(pipeline, "alternated", timing)
         timed.clear()
         emitted.clear()
-        return pipeline.measured_loop_order(Exe(plan), planned, options)
+        return pipeline.measured_loop_order(given, planned, options)
+    given = Exe(plan)
 
     # the first bucket's lengths 3 % faster, the second's level: its kernel alone turns
     compiled, out = run(lambda n: 0.97 if n <= 181 else 1.0)
-    assert timed == [1, 2, 3, 8, 22, 23, 64, 181, 182, 305, 512]
+    assert timed == [1, 2, 4, 8, 16, 32, 64, 128, 181, 182, 256, 512]  # (each octave, and the buckets' ends)
     assert [k.schedule for k in out.plan.kernels] == ["t8x32p~8:1@1000", "t6x64r", "t8x32pr", "t6x64p"]
     assert out.plan.meta["columns_outside"] == "c0" and compiled.plan is out.plan and len(emitted) == 2
     # both faster: the executable emitted with both turned is the one kept, emitted once
@@ -2849,7 +2865,7 @@ def test_a_bucket_keeps_its_kernels_with_columns_outside_where_the_executable_ru
     assert out.plan.meta["columns_outside"] == "c0,c2" and len(emitted) == 1 and compiled.plan is out.plan
     # 0.5 % faster: under the gain, the plan and its executable stay
     compiled, out = run(lambda n: 0.995)
-    assert out is planned and compiled.plan is plan
+    assert out is planned and compiled is given
     # a turned kernel that does not build: nothing timed, the plan stays
     monkeypatch.setattr(pipeline, "emit", lambda *a, **k: (_ for _ in ()).throw(KernorchError("tile does not apply")))
     compiled, out = run(lambda n: 0.9)
@@ -2874,7 +2890,9 @@ def test_over_several_symbols_the_loop_order_is_timed_at_every_sample_and_decide
     points = pipeline.loop_order_points(ranges, keys)
     assert len(points) == 9 and {"batch": 8, "seq": 512} in points and {"batch": 1, "seq": 1} in points
     assert pipeline.loop_order_points((("seq", 1, 512),), [1, 8, 64, 512]) == [
-        {"seq": n} for n in (1, 2, 3, 8, 22, 23, 64, 181, 182, 305, 512)]
+        {"seq": n} for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)]
+    assert pipeline.loop_order_points((("seq", 3, 300),), [3, 23, 300], [(3, 22), (23, 300)]) == [
+        {"seq": n} for n in (3, 4, 8, 16, 22, 23, 32, 64, 128, 256, 300)]
 
     def kernel(i, schedule, bucket):
         return Kernel(f"c{i}", f"k{i}", "tvm", (f"m{i}",), ("x",), (f"m{i}",), 1, schedule=schedule, bucket=bucket)
