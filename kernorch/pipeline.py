@@ -1874,7 +1874,7 @@ def measured_loop_order(compiled, planned: Planned, options: Options, workers: m
     and always in the same order (`alternated` before it alternated the order), the stage kept the
     transformer block's rows-outside projections in that bucket in six of eight cold optimizes (its
     ratios there 0.97-1.04), where the two executables timed in a process of their own ran
-    0.95-0.99x with them turned (0.91-0.97x at 2-181 in one; Xeon model 167).
+    0.946-0.988x with them turned over those lengths (four plans; Xeon model 167).
 
     The family of a contraction over symbolic rows is chosen by its tiles timed alone
     (`row_copies`), and alone, at a few rows, the two orders rank otherwise than inside the model:
@@ -1933,7 +1933,7 @@ def loop_order_points(ranges, keys: Sequence, parts: Sequence[tuple[int, int]] =
     two in the range (every octave once, as the range's weighting counts them), its ends, the
     buckets' ends and the samples. (The lengths `measured_dispatch` times, the ends of the samples'
     buckets, were 1-3, 22-23 and 181 of 1..181, where the turn gains least: the block's
-    projections gained 4-5 % at 16, 32 and 128 rows, 1-3 % at 2-8.) Over several symbols, every
+    projections gained 3-7 % at 16, 32 and 128 rows, 1-4 % at 2-8.) Over several symbols, every
     sample (each symbol's ends and middle in every combination: the long pairs, where a weight
     panel's rows stream longest, among them)."""
     if len(ranges) == 1:
@@ -1966,8 +1966,7 @@ def alternated(a, b, feeds, rounds: int = 7, round_s: float = 0.02, budget_s: fl
                ) -> tuple[float, float, float]:
     """Executables `a` and `b` on `feeds`, timed in turns: up to `rounds` rounds (at least 3, made
     even: each order as often) of as many calls as take about `round_s` each (at least one), the
-    rounds cut to about `budget_s` of
-    calls in all where the calls are long (gpt_like at seq=512, Zen 2: 7 rounds of 3 calls of 57 ms
+    rounds cut to about `budget_s` of calls in all where the calls are long (gpt_like at seq=512, Zen 2: 7 rounds of 3 calls of 57 ms
     took 3.3 s a length; the ratio of two 57 ms calls varies by about 1 %). Returns a's time over
     b's as the median of the rounds' ratios (`peers.paired_ratio`: two timings seconds apart, in the
     same phase of the host), and each one's median seconds per call."""
