@@ -1978,9 +1978,10 @@ def alternated(a, b, feeds, rounds: int = 7, round_s: float = 0.02, budget_s: fl
     rounds += rounds % 2  # (as many rounds in each order)
     times: dict[str, list[float]] = {"a": [], "b": []}
     for r in range(rounds):
-        # each round in the other order: timed first in every round, of two executables of the same
-        # plan the one ran 1.1-1.4 % slower (geometric means at 1-128; the transformer block over
-        # seq=1..512, in an optimize's process, Xeon model 167)
+        # each round in the other order: timed first in every round (and loaded first), of two
+        # executables of the same plan the one ran 1.1-1.4 % slower (geometric means at 1-128; the
+        # transformer block over seq=1..512, in an optimize's process, Xeon model 167; the orders
+        # alternated, in a process of their own, 1.002-1.010)
         for x, name in ((a, "a"), (b, "b"))[::1 if r % 2 == 0 else -1]:
             times[name] += x.time(feeds, runs=calls, warmup=0)
     return paired_ratio(times, "a", "b", calls), float(np.median(times["a"])), float(np.median(times["b"]))
