@@ -1966,10 +1966,11 @@ def alternated(a, b, feeds, rounds: int = 7, round_s: float = 0.02, budget_s: fl
                ) -> tuple[float, float, float]:
     """Executables `a` and `b` on `feeds`, timed in turns: up to `rounds` rounds (at least 3, made
     even: each order as often) of as many calls as take about `round_s` each (at least one), the
-    rounds cut to about `budget_s` of calls in all where the calls are long (gpt_like at seq=512, Zen 2: 7 rounds of 3 calls of 57 ms
-    took 3.3 s a length; the ratio of two 57 ms calls varies by about 1 %). Returns a's time over
-    b's as the median of the rounds' ratios (`peers.paired_ratio`: two timings seconds apart, in the
-    same phase of the host), and each one's median seconds per call."""
+    rounds cut to about `budget_s` of calls in all where the calls are long (gpt_like at seq=512,
+    Zen 2: 7 rounds of 3 calls of 57 ms took 3.3 s a length; the ratio of two 57 ms calls varies by
+    about 1 %). Returns a's time over b's as the median of the rounds' ratios (`peers.paired_ratio`:
+    two timings seconds apart, in the same phase of the host), and each one's median seconds per
+    call."""
     import numpy as np
     from .peers import paired_ratio
     once = max(max(min(x.time(feeds, runs=2, warmup=1)) for x in (a, b)), 1e-6)
