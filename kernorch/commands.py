@@ -305,9 +305,26 @@ def _print_optimize(rep: dict, outdir) -> None:
               f"did not want them on an optimistic estimate; {m.get('rounds', 0)} solve-and-measure rounds)"
               + (f"; builds {m['build_seconds']:.1f} s, timing {m['time_seconds']:.1f} s of the measuring"
                  if m.get("build_seconds") is not None else ""))
+    checked = _checked_in_executable(rep)
+    if checked:
+        print(checked)
     print(f"max error vs ONNX Runtime: {rep['verify']['max_rel_error']:.2e} of the output scale")
     print("time per stage: " + ", ".join(f"{k} {v:.1f}s" for k, v in rep["seconds"].items()))
     print(f"saved to {outdir}")
+
+
+def _checked_in_executable(rep: dict) -> str | None:
+    """Over a range, what the run decided by timing executables in turns (each time over the other's):
+    the sample lengths' own plans against the one plan (`pipeline.measured_dispatch`, or its screen),
+    and the plan's packed rows-outside kernels turned against the plan (`pipeline.measured_loop_order`)."""
+    parts = []
+    if rep.get("dispatch"):
+        parts.append("own plans / the one plan " + ", ".join(f"at {n} {r:.3f}" for n, r in rep["dispatch"].items()))
+    if rep.get("loop_order"):
+        turned = rep["plan"].get("meta", {}).get("columns_outside")
+        parts.append("rows-outside kernels turned / the plan " + ", ".join(
+            f"{k} {r:.3f}" for k, r in rep["loop_order"].items()) + (f" (kept: {turned})" if turned else " (none kept)"))
+    return "timed in the executable: " + "; ".join(parts) if parts else None
 
 
 def cmd_optimize(args, options: Options) -> int:

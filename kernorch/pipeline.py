@@ -1186,6 +1186,9 @@ class Planned:
     one: Any = None
     choices: tuple = ()
     dispatch: Mapping[int, float] = field(default_factory=dict)   # per sample checked: own / one plan's time
+    # over a range, per length `measured_loop_order` timed (its key text): the executable with the plan's
+    # packed rows-outside kernels turned against the plan's, whatever was kept
+    loop_order: Mapping[str, float] = field(default_factory=dict)
 
 
 def plan_model(model, options: Options, db: ProfileDB | None = None, machine: Machine | None = None,
@@ -1912,8 +1915,10 @@ def measured_loop_order(compiled, planned: Planned, options: Options, workers: m
     points = [p for p in loop_order_points(options.ranges, [key for key, _ in planned.measured.at], parts)
               if bucket(p) in buckets]
     over = [alternated(other, compiled, executor.random_feeds(bind(graph, p), options.seed))[0] for p in points]
+    timed = {key_text(options.ranges, sample_key(p)): r for p, r in zip(points, over)}
     log.info("loop order: %d kernels with columns outside, the executable's time against the plan's: %s",
-             len(turned), ", ".join(f"{key_text(options.ranges, sample_key(p))} {r:.3f}" for p, r in zip(points, over)))
+             len(turned), ", ".join(f"{k} {r:.3f}" for k, r in timed.items()))
+    planned = replace(planned, loop_order=timed)
     served: dict[int, list[float]] = {}
     for p, r in zip(points, over):
         served.setdefault(bucket(p), []).append(r)
@@ -2028,5 +2033,6 @@ def report_dict(planned: Planned, check: dict, timing: dict, profile: dict | Non
         **({"rewrites": planned.loaded.rewrites.to_json()} if planned.loaded.rewrites else {}),
         **({"tuning": planned.tuning} if planned.tuning else {}),
         **({"dispatch": {str(n): r for n, r in planned.dispatch.items()}} if planned.dispatch else {}),
+        **({"loop_order": dict(planned.loop_order)} if planned.loop_order else {}),
         **({"context": profile} if profile else {}),
     }

@@ -1236,6 +1236,7 @@ def test_a_plan_per_bucket_dispatched_inside_one_executable(tmp_path, capsys):
     assert plan.predicted_ns == round(sum(w * plan.bucket(b).predicted_ns for b, w in enumerate(plan.weights)))
     assert compiled.report["verify"]["ok"] and len(compiled.report["verify"]["shapes"]) >= 5  # each bucket's points
     assert "loop order" in compiled.report["seconds"]  # (measured_loop_order ran, whatever it turned)
+    assert compiled.report.get("loop_order", {}) == dict(planned.loop_order)  # (what it timed, if anything)
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     for s in range(1, 65):
         x = np.random.default_rng(s).standard_normal((1, s, 64)).astype(np.float32)
@@ -2865,7 +2866,9 @@ def test_a_bucket_keeps_its_kernels_with_columns_outside_where_the_executable_ru
     assert out.plan.meta["columns_outside"] == "c0,c2" and len(emitted) == 1 and compiled.plan is out.plan
     # 0.5 % faster: under the gain, the plan and its executable stay
     compiled, out = run(lambda n: 0.995)
-    assert out is planned and compiled is given
+    assert out.plan is planned.plan and compiled is given
+    # (what it timed is kept for the report either way)
+    assert out.loop_order == {f"seq={n}": 0.995 for n in timed} and len(out.loop_order) == 12
     # a turned kernel that does not build: nothing timed, the plan stays
     monkeypatch.setattr(pipeline, "emit", lambda *a, **k: (_ for _ in ()).throw(KernorchError("tile does not apply")))
     compiled, out = run(lambda n: 0.9)
@@ -2873,6 +2876,21 @@ def test_a_bucket_keeps_its_kernels_with_columns_outside_where_the_executable_ru
     # no packed tile with rows outside: nothing at all
     none = replace(plan, kernels=tuple(replace(k, schedule="t6x64p") for k in plan.kernels))
     assert pipeline.measured_loop_order(Exe(none), replace(planned, plan=none), options)[1].plan is none
+
+
+def test_the_optimize_summary_says_what_the_executables_timed_in_turns_decided():
+    """Over a range the CLI's summary of an optimize prints the ratios the run decided on by timing
+    executables in turns: the sample lengths' own plans against the one plan, and the plan's
+    rows-outside kernels turned against the plan, with the kernels kept turned (or none)."""
+    from kernorch import commands
+    rep = {"plan": {"meta": {"columns_outside": "c0,c2"}}, "dispatch": {"64": 0.9812, "512": 1.004},
+           "loop_order": {"seq=1": 1.012, "seq=8": 0.97}}
+    line = commands._checked_in_executable(rep)
+    assert line == ("timed in the executable: own plans / the one plan at 64 0.981, at 512 1.004; rows-outside "
+                    "kernels turned / the plan seq=1 1.012, seq=8 0.970 (kept: c0,c2)")
+    rep["plan"]["meta"] = {}
+    assert commands._checked_in_executable({**rep, "dispatch": {}}).endswith("seq=8 0.970 (none kept)")
+    assert commands._checked_in_executable({"plan": {"meta": {}}}) is None  # (a static optimize: nothing)
 
 
 def test_over_several_symbols_the_loop_order_is_timed_at_every_sample_and_decided_per_bucket_of_the_dispatching_one(
