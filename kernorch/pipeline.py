@@ -1871,7 +1871,10 @@ def measured_loop_order(compiled, planned: Planned, options: Options, workers: m
     panels, run with the column panels outside where the executable runs faster so. The plan's
     executable and the one with those kernels turned are timed in turns (`alternated`) at
     `loop_order_points` (one symbol: each power of two and each bucket's ends); a bucket keeps its
-    kernels turned where its points ran LOOP_ORDER_GAIN faster (the ratios' geometric mean).
+    kernels turned where its points ran LOOP_ORDER_GAIN faster (the ratios' geometric mean), or,
+    over one symbol, turned above the two-row copies only (a LengthSwitch between the two orders of
+    the same tile and packing) where that mean, with the lengths up to them unchanged, is lower and
+    LOOP_ORDER_GAIN below 1 (`_turned_where`).
 
     Timed at the lengths `measured_dispatch` times (1-3, 8, 22-23, 64 and 181 in the bucket 1..181)
     and always in the same order (`alternated` before it alternated the order), the stage kept the
@@ -1888,7 +1891,8 @@ def measured_loop_order(compiled, planned: Planned, options: Options, workers: m
     faster at 8-16, 0-2 % at 22-64 (each pair of executables in turns in one process, three times).
     (Their profiles inside the executables put the kernels' own gains higher, 8-13 % for some: the
     calls timed one by one.)
-    Returns (compiled, planned); the plan names the kernels turned (`meta["columns_outside"]`)."""
+    Returns (compiled, planned); the plan names the kernels turned (`meta["columns_outside"]`, "c4>2"
+    for one turned above length 2), `planned.loop_order` holds every ratio timed."""
     from . import executor
     from .dynamic import DISPATCH_ON, bind, bucket_of, key_text, plan_buckets, sample_key
     plan = planned.plan
@@ -1897,11 +1901,20 @@ def measured_loop_order(compiled, planned: Planned, options: Options, workers: m
         return compiled, planned
     graph = planned.loaded.graph
 
-    def with_turned(which) -> Plan:
-        out = replace(plan, kernels=tuple(replace(k, schedule=turned[i]) if i in which else k
-                                          for i, k in enumerate(plan.kernels)))
-        return replace(out, meta={**out.meta, "columns_outside": ",".join(plan.kernels[i].id for i in sorted(which))})
-    every = with_turned(turned)
+    def with_turned(which: Mapping[int, int]) -> Plan:
+        """`plan` with kernel i turned above length which[i] (0: everywhere; else a LengthSwitch)."""
+        def schedule(i: int, k) -> str:
+            if i not in which:
+                return k.schedule
+            if not which[i]:
+                return turned[i]
+            layout, inner = split(k.schedule)
+            switch = LengthSwitch(inner, which[i], split(turned[i])[1]).name
+            return switch if layout is None else blocked(layout, switch)
+        out = replace(plan, kernels=tuple(replace(k, schedule=schedule(i, k)) for i, k in enumerate(plan.kernels)))
+        return replace(out, meta={**out.meta, "columns_outside": ",".join(
+            plan.kernels[i].id + (f">{which[i]}" if which[i] else "") for i in sorted(which))})
+    every = with_turned({i: 0 for i in turned})
     try:
         other = emit(graph, every, options, planned.machine, workers)
     except KernorchError as e:  # (a tile the turned order does not apply to: the plan stays)
@@ -1919,17 +1932,38 @@ def measured_loop_order(compiled, planned: Planned, options: Options, workers: m
     log.info("loop order: %d kernels with columns outside, the executable's time against the plan's: %s",
              len(turned), ", ".join(f"{k} {r:.3f}" for k, r in timed.items()))
     planned = replace(planned, loop_order=timed)
-    served: dict[int, list[float]] = {}
+    served: dict[int, list[tuple[int, float]]] = {}
     for p, r in zip(points, over):
-        served.setdefault(bucket(p), []).append(r)
-    faster = {b for b, r in served.items() if statistics.geometric_mean(r) <= 1 - LOOP_ORDER_GAIN}
-    kept = {i for i in turned if plan.kernels[i].bucket in faster}
+        served.setdefault(bucket(p), []).append((p[on], r))
+    way = {b: w for b, rs in served.items() if (w := _turned_where(rs, len(options.ranges) == 1)) is not None}
+    kept = {i: way[plan.kernels[i].bucket] for i in turned if plan.kernels[i].bucket in way}
     if not kept:
         return compiled, planned
-    if kept == set(turned):
+    if kept == {i: 0 for i in turned}:
         return other, replace(planned, plan=every)
     mixed = with_turned(kept)
     return emit(graph, mixed, options, planned.machine, workers), replace(planned, plan=mixed)
+
+
+def _turned_where(timed: Sequence[tuple[int, float]], one_symbol: bool) -> int | None:
+    """Where a bucket keeps its kernels turned, from the turned executable's time over the plan's at
+    each length timed in it (`timed`: (length, ratio)): 0 at every length, where the ratios' geometric
+    mean is LOOP_ORDER_GAIN below 1; over one symbol else `max(SMALL_ROWS)` (a length switch: the plan's
+    loop order up to it, turned above), where that mean, counting the lengths up to it as unchanged,
+    is; None nowhere. Up to two rows a GEMM runs its one- and two-row copies, whose panels the two
+    orders walk alike (the transformer block over seq=1..512, Xeon model 167, its bucket 1..22
+    turned: 1.014 and 1.025 at 1 and 2, 0.958 and 0.969 at 4 and 8)."""
+    def mean(rs) -> float:
+        return statistics.geometric_mean(rs) if rs else 1.0
+    whole = mean([r for _, r in timed])
+    small = max(SMALL_ROWS)
+    above = mean([r if n > small else 1.0 for n, r in timed])
+    switches = one_symbol and any(n <= small for n, _ in timed) and any(n > small for n, _ in timed)
+    if whole <= 1 - LOOP_ORDER_GAIN and (whole <= above or not switches):
+        return 0
+    if switches and above <= 1 - LOOP_ORDER_GAIN:
+        return small
+    return None
 
 
 def loop_order_points(ranges, keys: Sequence, parts: Sequence[tuple[int, int]] = ()) -> list[dict[str, int]]:

@@ -508,6 +508,31 @@ def test_a_measured_build_holds_only_the_copies_its_lengths_run(block, monkeypat
         assert sorted(scheduled) == rows, (at, scheduled)
 
 
+def test_a_packed_gemm_switches_its_loop_order_by_the_length(block):
+    """A length switch between one packed tile's two loop orders ("t6x32pr~...|2|t6x32p~...", what
+    `pipeline.measured_loop_order` keeps where only the lengths above the two-row copies gain) is
+    one kernel taking the weight packed once, as both tiles pack it (`variant_packs`); right at
+    lengths on both sides of the switch and of the row copies. Two tiles packing otherwise are refused."""
+    import tvm
+    from kernorch.backends.tvm.lower import lower
+    from kernorch.backends.tvm.schedule import schedule
+    from kernorch.backends.tvm.target import make_target
+    from kernorch.ir import kernel_graph
+    from kernorch.kernels import LengthSwitch, variant_packs
+    copies = "~6:1@100,4@400~4:2@120,6@200~2:1@90"
+    mode = LengthSwitch(f"t6x32pr{copies}", 2, f"t6x32p{copies}").name
+    assert mode == f"t6x32pr{copies}|2|t6x32p{copies}" and LengthSwitch.parse(mode) is not None
+    p, ins = _weight_gemm(block[1], 32)
+    kg = kernel_graph(block[1], [p.name], ins, [p.name])
+    assert variant_packs(kg, ins, mode) == variant_packs(kg, ins, "t6x32p") != {}
+    with pytest.raises(ValueError, match="different layouts"):
+        variant_packs(kg, ins, "t6x32pr|2|t6x32")
+    target = make_target(2)
+    mod = schedule(lower(kg, kg.prims, ins, [p.name], mode), target, mode, bounds={"seq": 512})
+    assert "branch" in mod["main"].script()
+    _packed_gemm_right(kg, p, ins, mode, tvm.compile(mod, target=target), (1, 2, 3, 5, 7, 12, 100))
+
+
 def test_a_kernels_run_time_branches_test_a_stored_flag_not_the_length(block):
     """The branches between schedules of one kernel over a range (its row copies, serial or parallel)
     test a flag stored just before them, not an expression of the length: TVM's CompactBufferAllocation
@@ -2864,6 +2889,14 @@ def test_a_bucket_keeps_its_kernels_with_columns_outside_where_the_executable_ru
     compiled, out = run(lambda n: 0.98)
     assert [k.schedule for k in out.plan.kernels][::2] == ["t8x32p~8:1@1000", "t8x32p"]
     assert out.plan.meta["columns_outside"] == "c0,c2" and len(emitted) == 1 and compiled.plan is out.plan
+    # slower at one and two rows (the small copies), 4 % faster above: the first bucket's kernel
+    # switches its loop order at 2 (the second bucket's turns), both named
+    compiled, out = run(lambda n: 1.02 if n <= 2 else 0.96)
+    assert [k.schedule for k in out.plan.kernels][::2] == ["t8x32pr~8:1@1000|2|t8x32p~8:1@1000", "t8x32p"]
+    assert out.plan.meta["columns_outside"] == "c0>2,c2" and compiled.plan is out.plan
+    # ... but where every length gains about as much, the kernel turns whole
+    compiled, out = run(lambda n: 0.999 if n <= 2 else 0.97)
+    assert [k.schedule for k in out.plan.kernels][::2] == ["t8x32p~8:1@1000", "t8x32p"]
     # 0.5 % faster: under the gain, the plan and its executable stay
     compiled, out = run(lambda n: 0.995)
     assert out.plan is planned.plan and compiled is given

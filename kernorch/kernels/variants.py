@@ -21,7 +21,7 @@ import numpy as np
 
 from ..ir import SymDim
 from .pack import Pack
-from .tiles import SERIAL_MAX_MACS, Tile, contraction_tiles
+from .tiles import SERIAL_MAX_MACS, LengthSwitch, Tile, contraction_tiles
 from .winograd import Winograd, winograd_variants
 
 CONVERSIONS = ("block", "unblock")
@@ -84,9 +84,17 @@ def variant_packs(graph, inputs: Sequence[str], schedule: str) -> dict[int, Pack
     `graph` is the kernel's own graph (its constants are the weights it reads). A tile schedule
     whose name asks for packing ("t14x32p") packs the constant weight of the kernel's matmul
     ("KN>N32") or conv ("OIHW>O32"); a blocked variant ("b16/...") takes its 4-D activations blocked.
+    A length switch ("t14x32pr|2|t14x32p") takes what its two tiles take, which must be the same.
     """
+    layout, inner = split(schedule)
+    switch = LengthSwitch.parse(inner)
+    if switch is not None:  # (one kernel takes one layout of each input: both tiles must agree)
+        first, then = (variant_packs(graph, inputs, name if layout is None else blocked(layout, name))
+                       for name in (switch.first, switch.then))
+        if first != then:
+            raise ValueError(f"schedule {schedule}: its two tiles take the inputs in different layouts")
+        return then
     packs = _activation_packs(graph, inputs, schedule, "in")
-    inner = split(schedule)[1]
     tile = Tile.parse(inner) or Winograd.parse(inner)
     if tile is None or not getattr(tile, "pack", True):
         return packs
