@@ -1871,9 +1871,9 @@ def measured_loop_order(compiled, planned: Planned, options: Options, workers: m
     panels, run with the column panels outside where the executable runs faster so. The plan's
     executable and the one with those kernels turned are timed in turns (`alternated`) at
     `loop_order_points` (one symbol: each power of two and each bucket's ends); a bucket keeps its
-    kernels turned where its points ran LOOP_ORDER_GAIN faster (the ratios' geometric mean), or,
-    over one symbol, turned above the two-row copies only (a LengthSwitch between the two orders of
-    the same tile and packing) where that mean, with the lengths up to them unchanged, is lower and
+    kernels turned where its points ran LOOP_ORDER_GAIN faster (the ratios' geometric mean), or
+    else, over one symbol, turned above the two-row copies only (a LengthSwitch between the two
+    orders of the same tile and packing) where that mean, with the lengths up to them unchanged, is
     LOOP_ORDER_GAIN below 1 (`_turned_where`).
 
     Timed at the lengths `measured_dispatch` times (1-3, 8, 22-23, 64 and 181 in the bucket 1..181)
@@ -1948,20 +1948,21 @@ def measured_loop_order(compiled, planned: Planned, options: Options, workers: m
 def _turned_where(timed: Sequence[tuple[int, float]], one_symbol: bool) -> int | None:
     """Where a bucket keeps its kernels turned, from the turned executable's time over the plan's at
     each length timed in it (`timed`: (length, ratio)): 0 at every length, where the ratios' geometric
-    mean is LOOP_ORDER_GAIN below 1; over one symbol else `max(SMALL_ROWS)` (a length switch: the plan's
-    loop order up to it, turned above), where that mean, counting the lengths up to it as unchanged,
-    is; None nowhere. Up to two rows a GEMM runs its one- and two-row copies, whose panels the two
-    orders walk alike (the transformer block over seq=1..512, Xeon model 167, its bucket 1..22
-    turned: 1.014 and 1.025 at 1 and 2, 0.958 and 0.969 at 4 and 8)."""
+    mean is LOOP_ORDER_GAIN below 1; else, over one symbol, `max(SMALL_ROWS)` (a length switch: the
+    plan's loop order up to it, turned above) where that mean, counting the lengths up to it as
+    unchanged, is; None nowhere. Up to two rows a GEMM runs its one- and two-row copies, where the
+    two orders differ least (the transformer block over seq=1..512, Xeon model 167, its bucket
+    1..22 turned: 1.014 and 1.025 at 1 and 2, 0.958 and 0.969 at 4 and 8: 0.994 in all, not
+    turned). A switch is not preferred where turning whole passes too: its kernels are built whole
+    once more (a cold optimize of the block whose bucket 1..181 passed both ways, 0.989 and 0.988,
+    took 11.4 s in this stage for its switches against 5-7)."""
     def mean(rs) -> float:
         return statistics.geometric_mean(rs) if rs else 1.0
-    whole = mean([r for _, r in timed])
-    small = max(SMALL_ROWS)
-    above = mean([r if n > small else 1.0 for n, r in timed])
-    switches = one_symbol and any(n <= small for n, _ in timed) and any(n > small for n, _ in timed)
-    if whole <= 1 - LOOP_ORDER_GAIN and (whole <= above or not switches):
+    if mean([r for _, r in timed]) <= 1 - LOOP_ORDER_GAIN:
         return 0
-    if switches and above <= 1 - LOOP_ORDER_GAIN:
+    small = max(SMALL_ROWS)
+    switches = one_symbol and any(n <= small for n, _ in timed) and any(n > small for n, _ in timed)
+    if switches and mean([r if n > small else 1.0 for n, r in timed]) <= 1 - LOOP_ORDER_GAIN:
         return small
     return None
 

@@ -2889,13 +2889,13 @@ def test_a_bucket_keeps_its_kernels_with_columns_outside_where_the_executable_ru
     compiled, out = run(lambda n: 0.98)
     assert [k.schedule for k in out.plan.kernels][::2] == ["t8x32p~8:1@1000", "t8x32p"]
     assert out.plan.meta["columns_outside"] == "c0,c2" and len(emitted) == 1 and compiled.plan is out.plan
-    # slower at one and two rows (the small copies), 4 % faster above: the first bucket's kernel
-    # switches its loop order at 2 (the second bucket's turns), both named
-    compiled, out = run(lambda n: 1.02 if n <= 2 else 0.96)
+    # 8 % slower at one and two rows (the small copies), 3 % faster above (0.993 in all): the first
+    # bucket's kernel switches its loop order at 2 (the second bucket's turns), both named
+    compiled, out = run(lambda n: 1.08 if n <= 2 else 0.97)
     assert [k.schedule for k in out.plan.kernels][::2] == ["t8x32pr~8:1@1000|2|t8x32p~8:1@1000", "t8x32p"]
     assert out.plan.meta["columns_outside"] == "c0>2,c2" and compiled.plan is out.plan
-    # ... but where every length gains about as much, the kernel turns whole
-    compiled, out = run(lambda n: 0.999 if n <= 2 else 0.97)
+    # ... but where turning whole passes too, the kernel turns whole (a switch is built once more)
+    compiled, out = run(lambda n: 1.02 if n <= 2 else 0.96)
     assert [k.schedule for k in out.plan.kernels][::2] == ["t8x32p~8:1@1000", "t8x32p"]
     # 0.5 % faster: under the gain, the plan and its executable stay
     compiled, out = run(lambda n: 0.995)
