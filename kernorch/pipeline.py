@@ -1952,8 +1952,8 @@ def _turned_where(timed: Sequence[tuple[int, float]], one_symbol: bool) -> int |
     plan's loop order up to it, turned above) where that mean, counting the lengths up to it as
     unchanged, is; None nowhere. Up to two rows a GEMM runs its one- and two-row copies, where the
     two orders differ least (the transformer block over seq=1..512, Xeon model 167, its bucket
-    1..22 turned: 1.014 and 1.025 at 1 and 2, 0.958 and 0.969 at 4 and 8: 0.994 in all, not
-    turned). A switch is not preferred where turning whole passes too: its kernels are built whole
+    1..22 turned: 1.014 and 1.025 at 1 and 2, 0.958 and 0.969 at 4 and 8; 0.994 in all, which kept
+    it as it was; 0.988 with the lengths up to two unchanged, a switch now). A switch is not preferred where turning whole passes too: its kernels are built whole
     once more (a cold optimize of the block whose bucket 1..181 passed both ways, 0.989 and 0.988,
     took 11.4 s in this stage for its switches against 5-7)."""
     def mean(rs) -> float:
