@@ -4,6 +4,7 @@ the package ships.
     .venv/bin/python benchmarks/costmodel.py                  # evaluate (leave one model out), then train and save
     .venv/bin/python benchmarks/costmodel.py --no-save        # evaluate only
     .venv/bin/python benchmarks/costmodel.py --stored         # leave one model out on every machine's stored rows
+    .venv/bin/python benchmarks/costmodel.py --stored --depth 1 --rounds 200   # the same with other trees
     .venv/bin/python benchmarks/costmodel.py --no-save --retest 800   # also: each fusion timed again, the noise ceiling
 
 Data: the profile database (the user's cache unless --db) holds every kernel measured on this
@@ -284,10 +285,12 @@ def transfer_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def stored_evaluation(directory: Path) -> dict:
+def stored_evaluation(directory: Path, fit=None) -> dict:
     """Leave one model out on every machine's stored rows, without a database or a measurement: per
     machine and held-out model, the model fitted on every other model's rows (this machine's and
-    the others') against the sum of the fusion's members alone, within prim covers."""
+    the others') against the sum of the fusion's members alone, within prim covers. `fit`: how a
+    model is fitted from rows (default `CostModel.fit`; --depth and --rounds set its trees)."""
+    fit = fit or cm.CostModel.fit
     files = {}
     for path in sorted(directory.glob("*.json.gz")):
         try:
@@ -304,7 +307,7 @@ def stored_evaluation(directory: Path) -> dict:
         out[name] = {"machine": machine, "models": {}}
         for model, held in by_model.items():
             if model not in fitted:
-                fitted[model] = cm.CostModel.fit([r for r in every if r.source != model])
+                fitted[model] = fit([r for r in every if r.source != model])
             learned = metrics(held, fitted[model].predict_ns(held))
             alone = metrics(held, [r.base_ns for r in held])
             out[name]["models"][model] = {"learned": learned, "members alone": alone}
@@ -312,8 +315,9 @@ def stored_evaluation(directory: Path) -> dict:
     return out
 
 
-def stored_markdown(result: dict) -> str:
-    lines = ["# Learned cost model: leave one model out on the stored rows", "",
+def stored_markdown(result: dict, trees: str = "") -> str:
+    """`trees`: the learned model's trees where not the shipped model's (e.g. "depth 1, 200 rounds")."""
+    lines = ["# Learned cost model: leave one model out on the stored rows" + (f" ({trees})" if trees else ""), "",
              "Every machine's measured fusions kept in results/costmodel-rows/ (no database, nothing measured "
              "again). For each machine and held-out model the model is fitted on every other model's rows, of "
              "every machine, and ranks the held-out model's fusions within prim covers (Spearman of predicted "
@@ -351,16 +355,25 @@ def main(argv=None) -> int:
     ap.add_argument("--rows-dir", default=str(HERE / "results" / "costmodel-rows"),
                     help="measured rows per machine: this machine's are written here, the others' join the training")
     ap.add_argument("--out", default=str(HERE / "results" / "costmodel"))
+    ap.add_argument("--depth", type=int, default=None,
+                    help="with --stored: fit trees of this depth (the shipped model's: cost model PARAMS)")
+    ap.add_argument("--rounds", type=int, default=None, help="with --stored: fit this many trees")
     ap.add_argument("--stored", action="store_true",
                     help="only evaluate on the stored rows of every machine (leave one model out; no database, "
                          "no measuring) and write <out>-stored.md/.json")
     args = ap.parse_args(argv)
     if args.stored:
-        result = stored_evaluation(Path(args.rows_dir))
-        out = Path(args.out + "-stored")
+        def fit(rows):
+            return cm.CostModel.fit(rows, rounds=args.rounds or cm.ROUNDS, depth=args.depth)
+        result = stored_evaluation(Path(args.rows_dir), fit)
+        default = args.depth is None and args.rounds is None
+        depth = args.depth or cm.PARAMS["max_depth"]
+        rounds = args.rounds or cm.ROUNDS
+        out = Path(args.out + "-stored" + ("" if default else f"-d{depth}r{rounds}"))
+        text = stored_markdown(result, "" if default else f"trees of depth {depth}, {rounds} rounds")
         out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-        out.with_suffix(".md").write_text(stored_markdown(result))
-        print(stored_markdown(result))
+        out.with_suffix(".md").write_text(text)
+        print(text)
         return 0
     options = Options(threads=args.threads, db_path=args.db)
     machine = Machine.host()

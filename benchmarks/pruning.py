@@ -97,6 +97,12 @@ def main(argv=None) -> int:
                     help="what a measurement is taken to cost (a round's fill-up is one solve's time of them)")
     ap.add_argument("--shipped", action="store_true",
                     help="use the shipped learned model as it is (instead of one fitted without the replayed model)")
+    ap.add_argument("--depth", type=int, default=None,
+                    help="the learned model's trees this deep (default: the shipped model's, cost model PARAMS)")
+    ap.add_argument("--rounds", type=int, default=None, help="the learned model's trees: this many")
+    ap.add_argument("--stored-rows", default=None,
+                    help="the learned model also trains on the rows other machines stored in this directory "
+                         "(benchmarks/costmodel.py's --rows-dir), never the replayed model's")
     ap.add_argument("--model-file", default=None,
                     help="replay this ONNX file instead of --models, with the shipped model (no training rows)")
     ap.add_argument("--shape", action="append", default=[],
@@ -114,6 +120,10 @@ def main(argv=None) -> int:
     results = []
     shipped = cm.shipped()
     sigma = shipped.sigma if shipped else 0.7
+    stored = []
+    if args.stored_rows:
+        mine = cmbench.rows_file(Path(args.stored_rows), machine, args.threads)
+        stored = [r for _, rs in cmbench.other_machines(Path(args.stored_rows), mine, machine).values() for r in rs]
     with ProfileDB(options.resolved_db()) as db:
         rows = {}
         for p in ([] if args.model_file else cmbench.model_paths(args.train.split(","))):
@@ -121,7 +131,9 @@ def main(argv=None) -> int:
             rows[p.stem] = [r for r in rs if r.measured_ns]
         for path in [Path(args.model_file)] if args.model_file else cmbench.model_paths(args.models.split(",")):
             train = [r for name, rs in rows.items() if name != path.stem for r in rs]
-            model = shipped if args.shipped or args.model_file else cm.CostModel.fit(train, {"sigma": sigma})
+            train += [r for r in stored if r.source != path.stem]
+            model = shipped if args.shipped or args.model_file else cm.CostModel.fit(
+                train, {"sigma": sigma}, rounds=args.rounds or cm.ROUNDS, depth=args.depth)
             wanted = set(args.estimators.split(","))
             runs = [("all", options.with_(prune=False), None)]
             runs += [("analytic", options.with_(cost_model="analytic"), None)] if "analytic" in wanted else []
@@ -151,7 +163,10 @@ def main(argv=None) -> int:
     lines = ["# Pruned measurement replayed from the profile database", "",
              f"Machine: {machine.name}, {args.threads} threads. "
              + (f"{args.model_file} at {', '.join(args.shape) or 'its shapes'}, the shipped learned model."
-                if args.model_file else "Learned model fitted without the replayed model."), "",
+                if args.model_file else "Learned model fitted without the replayed model"
+                + (f", on this database's other models and {len(stored)} rows of other machines" if stored else "")
+                + (f"; trees of depth {args.depth or cm.PARAMS['max_depth']}, {args.rounds or cm.ROUNDS} rounds"
+                   if args.depth or args.rounds else "") + "."), "",
              "| model | estimator | fused measured | kernels measured | their builds s | rounds | never measured | "
              "plan ms | plan / measuring all | replay s |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -143,12 +143,17 @@ class CostModel:
         return float(self.summary.get("sigma", 0.5))
 
     @staticmethod
-    def fit(rows: Sequence[Row], summary: Mapping | None = None, rounds: int = ROUNDS) -> "CostModel":
+    def fit(rows: Sequence[Row], summary: Mapping | None = None, rounds: int = ROUNDS,
+            depth: int | None = None) -> "CostModel":
+        """Fitted on the measured `rows`: `rounds` trees of PARAMS, of `depth` levels where given
+        (benchmarks/costmodel.py --depth compares: trees of one level, an additive model, ranked
+        held-out models' fusions better and pruned worse; HISTORY, sixty-seventh session)."""
         import xgboost as xgb
         rows = [r for r in rows if r.measured_ns]
         if not rows:
             raise KernorchError("the cost model has nothing to learn from: no measured fused kernels")
-        booster = xgb.train(PARAMS, _matrix(rows, labelled=True), rounds)
+        params = PARAMS if depth is None else PARAMS | {"max_depth": depth}
+        booster = xgb.train(params, _matrix(rows, labelled=True), rounds)
         s = {"rows": len(rows), "sources": sorted({r.source for r in rows if r.source})} | dict(summary or {})
         return CostModel(booster, s)
 

@@ -64,6 +64,20 @@ def synthetic_rows(n=200, seed=0):
     return rows
 
 
+def test_fit_takes_the_depth_of_its_trees():
+    """CostModel.fit(depth=1): an additive model, each tree one split of one feature (what
+    benchmarks/costmodel.py --depth and benchmarks/pruning.py --depth compare with the shipped
+    model's PARAMS); it still learns the synthetic rows, whose label is a sum of two features."""
+    rows = synthetic_rows()
+    stumps = cm.CostModel.fit(rows, rounds=60, depth=1)
+    deep = cm.CostModel.fit(rows, rounds=60)
+    def depth(model) -> int:  # the deepest tree's levels, from its text dump
+        return max(max(line.count("\t") for line in tree.splitlines()) for tree in model.booster.get_dump())
+    assert depth(stumps) == 1 and depth(deep) > 1
+    fresh = synthetic_rows(50, seed=1)
+    assert np.corrcoef(stumps.predict(fresh), [r.label for r in fresh])[0, 1] > 0.9
+
+
 def test_fit_learns_and_a_saved_model_is_json_that_loads_to_the_same_predictions(tmp_path):
     rows = synthetic_rows()
     model = cm.CostModel.fit(rows, {"sigma": 0.3}, rounds=60)
@@ -474,6 +488,13 @@ def test_the_stored_rows_are_evaluated_leaving_each_model_out(tmp_path, monkeypa
     assert -1 <= e["members alone"]["rho_time"] <= 1 and e["members alone"]["rows"] == 60
     text = bench.stored_markdown(result)
     assert "| test cpu (one) | 256-bit | a | 60 |" in text and "Mean over" in text
+    # --depth/--rounds: the learned model fitted as given, said in the title
+    fitted.clear()
+    given = []
+    other = bench.stored_evaluation(tmp_path, lambda rs: given.append(len(rs)) or real_fit(rs, rounds=10, depth=1))
+    assert len(given) == 3 and fitted == [] and set(other) == set(result)  # (the given fit, not the default)
+    assert bench.stored_markdown(other, "trees of depth 1, 10 rounds").startswith(
+        "# Learned cost model: leave one model out on the stored rows (trees of depth 1, 10 rounds)")
 
 
 def test_the_pruning_replay_takes_optimize_shapes(benchmark_script):
