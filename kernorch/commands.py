@@ -322,8 +322,9 @@ def _checked_in_executable(rep: dict) -> str | None:
         parts.append("own plans / the one plan " + ", ".join(f"at {n} {r:.3f}" for n, r in rep["dispatch"].items()))
     if rep.get("loop_order"):
         turned = rep["plan"].get("meta", {}).get("columns_outside")
-        parts.append("rows-outside kernels turned / the plan " + ", ".join(
-            f"{k} {r:.3f}" for k, r in rep["loop_order"].items()) + (f" (kept: {turned})" if turned else " (none kept)"))
+        ratios = ", ".join(f"{k} {r:.3f}" for k, r in rep["loop_order"].items())
+        kept = f" (kept: {turned})" if turned else " (none kept)"
+        parts.append(f"rows-outside kernels turned / the plan {ratios}{kept}")
     return "timed in the executable: " + "; ".join(parts) if parts else None
 
 

@@ -1909,8 +1909,7 @@ def measured_loop_order(compiled, planned: Planned, options: Options, workers: m
             if not which[i]:
                 return turned[i]
             layout, inner = split(k.schedule)
-            switch = LengthSwitch(inner, which[i], split(turned[i])[1]).name
-            return switch if layout is None else blocked(layout, switch)
+            return _in_class(layout, LengthSwitch(inner, which[i], split(turned[i])[1]).name)
         out = replace(plan, kernels=tuple(replace(k, schedule=schedule(i, k)) for i, k in enumerate(plan.kernels)))
         return replace(out, meta={**out.meta, "columns_outside": ",".join(
             plan.kernels[i].id + (f">{which[i]}" if which[i] else "") for i in sorted(which))})
@@ -1953,9 +1952,10 @@ def _turned_where(timed: Sequence[tuple[int, float]], one_symbol: bool) -> int |
     unchanged, is; None nowhere. Up to two rows a GEMM runs its one- and two-row copies, where the
     two orders differ least (the transformer block over seq=1..512, Xeon model 167, its bucket
     1..22 turned: 1.014 and 1.025 at 1 and 2, 0.958 and 0.969 at 4 and 8; 0.994 in all, which kept
-    it as it was; 0.988 with the lengths up to two unchanged, a switch now). A switch is not preferred where turning whole passes too: its kernels are built whole
-    once more (a cold optimize of the block whose bucket 1..181 passed both ways, 0.989 and 0.988,
-    took 11.4 s in this stage for its switches against 5-7)."""
+    it as it was; 0.988 with the lengths up to two unchanged, a switch now). A switch is not
+    preferred where turning whole passes too: its kernels are built whole once more (a cold
+    optimize of the block whose bucket 1..181 passed both ways, 0.989 and 0.988, took 11.4 s in
+    this stage for its switches against 5-7)."""
     def mean(rs) -> float:
         return statistics.geometric_mean(rs) if rs else 1.0
     if mean([r for _, r in timed]) <= 1 - LOOP_ORDER_GAIN:
