@@ -271,6 +271,7 @@ def test_the_scores_fused_with_their_softmax_are_right_where_a_row_holds_no_whol
     keys; its init is outside that loop, so the sum starts at zero there too (it had stayed inside:
     the sum added whatever the buffer held, and every such fusion was refused by its check)."""
     import tvm
+    from kernorch.backends.tvm import passes
     from kernorch.backends.tvm.lower import lower
     from kernorch.backends.tvm.schedule import schedule
     from kernorch.backends.tvm.target import make_target
@@ -304,6 +305,7 @@ def test_the_scores_and_their_max_take_a_register_tile_over_a_range(block, tile)
     could not, and reverse_compute_at refused every tile: the range's attention then had only the
     default schedule to split into)."""
     import tvm
+    from kernorch.backends.tvm import passes
     from kernorch.backends.tvm.lower import lower
     from kernorch.backends.tvm.schedule import schedule
     from kernorch.backends.tvm.target import make_target
@@ -972,6 +974,39 @@ def test_twin_loops_over_a_range_keep_their_register_tiles_apart(block):
     assert len(tiles) == 2, lowered
     assert all(re.fullmatch(r"T\.int64\(64\)", shape) for _, shape in tiles), tiles  # 4 x 16
     _right_at(scores, mod, 2, (1, 2, 3, 7, 40, 130))
+
+
+def test_range_kernels_compact_their_buffers_alike_strict_or_not(block, monkeypatch):
+    """passes._compaction does not ask TVM's CompactBufferAllocation to prove each compacted shape
+    within its buffer (the proof over a symbolic length is expensive): for a weight GEMM in a packed
+    tile with row copies, with its bias fused, and for the attention's scores in register tiles,
+    the lowered kernel is the same both ways (strict, the accumulator's indices keep offsets of
+    max(0, ...) that the later simplification removes)."""
+    import tvm
+    from tvm import s_tir, tirx
+    from kernorch.backends.tvm import passes
+    from kernorch.backends.tvm.lower import lower
+    from kernorch.backends.tvm.schedule import schedule
+    from kernorch.backends.tvm.target import make_target
+    from kernorch.ir import kernel_graph
+    generic = block[1]
+    mm = next(q for q in generic.prims if q.op == "matmul" and q.inputs[1] in generic.constants)
+    add = next(q for q in generic.consumers[mm.name] if q.op == "add")
+    ins = [i for i in (*mm.inputs, *add.inputs) if i != mm.name]
+    kg = kernel_graph(generic, [mm.name, add.name], ins, [add.name])
+    tile = "t8x32p~8:1@40000,4@150000~1:1@9000"
+    gemm = schedule(lower(kg, kg.prims, ins, [add.name], tile), make_target(2), tile, bounds={"seq": 512})
+    modules = [gemm, _attention_scores(generic, "t4x16r", threads=2)[1]]
+
+    target = make_target(2)
+    compact = s_tir.transform.CompactBufferAllocation
+
+    def lowered(mod, strict: bool):   # the whole TIR lowering, its compaction strict or not
+        monkeypatch.setattr(s_tir.transform, "CompactBufferAllocation", lambda is_strict=True: compact(strict))
+        with tvm.transform.PassContext(opt_level=3):
+            return passes._lowering()(tirx.transform.BindTarget(target.with_host(target))(mod))
+    for mod in modules:
+        tvm.ir.assert_structural_equal(lowered(mod, True), lowered(mod, False))
 
 
 def test_over_a_range_a_fusion_is_estimated_at_each_length_it_is_timed_at(block, monkeypatch):
