@@ -316,7 +316,8 @@ def _print_optimize(rep: dict, outdir) -> None:
 def _checked_in_executable(rep: dict) -> str | None:
     """Over a range, what the run decided by timing executables in turns (each time over the other's):
     the sample lengths' own plans against the one plan (`pipeline.measured_dispatch`, or its screen),
-    and the plan's packed rows-outside kernels turned against the plan (`pipeline.measured_loop_order`)."""
+    the plan's packed rows-outside kernels turned against the plan (`pipeline.measured_loop_order`),
+    and the last bucket's packed GEMMs re-tiled against the plan (`pipeline.measured_long_tiles`)."""
     parts = []
     if rep.get("dispatch"):
         parts.append("own plans / the one plan " + ", ".join(f"at {n} {r:.3f}" for n, r in rep["dispatch"].items()))
@@ -325,6 +326,11 @@ def _checked_in_executable(rep: dict) -> str | None:
         ratios = ", ".join(f"{k} {r:.3f}" for k, r in rep["loop_order"].items())
         kept = f" (kept: {turned})" if turned else " (none kept)"
         parts.append(f"rows-outside kernels turned / the plan {ratios}{kept}")
+    if rep.get("long_tiles"):
+        retiled = rep["plan"].get("meta", {}).get("long_tiles")
+        ratios = ", ".join(f"{k} {r:.3f}" for k, r in rep["long_tiles"].items())
+        kept = f"kept: {retiled}" if retiled else "not kept"
+        parts.append(f"the last bucket's GEMMs re-tiled / the plan {ratios} ({kept})")
     return "timed in the executable: " + "; ".join(parts) if parts else None
 
 

@@ -156,6 +156,9 @@ class Options:
     # over a range: the packed tiles with rows outside also run with the columns outside and
     # kept where the executable runs them faster (pipeline.measured_loop_order)
     loop_order: bool = True
+    # over a range, the last bucket's packed GEMMs in the tile family their contractions ran fastest
+    # in there, kept where the executable runs faster so (pipeline.measured_long_tiles)
+    long_tiles: bool = True
     # lengths a range is timed at (dynamic.points: 1, 8, 64, 512 over 1..512). Three (1, 23, 512) left
     # seq=7 to the plan of 23: a transformer block's one plan ran 1.21-1.30x the static plan there in
     # three builds, with four 1.08-1.15x in two (Zen 5, 2 threads), the other lengths alike. Per

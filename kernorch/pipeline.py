@@ -1189,6 +1189,9 @@ class Planned:
     # over a range, per length `measured_loop_order` timed (its key text): the executable with the plan's
     # packed rows-outside kernels turned against the plan's, whatever was kept
     loop_order: Mapping[str, float] = field(default_factory=dict)
+    # over a range, per length `measured_long_tiles` timed: the executable with the last bucket's packed
+    # GEMMs in another tile family against the plan's, whatever was kept
+    long_tiles: Mapping[str, float] = field(default_factory=dict)
 
 
 def plan_model(model, options: Options, db: ProfileDB | None = None, machine: Machine | None = None,
@@ -1722,6 +1725,9 @@ def optimize(model, options: Options, runs: int = 20):
         if options.ranges and options.loop_order:
             with clock("loop order"):
                 compiled, planned = measured_loop_order(compiled, planned, options, workers)
+        if options.ranges and options.long_tiles:
+            with clock("long tiles"):
+                compiled, planned = measured_long_tiles(compiled, planned, options, workers)
     with clock("verify"):
         check = verify.verify(compiled, model, options)
     timing = {}
@@ -1984,6 +1990,106 @@ def loop_order_points(ranges, keys: Sequence, parts: Sequence[tuple[int, int]] =
     return [dict(zip(names, k)) for k in sorted(keys)]
 
 
+# a packed GEMM of the last bucket is offered another tile family (`long_tiles`) where its contraction
+# alone ran this much faster in it at the bucket's longest sample
+LONG_TILE_GAIN = 0.03
+
+
+def long_tiles(planned: Planned, bucket: int, span: tuple[int, int]) -> dict[int, str]:
+    """Per kernel of the plan's bucket `bucket` (over one symbol; its lengths `span`) in a packed
+    register tile (a GEMM with its weight packed, maybe its epilogue fused): the packed tile of
+    another family (columns per tile, loop order) its contraction alone ran LONG_TILE_GAIN faster
+    in at the longest sample in `span` than in any tile of the kernel's family, where one did (in
+    the kernel's layout class; the fastest there, the tile with row copies fitted for it where it
+    was measured so). The range's weights choose one family for the fusions around a contraction,
+    mostly by the short lengths: the transformer block's projections over seq=1..512 ran 14 x 32
+    tiles where 6 x 64 ones take 7 % less at 512 rows alone, its 384 x 1536 GEMM 12 % less (Xeon
+    model 167)."""
+    plan, measured, graph = planned.plan, planned.measured, planned.loaded.graph
+    inside = [n for n, _ in measured.at if n and span[0] <= n <= span[1]]
+    if not inside:
+        return {}
+
+    def family(t: Tile) -> tuple:
+        return t.nb, t.rows_outer, t.serial
+    out = {}
+    for i, k in enumerate(plan.kernels):
+        layout, inner = split(k.schedule)
+        tile = Tile.parse(inner)
+        lin = [graph.by_name[m] for m in k.members if m in graph.by_name and graph.by_name[m].op == "matmul"]
+        if k.bucket != bucket or tile is None or not tile.pack or len(lin) != 1:
+            continue
+        key = structural_key(lin, graph, [lin[0].name])
+        times = {t: _at_length(m, max(inside)).median_ns for (kk, _, sched), m in measured.measurements.items()
+                 if kk == key and m.ok and split(sched)[0] == layout
+                 and (other := Tile.parse(t := split(sched)[1])) is not None and other.pack}
+        ours = [ns for t, ns in times.items() if family(Tile.parse(t)) == family(tile)]
+        theirs = {t: ns for t, ns in times.items() if family(Tile.parse(t)) != family(tile)}
+        if ours and theirs:
+            best = min(theirs, key=lambda t: (theirs[t], not Tile.parse(t).copies, t))
+            if theirs[best] <= (1 - LONG_TILE_GAIN) * min(ours):
+                out[i] = _in_class(layout, best)
+    return out
+
+
+def measured_long_tiles(compiled, planned: Planned, options: Options, workers: meas.Workers | None = None):
+    """Over one symbol, the packed GEMMs of the plan's last bucket (of a plan that serves the range
+    alone: the bucket of its last sample, `dynamic.sample_edges`, made a bucket of its own) in the
+    tiles `long_tiles` finds, where the executable runs faster so: the plan's executable and the
+    one with them re-tiled timed in turns (`alternated`) at the bucket's lengths of
+    `loop_order_points`; kept where the ratios' geometric mean is LOOP_ORDER_GAIN below 1. Their
+    weights are then packed for both families where the other buckets keep the first. The
+    transformer block over seq=1..512 (Xeon model 167), its bucket 182..512's three projections
+    and its 384 x 1536 GEMM so re-tiled to 6 x 64 by hand: 0.95-0.98x the plan's time at 200-300,
+    0.97-0.99x at 512 (three timings each, in one process). Over one symbol and the whole range's
+    measurements only (not buckets planned apart). Returns (compiled, planned); the plan names the
+    kernels re-tiled (`meta["long_tiles"]`), `planned.long_tiles` holds every ratio
+    timed."""
+    from . import executor
+    from .dynamic import BUCKET_BOUNDS, DISPATCH_ON, bind, cut, key_text, plan_buckets, sample_edges, sample_key
+    plan, graph = planned.plan, planned.loaded.graph
+    rng, parts = options.ranges[0], plan_buckets(plan.meta)
+    if len(options.ranges) != 1 or DISPATCH_ON in plan.meta or (parts and plan.meta.get(BUCKET_BOUNDS) != "range"):
+        return compiled, planned  # (buckets planned over their own lengths (--buckets): measured apart)
+    lengths = [n for n, _ in planned.measured.at]
+    if parts:
+        last, span = len(parts) - 1, parts[-1]
+    elif len(lengths) > 1:
+        edge = sample_edges(rng, lengths)[-1]
+        last, span = 0, (edge + 1, rng[2])
+    else:
+        return compiled, planned
+    retiled = long_tiles(planned, last, span)
+    if not retiled:
+        return compiled, planned
+    other = replace(plan, kernels=tuple(replace(k, schedule=retiled.get(i, k.schedule))
+                                        for i, k in enumerate(plan.kernels)))
+    ids = [other.kernels[i].id for i in sorted(retiled)]
+    if not parts:  # (the one plan below the edge, re-tiled above it; each kernel's id then names its bucket)
+        turned = {"columns_outside": ",".join(f"b{b}.{t}" for b in (0, 1) for t in plan.meta["columns_outside"].split(
+            ","))} if plan.meta.get("columns_outside") else {}
+        other = _dispatch([plan, other], cut(rng, [span[0] - 1]), options,
+                          {**plan.meta, **turned, BUCKET_BOUNDS: "range"})
+        ids = [f"b1.{i}" for i in ids]
+    other = replace(other, meta={**other.meta, "long_tiles": ",".join(ids)})
+    try:
+        ran = emit(graph, other, options, planned.machine, workers)
+    except KernorchError as e:  # (a fusion the other tile does not apply to: the plan stays)
+        log.info("long tiles: the re-tiled kernels did not build (%s)", e)
+        return compiled, planned
+    on = rng[0]
+    points = [p for p in loop_order_points(options.ranges, lengths, plan_buckets(other.meta))
+              if span[0] <= p[on] <= span[1]]
+    over = [alternated(ran, compiled, executor.random_feeds(bind(graph, p), options.seed))[0] for p in points]
+    timed = {key_text(options.ranges, sample_key(p)): r for p, r in zip(points, over)}
+    log.info("long tiles: %d kernels of the bucket %d..%d re-tiled, the executable's time against the plan's: %s",
+             len(retiled), span[0], span[1], ", ".join(f"{k} {r:.3f}" for k, r in timed.items()))
+    planned = replace(planned, long_tiles=timed)
+    if not over or statistics.geometric_mean(over) > 1 - LOOP_ORDER_GAIN:
+        return compiled, planned
+    return ran, replace(planned, plan=other)
+
+
 def _dispatch_timed(probes: Sequence[tuple[int, ...]], own: Sequence[int]) -> dict[int, tuple[int, ...]]:
     """The lengths `measured_dispatch` times, per bucket: a bucket with its own plan (`own`) at every
     one of its `probes`; while the first bucket has its own plan (the one plan then runs as a called
@@ -2069,5 +2175,6 @@ def report_dict(planned: Planned, check: dict, timing: dict, profile: dict | Non
         **({"tuning": planned.tuning} if planned.tuning else {}),
         **({"dispatch": {str(n): r for n, r in planned.dispatch.items()}} if planned.dispatch else {}),
         **({"loop_order": dict(planned.loop_order)} if planned.loop_order else {}),
+        **({"long_tiles": dict(planned.long_tiles)} if planned.long_tiles else {}),
         **({"context": profile} if profile else {}),
     }

@@ -1152,6 +1152,20 @@ def test_one_executable_serves_the_whole_range(tmp_path):
             compiled.run({"x": np.zeros((1, bad, 64), np.float32)})
     with pytest.raises(KernorchError, match="optimized for"):
         compiled.run({"x": np.zeros((1, 5, 32), np.float32)})
+    # its packed GEMMs in another tile family above the last sample's edge (every other family offered,
+    # the timing scripted to keep it): one executable holding each weight packed both ways, right in
+    # both buckets
+    with meas.Workers(options) as workers, mock.patch.object(pipeline, "LONG_TILE_GAIN", -10.0), \
+            mock.patch.object(pipeline, "alternated", lambda a, b, feeds: (0.9, 1.0, 1.0)):
+        retiled, out = pipeline.measured_long_tiles(compiled, planned, options, workers)
+    assert out.plan.meta["buckets"].endswith("182..512") and out.plan.meta["long_tiles"]
+    packed: dict = {}
+    for tensor, layout in retiled.executable.weight_names:
+        packed.setdefault(tensor, set()).add(layout)
+    assert any(len(layouts) == 2 for layouts in packed.values()), packed
+    for s in (1, 7, 181, 182, 300, 512):
+        x = np.random.default_rng(s).standard_normal((1, s, 64)).astype(np.float32)
+        np.testing.assert_allclose(retiled.run({"x": x})["y"], session.run(None, {"x": x})[0], rtol=1e-4, atol=1e-4)
 
 
 def test_the_cli_optimizes_over_a_range_and_the_saved_model_serves_it(tmp_path, capsys):
@@ -1229,9 +1243,10 @@ def test_the_python_api_takes_a_range(tmp_path):
     onnx.save(examples.transformer_block(seq="seq"), str(path))
     compiled = kernorch.optimize(str(path), runs=0, threads=1, max_kernel_size=2, repeats=3, min_repeat_ms=1.0,
                                  compare_untuned=0, db_path=str(tmp_path / "db.sqlite"), ranges={"seq": (1, 16)},
-                                 lengths=[3, 4, 12], loop_order=False)
+                                 lengths=[3, 4, 12], loop_order=False, long_tiles=False)
     assert compiled.ranges == {"seq": (1, 16)}
     assert "loop order" not in compiled.report["seconds"]  # (Options.loop_order=False: not tried)
+    assert "long tiles" not in compiled.report["seconds"]  # (nor long_tiles)
     assert compiled.run({"x": np.ones((1, 16, 64), np.float32)})["y"].shape == (1, 16, 64)
 
 
@@ -2946,10 +2961,120 @@ def test_a_bucket_keeps_its_kernels_with_columns_outside_where_the_executable_ru
     assert pipeline.measured_loop_order(Exe(none), replace(planned, plan=none), options)[1].plan is none
 
 
+def _long_tiles_case(block):
+    """A plan of the block's generic graph over seq=1..512: a LayerNorm, a weight GEMM with its
+    bias in t14x32p (row copies), another weight GEMM in t8x32pr; and its contraction's tiles timed
+    alone (`Measured`): at 512 t6x64p 7 % faster than the fastest 32-column tile, t4x64p 2 %; at
+    64, all alike."""
+    from kernorch import pipeline
+    from kernorch.database import Measurement
+    from kernorch.ir import structural_key
+    from kernorch.measure import MeasureStats
+    from kernorch.options import Machine
+    from kernorch.plan import Kernel, Plan, SolverStats
+    g = block[1]
+    mms = [q for q in g.prims if q.op == "matmul" and q.inputs[1] in g.constants]
+    add = next(q for q in g.consumers[mms[0].name] if q.op == "add")
+    key = structural_key([mms[0]], g, [mms[0].name])
+    assert structural_key([mms[1]], g, [mms[1].name]) == key  # (two projections of one shape)
+    copies = "~14:1@12000,2@25600"
+    kernels = (Kernel("c0", "k0", "tvm", ("ln",), ("x",), ("ln",), 1, schedule="default"),
+               Kernel("c1", "k1", "tvm", (mms[0].name, add.name), ("x",), (add.name,), 1, schedule="t14x32p" + copies),
+               Kernel("c2", "k2", "tvm", (mms[1].name,), ("x",), (mms[1].name,), 1, schedule="t8x32pr"))
+    plan = Plan(kernels, (), (add.name,), SolverStats("optimal", 1, 1, 0.0, 0.0, 0), meta={"ranges": "seq=1..512"})
+
+    def timed(schedule, at512, at64=70_000):
+        return Measurement("t", key, "tvm", schedule, "v", "ok", 1, samples_ns=((64, at64), (512, at512)))
+    ms = [timed("t14x32p" + copies, 522_000), timed("t14x32p", 530_000), timed("t8x32p", 524_000),
+          timed("t8x32pr", 525_000), timed("t6x64p~6:1@14800", 486_000), timed("t6x64p", 489_000),
+          timed("t4x64p", 512_000), timed("b16/t6x64p", 100_000),   # (another layout class: not the plan's)
+          Measurement("t", "other", "tvm", "t4x64p", "v", "ok", 1, samples_ns=((512, 1000),))]
+    measured = pipeline.Measured({(m.key, m.impl, m.schedule): m for m in ms}, MeasureStats(),
+                                 at=((1, 0.3), (8, 0.6), (64, 0.1), (512, 0.01)))
+    return pipeline.Planned(pipeline.Loaded("m", None, g), None, measured, plan, None, {}, Machine.host())
+
+
+def test_the_last_buckets_gemms_are_offered_the_tile_family_their_contraction_ran_fastest_in_there(block):
+    """`long_tiles`: per packed GEMM kernel of a bucket, the packed tile of another family (columns,
+    loop order) its contraction alone ran LONG_TILE_GAIN faster in at the bucket's longest sample
+    than in any tile of its own family (the fitted copies preferred at a tie); in its layout class."""
+    from dataclasses import replace
+    from kernorch import pipeline
+    planned = _long_tiles_case(block)
+    # 182..512: both GEMMs to 6 x 64 with its copies (486 us against 522 and 525); not the LayerNorm
+    assert pipeline.long_tiles(planned, 0, (182, 512)) == {1: "t6x64p~6:1@14800", 2: "t6x64p~6:1@14800"}
+    # 9..181 holds the sample 64 only, where every tile took as long: nothing
+    assert pipeline.long_tiles(planned, 0, (9, 181)) == {}
+    # another bucket's kernels: not these
+    assert pipeline.long_tiles(planned, 1, (182, 512)) == {}
+    # under the gain: 6 x 64 2 % faster only
+    slower = {i: replace(m, samples_ns=((64, 70_000), (512, 512_000))) if i[2].startswith("t6x64p") else m
+              for i, m in planned.measured.measurements.items()}
+    assert pipeline.long_tiles(replace(planned, measured=replace(planned.measured, measurements=slower)), 0,
+                               (182, 512)) == {}
+
+
+def test_the_last_buckets_gemms_run_another_tile_family_where_the_executable_runs_faster(block, monkeypatch):
+    """`measured_long_tiles`: a plan that serves the range alone is emitted with the bucket of its
+    last sample (182..512) re-tiled as a bucket of its own, timed in turns at that bucket's lengths
+    of `loop_order_points`, and kept where they ran LOOP_ORDER_GAIN faster (geometric mean): a plan
+    that dispatches there, its weights packed both ways; the ratios kept for the report either way.
+    A plan with buckets re-tiles its last; a re-tiled kernel that does not build leaves the plan."""
+    from dataclasses import replace
+    from kernorch import pipeline
+    from kernorch.options import Options
+    planned = _long_tiles_case(block)
+    options = Options(threads=1, ranges=(("seq", 1, 512),))
+    emitted = _scripted_emit(monkeypatch)
+    given = _Exe(planned.plan)
+    timed = []
+
+    def run(planned, ratio):
+        def timing(a, b, feeds):
+            assert a.plan is emitted[-1] and b is given
+            timed.append(feeds["seq"])
+            return ratio(feeds["seq"]), 1.0, 1.0
+        monkeypatch.setattr(pipeline, "alternated", timing)
+        timed.clear()
+        emitted.clear()
+        return pipeline.measured_long_tiles(given, planned, options)
+
+    compiled, out = run(replace(planned, plan=replace(planned.plan, meta={**planned.plan.meta,
+                                                                          "columns_outside": "c2>2"})), lambda n: 0.97)
+    assert timed == [182, 256, 512]
+    assert out.plan.meta["columns_outside"] == "b0.c2>2,b1.c2>2"  # (the loop order's turns, named in both buckets)
+    assert out.plan.meta["buckets"] == "1..181,182..512" and compiled.plan is out.plan
+    assert [(k.bucket, k.schedule) for k in out.plan.kernels] == [
+        (0, "default"), (0, "t14x32p~14:1@12000,2@25600"), (0, "t8x32pr"),
+        (1, "default"), (1, "t6x64p~6:1@14800"), (1, "t6x64p~6:1@14800")]
+    assert out.plan.meta["long_tiles"] == "b1.c1,b1.c2" and out.long_tiles == {
+        "seq=182": 0.97, "seq=256": 0.97, "seq=512": 0.97}
+    # 0.5 % faster: the plan and its executable stay, the ratios kept
+    compiled, out = run(planned, lambda n: 0.995)
+    assert compiled is given and out.plan is planned.plan and len(out.long_tiles) == 3
+    # a plan with buckets: its last re-tiled in place, timed at its lengths
+    bucketed = replace(planned.plan, kernels=tuple(replace(k, bucket=int(i > 1)) for i, k in
+                                                   enumerate(planned.plan.kernels)),
+                       meta={**planned.plan.meta, "buckets": "1..300,301..512", "bucket_bounds": "range"})
+    compiled, out = run(replace(planned, plan=bucketed), lambda n: 0.97)
+    assert timed == [301, 512]
+    assert [k.schedule for k in out.plan.kernels] == ["default", "t14x32p~14:1@12000,2@25600", "t6x64p~6:1@14800"]
+    assert out.plan.meta["long_tiles"] == "c2"
+    # buckets planned over their own lengths (--buckets, measured apart): left alone
+    apart = replace(bucketed, meta={k: v for k, v in bucketed.meta.items() if k != "bucket_bounds"})
+    compiled, out = run(replace(planned, plan=apart), lambda n: 0.9)
+    assert out.plan is apart and timed == []
+    # a re-tiled kernel that does not build: nothing timed, the plan stays
+    monkeypatch.setattr(pipeline, "emit", lambda *a, **k: (_ for _ in ()).throw(KernorchError("tile does not apply")))
+    compiled, out = run(planned, lambda n: 0.9)
+    assert out is planned and timed == []
+
+
 def test_the_optimize_summary_says_what_the_executables_timed_in_turns_decided():
     """Over a range the CLI's summary of an optimize prints the ratios the run decided on by timing
-    executables in turns: the sample lengths' own plans against the one plan, and the plan's
-    rows-outside kernels turned against the plan, with the kernels kept turned (or none)."""
+    executables in turns: the sample lengths' own plans against the one plan, the plan's
+    rows-outside kernels turned against the plan, with the kernels kept turned (or none), and the
+    last bucket's GEMMs re-tiled against the plan."""
     from kernorch import commands
     rep = {"plan": {"meta": {"columns_outside": "c0,c2"}}, "dispatch": {"64": 0.9812, "512": 1.004},
            "loop_order": {"seq=1": 1.012, "seq=8": 0.97}}
@@ -2959,6 +3084,10 @@ def test_the_optimize_summary_says_what_the_executables_timed_in_turns_decided()
     rep["plan"]["meta"] = {}
     assert commands._checked_in_executable({**rep, "dispatch": {}}).endswith("seq=8 0.970 (none kept)")
     assert commands._checked_in_executable({"plan": {"meta": {}}}) is None  # (a static optimize: nothing)
+    rep = {"plan": {"meta": {"long_tiles": "b1.c1"}}, "long_tiles": {"seq=182": 0.99, "seq=512": 0.962}}
+    assert commands._checked_in_executable(rep) == (
+        "timed in the executable: the last bucket's GEMMs re-tiled / the plan seq=182 0.990, seq=512 0.962 "
+        "(kept: b1.c1)")
 
 
 def test_over_several_symbols_the_loop_order_is_timed_at_every_sample_and_decided_per_bucket_of_the_dispatching_one(
