@@ -2504,6 +2504,21 @@ def _scripted_emit(monkeypatch) -> list:
     return emitted
 
 
+def _scripted_turns(monkeypatch, emitted: list, given, ratio, timed: list) -> None:
+    """`pipeline.alternated` made to time the executable last emitted (into `emitted`, see
+    `_scripted_emit`) against `given`, `ratio(n)` its time over the other's at length n, each length
+    appended to `timed`; both lists cleared first."""
+    from kernorch import pipeline
+
+    def timing(a, b, feeds):
+        assert a.plan is emitted[-1] and b is given  # (the changed plan's executable against the plan's)
+        timed.append(feeds["seq"])
+        return ratio(feeds["seq"]), 1.0, 1.0
+    monkeypatch.setattr(pipeline, "alternated", timing)
+    timed.clear()
+    emitted.clear()
+
+
 def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch):
     """`measured_dispatch` times the dispatching executable against the one plan's at every sample
     length with an own plan and the ends of its bucket (here scripted) and keeps a sample's own plan
@@ -2920,13 +2935,7 @@ def test_a_bucket_keeps_its_kernels_with_columns_outside_where_the_executable_ru
 
     def run(ratio):
         """`ratio(n)`: the turned executable's time over the plan's at length n."""
-        def timing(a, b, feeds):
-            assert a.plan is emitted[0] and b is given  # (the turned executable against the plan's)
-            timed.append(feeds["seq"])
-            return ratio(feeds["seq"]), 1.0, 1.0
-        monkeypatch.setattr(pipeline, "alternated", timing)
-        timed.clear()
-        emitted.clear()
+        _scripted_turns(monkeypatch, emitted, given, ratio, timed)
         return pipeline.measured_loop_order(given, planned, options)
     given = Exe(plan)
 
@@ -3030,13 +3039,7 @@ def test_the_last_buckets_gemms_run_another_tile_family_where_the_executable_run
     timed = []
 
     def run(planned, ratio):
-        def timing(a, b, feeds):
-            assert a.plan is emitted[-1] and b is given
-            timed.append(feeds["seq"])
-            return ratio(feeds["seq"]), 1.0, 1.0
-        monkeypatch.setattr(pipeline, "alternated", timing)
-        timed.clear()
-        emitted.clear()
+        _scripted_turns(monkeypatch, emitted, given, ratio, timed)
         return pipeline.measured_long_tiles(given, planned, options)
 
     compiled, out = run(replace(planned, plan=replace(planned.plan, meta={**planned.plan.meta,
