@@ -271,7 +271,6 @@ def test_the_scores_fused_with_their_softmax_are_right_where_a_row_holds_no_whol
     keys; its init is outside that loop, so the sum starts at zero there too (it had stayed inside:
     the sum added whatever the buffer held, and every such fusion was refused by its check)."""
     import tvm
-    from kernorch.backends.tvm import passes
     from kernorch.backends.tvm.lower import lower
     from kernorch.backends.tvm.schedule import schedule
     from kernorch.backends.tvm.target import make_target
@@ -305,7 +304,6 @@ def test_the_scores_and_their_max_take_a_register_tile_over_a_range(block, tile)
     could not, and reverse_compute_at refused every tile: the range's attention then had only the
     default schedule to split into)."""
     import tvm
-    from kernorch.backends.tvm import passes
     from kernorch.backends.tvm.lower import lower
     from kernorch.backends.tvm.schedule import schedule
     from kernorch.backends.tvm.target import make_target
