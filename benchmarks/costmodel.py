@@ -363,12 +363,9 @@ def main(argv=None) -> int:
                          "no measuring) and write <out>-stored.md/.json")
     args = ap.parse_args(argv)
     if args.stored:
-        def fit(rows):
-            return cm.CostModel.fit(rows, rounds=args.rounds or cm.ROUNDS, depth=args.depth)
-        result = stored_evaluation(Path(args.rows_dir), fit)
+        depth, rounds = args.depth or cm.PARAMS["max_depth"], args.rounds or cm.ROUNDS
+        result = stored_evaluation(Path(args.rows_dir), lambda rows: cm.CostModel.fit(rows, rounds=rounds, depth=depth))
         default = args.depth is None and args.rounds is None
-        depth = args.depth or cm.PARAMS["max_depth"]
-        rounds = args.rounds or cm.ROUNDS
         out = Path(args.out + "-stored" + ("" if default else f"-d{depth}r{rounds}"))
         text = stored_markdown(result, "" if default else f"trees of depth {depth}, {rounds} rounds")
         out.with_suffix(".json").write_text(json.dumps(result, indent=1))

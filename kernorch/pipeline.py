@@ -1899,8 +1899,7 @@ def measured_loop_order(compiled, planned: Planned, options: Options, workers: m
     calls timed one by one.)
     Returns (compiled, planned); the plan names the kernels turned (`meta["columns_outside"]`, "c4>2"
     for one turned above length 2), `planned.loop_order` holds every ratio timed."""
-    from . import executor
-    from .dynamic import DISPATCH_ON, bind, bucket_of, key_text, plan_buckets, sample_key
+    from .dynamic import DISPATCH_ON, bucket_of, plan_buckets
     plan = planned.plan
     turned = {i: t for i, k in enumerate(plan.kernels) if (t := columns_outside(k.schedule)) is not None}
     if not turned:
@@ -1932,8 +1931,7 @@ def measured_loop_order(compiled, planned: Planned, options: Options, workers: m
     buckets = {plan.kernels[i].bucket for i in turned}
     points = [p for p in loop_order_points(options.ranges, [key for key, _ in planned.measured.at], parts)
               if bucket(p) in buckets]
-    over = [alternated(other, compiled, executor.random_feeds(bind(graph, p), options.seed))[0] for p in points]
-    timed = {key_text(options.ranges, sample_key(p)): r for p, r in zip(points, over)}
+    over, timed = _timed_at(other, compiled, graph, points, options)
     log.info("loop order: %d kernels with columns outside, the executable's time against the plan's: %s",
              len(turned), ", ".join(f"{k} {r:.3f}" for k, r in timed.items()))
     planned = replace(planned, loop_order=timed)
@@ -1948,6 +1946,16 @@ def measured_loop_order(compiled, planned: Planned, options: Options, workers: m
         return other, replace(planned, plan=every)
     mixed = with_turned(kept)
     return emit(graph, mixed, options, planned.machine, workers), replace(planned, plan=mixed)
+
+
+def _timed_at(changed, compiled, graph: Graph, points: Sequence[Mapping[str, int]], options: Options
+              ) -> tuple[list[float], dict[str, float]]:
+    """`changed`'s time over `compiled`'s at each binding of `points`, in turns (`alternated`), as a
+    list and by the bindings' key text (for the report)."""
+    from . import executor
+    from .dynamic import bind, key_text, sample_key
+    over = [alternated(changed, compiled, executor.random_feeds(bind(graph, p), options.seed))[0] for p in points]
+    return over, {key_text(options.ranges, sample_key(p)): r for p, r in zip(points, over)}
 
 
 def _turned_where(timed: Sequence[tuple[int, float]], one_symbol: bool) -> int | None:
@@ -2020,14 +2028,14 @@ def long_tiles(planned: Planned, bucket: int, span: tuple[int, int]) -> dict[int
         if k.bucket != bucket or tile is None or not tile.pack or len(lin) != 1:
             continue
         key = structural_key(lin, graph, [lin[0].name])
-        times = {t: _at_length(m, max(inside)).median_ns for (kk, _, sched), m in measured.measurements.items()
+        timed = [(t, other, _at_length(m, max(inside)).median_ns) for (kk, _, sched), m in measured.measurements.items()
                  if kk == key and m.ok and split(sched)[0] == layout
-                 and (other := Tile.parse(t := split(sched)[1])) is not None and other.pack}
-        ours = [ns for t, ns in times.items() if family(Tile.parse(t)) == family(tile)]
-        theirs = {t: ns for t, ns in times.items() if family(Tile.parse(t)) != family(tile)}
+                 and (other := Tile.parse(t := split(sched)[1])) is not None and other.pack]
+        ours = [ns for _, other, ns in timed if family(other) == family(tile)]
+        theirs = [(ns, not other.copies, t) for t, other, ns in timed if family(other) != family(tile)]
         if ours and theirs:
-            best = min(theirs, key=lambda t: (theirs[t], not Tile.parse(t).copies, t))
-            if theirs[best] <= (1 - LONG_TILE_GAIN) * min(ours):
+            ns, _, best = min(theirs)
+            if ns <= (1 - LONG_TILE_GAIN) * min(ours):
                 out[i] = _in_class(layout, best)
     return out
 
@@ -2043,10 +2051,8 @@ def measured_long_tiles(compiled, planned: Planned, options: Options, workers: m
     and its 384 x 1536 GEMM so re-tiled to 6 x 64 by hand: 0.95-0.98x the plan's time at 200-300,
     0.97-0.99x at 512 (three timings each, in one process). Over one symbol and the whole range's
     measurements only (not buckets planned apart). Returns (compiled, planned); the plan names the
-    kernels re-tiled (`meta["long_tiles"]`), `planned.long_tiles` holds every ratio
-    timed."""
-    from . import executor
-    from .dynamic import BUCKET_BOUNDS, DISPATCH_ON, bind, cut, key_text, plan_buckets, sample_edges, sample_key
+    kernels re-tiled (`meta["long_tiles"]`), `planned.long_tiles` holds every ratio timed."""
+    from .dynamic import BUCKET_BOUNDS, DISPATCH_ON, cut, plan_buckets, sample_edges
     plan, graph = planned.plan, planned.loaded.graph
     rng, parts = options.ranges[0], plan_buckets(plan.meta)
     if len(options.ranges) != 1 or DISPATCH_ON in plan.meta or (parts and plan.meta.get(BUCKET_BOUNDS) != "range"):
@@ -2080,8 +2086,7 @@ def measured_long_tiles(compiled, planned: Planned, options: Options, workers: m
     on = rng[0]
     points = [p for p in loop_order_points(options.ranges, lengths, plan_buckets(other.meta))
               if span[0] <= p[on] <= span[1]]
-    over = [alternated(ran, compiled, executor.random_feeds(bind(graph, p), options.seed))[0] for p in points]
-    timed = {key_text(options.ranges, sample_key(p)): r for p, r in zip(points, over)}
+    over, timed = _timed_at(ran, compiled, graph, points, options)
     log.info("long tiles: %d kernels of the bucket %d..%d re-tiled, the executable's time against the plan's: %s",
              len(retiled), span[0], span[1], ", ".join(f"{k} {r:.3f}" for k, r in timed.items()))
     planned = replace(planned, long_tiles=timed)
