@@ -1150,10 +1150,28 @@ def test_one_executable_serves_the_whole_range(tmp_path):
             compiled.run({"x": np.zeros((1, bad, 64), np.float32)})
     with pytest.raises(KernorchError, match="optimized for"):
         compiled.run({"x": np.zeros((1, 5, 32), np.float32)})
-    # its packed GEMMs in another tile family above the last sample's edge (every other family offered,
-    # the timing scripted to keep it): one executable holding each weight packed both ways, right in
-    # both buckets
+    # its packed GEMMs in another tile family above the last sample's edge, one of other columns (so
+    # another packing: `long_tiles` offered, kernel by kernel, its family and those alone, at any
+    # gain), the timing scripted to keep it: one executable holding weights packed both ways, right
+    # in both buckets
+    from dataclasses import replace
+    from kernorch.kernels import split
+    long_tiles = pipeline.long_tiles
+
+    def other_columns(planned, bucket, span):
+        out = {}
+        for i, k in enumerate(planned.plan.kernels):
+            tile = Tile.parse(split(k.schedule)[1])
+            if tile is None:
+                continue
+            ms = {ident: m for ident, m in planned.measured.measurements.items()
+                  if (t := Tile.parse(split(ident[2])[1])) is None or t.nb != tile.nb
+                  or (t.rows_outer, t.serial) == (tile.rows_outer, tile.serial)}
+            chosen = long_tiles(replace(planned, measured=replace(planned.measured, measurements=ms)), bucket, span)
+            out.update({i: chosen[i]} if i in chosen else {})
+        return out
     with meas.Workers(options) as workers, mock.patch.object(pipeline, "LONG_TILE_GAIN", -10.0), \
+            mock.patch.object(pipeline, "long_tiles", other_columns), \
             mock.patch.object(pipeline, "alternated", lambda a, b, feeds: (0.9, 1.0, 1.0)):
         retiled, out = pipeline.measured_long_tiles(compiled, planned, options, workers)
     assert out.plan.meta["buckets"].endswith("182..512") and out.plan.meta["long_tiles"]
