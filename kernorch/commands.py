@@ -315,9 +315,9 @@ def _print_optimize(rep: dict, outdir) -> None:
 
 def _checked_in_executable(rep: dict) -> str | None:
     """Over a range, what the run decided by timing executables in turns (each time over the other's):
-    the sample lengths' own plans against the one plan (`pipeline.measured_dispatch`, or its screen),
-    the plan's packed rows-outside kernels turned against the plan (`pipeline.measured_loop_order`),
-    and the last bucket's packed GEMMs re-tiled against the plan (`pipeline.measured_long_tiles`)."""
+    the sample lengths' own plans against the one plan (`executed.measured_dispatch`, or its screen),
+    the plan's packed rows-outside kernels turned against the plan (`executed.measured_loop_order`),
+    and the last bucket's packed GEMMs re-tiled against the plan (`executed.measured_long_tiles`)."""
     parts = []
     if rep.get("dispatch"):
         parts.append("own plans / the one plan " + ", ".join(f"at {n} {r:.3f}" for n, r in rep["dispatch"].items()))

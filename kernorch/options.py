@@ -154,10 +154,10 @@ class Options:
     # against 0.41 (the screen and the dispatch time each own plan before it stays)
     sample_gain: float = 0.02
     # over a range: the packed tiles with rows outside also run with the columns outside and
-    # kept where the executable runs them faster (pipeline.measured_loop_order)
+    # kept where the executable runs them faster (executed.measured_loop_order)
     loop_order: bool = True
     # over a range, the last bucket's packed GEMMs in the tile family their contractions ran fastest
-    # in there, kept where the executable runs faster so (pipeline.measured_long_tiles)
+    # in there, kept where the executable runs faster so (executed.measured_long_tiles)
     long_tiles: bool = True
     # lengths a range is timed at (dynamic.points: 1, 8, 64, 512 over 1..512). Three (1, 23, 512) left
     # seq=7 to the plan of 23: a transformer block's one plan ran 1.21-1.30x the static plan there in

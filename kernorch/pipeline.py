@@ -19,7 +19,6 @@ import hashlib
 import json
 import logging
 import math
-import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -184,7 +183,7 @@ def _variant_classes(graph: Graph, c, options: Options, machine: Machine) -> lis
     return [None]
 
 
-def _in_class(cls: int | None, inner: str) -> str:
+def in_class(cls: int | None, inner: str) -> str:
     return inner if cls is None else blocked(cls, inner)
 
 
@@ -214,7 +213,7 @@ def tile_jobs(graph: Graph, candidates, options: Options, machine: Machine) -> d
                     # row count wins there, the kernel runs it there (`row_copies`)
                     seen = _row_probes(graph.by_name[c.linear], options) if _rows_only_symbolic(
                         graph, graph.by_name[c.linear]) else ()
-                    out[(c.linear, cls)] = [replace(_job(graph, c, "tvm", _in_class(cls, t.name)), probes=seen)
+                    out[(c.linear, cls)] = [replace(_job(graph, c, "tvm", in_class(cls, t.name)), probes=seen)
                                             for t in tiles]
                     if cls is None and (prim.op == "conv" or symbolic):  # new tiles: the default competes
                         out[(c.linear, cls)].append(_job(graph, c, "tvm", "default"))
@@ -291,7 +290,7 @@ def row_copies(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob]],
         block, inner = split(sched)
         kept = _families(measurements, jobs_by_prim, prim, block, ranges) if Tile.parse(inner) else {}
         if kept:
-            out[prim] = _in_class(block, _relative_score(kept))
+            out[prim] = in_class(block, _relative_score(kept))
     return out
 
 
@@ -305,7 +304,7 @@ def family_copies(measurements, jobs_by_prim: Mapping[tuple, list[meas.KernelJob
     out = {}
     for prim, sched in tiles.items():
         block = split(sched)[0]
-        fitted = tuple(_in_class(block, s) for s in _families(measurements, jobs_by_prim, prim, block, ranges)
+        fitted = tuple(in_class(block, s) for s in _families(measurements, jobs_by_prim, prim, block, ranges)
                        if Tile.parse(s).copies)
         if fitted:
             out[prim] = fitted
@@ -433,7 +432,7 @@ def candidate_jobs(graph: Graph, candidates, options: Options, machine: Machine,
                 continue
             classes = _variant_classes(graph, c, options, machine) if impl.native else [None]
             for cls in classes:
-                schedule = tiles.get((c.linear, cls), _in_class(cls, "default")) if impl.native else "-"
+                schedule = tiles.get((c.linear, cls), in_class(cls, "default")) if impl.native else "-"
                 schedules = [schedule]
                 if impl.native and attention_tiles and (c.linear, cls) in attention_tiles and cands.attention_parts(
                         graph, c.members) is not None:
@@ -462,7 +461,7 @@ def _fallback_schedule(job: meas.KernelJob, direct: Mapping[tuple, str]) -> str:
         conv = next((p.name for p in job.graph.prims if p.op == "conv"), None)
         if (conv, cls) in direct:
             return direct[(conv, cls)]
-    return _in_class(cls, "default")
+    return in_class(cls, "default")
 
 
 def _measure_with_fallback(jobs, db: ProfileDB, options: Options, machine: Machine, label: str,
@@ -613,7 +612,7 @@ def _with_pending(measured: Measured, pending: Mapping, options: Options, machin
     bounds_at: dict = {i: [] for i in pending}
     rows_at, seen = [], []
     for length, weight, binding in at:
-        seen_at = {k: _at_length(m, length) for k, m in measured.measurements.items()} if length \
+        seen_at = {k: at_length(m, length) for k, m in measured.measurements.items()} if length \
             else measured.measurements
         alone, cheapest = cm.alone_times(seen_at)
         prim_alone = cm.prims_alone(graphs, alone)
@@ -625,7 +624,7 @@ def _with_pending(measured: Measured, pending: Mapping, options: Options, machin
             rows_at.append(cm.rows_for([sized[i] for i in learned], prim_alone, cheapest, machine, cal,
                                        options.threads))
             known_sized = [j.at(binding) if length else j for j in known if _learnable(j.graph)]
-            times = {j.ident: _at_length(measured.measurements[j.ident], length) for j in known
+            times = {j.ident: at_length(measured.measurements[j.ident], length) for j in known
                      if j.ident in measured.measurements}
             seen += [r for r in cm.rows_for(known_sized, prim_alone, cheapest, machine, cal, options.threads, times)
                      if r.measured_ns]
@@ -686,13 +685,13 @@ def at_sample(measured: Measured, k: int) -> Measured:
     """`measured` as seen at the k-th length of the range (`Measured.at`): every measurement at its
     time there, every pending job's estimate made from its bound and learned prediction there."""
     length = measured.at[k][0]
-    view = replace(measured, measurements={i: _at_length(m, length) for i, m in measured.measurements.items()},
+    view = replace(measured, measurements={i: at_length(m, length) for i, m in measured.measurements.items()},
                    bounds={i: b[k] for i, b in measured.bounds_at.items()},
                    predicted={i: p[k] for i, p in measured.predicted_at.items()}, at=((length, 1.0),))
     return replace(view, estimates=_estimates(view))
 
 
-def _at_length(m: Measurement, length: int) -> Measurement:
+def at_length(m: Measurement, length: int) -> Measurement:
     """`m` with its time at `length` of the range it was timed over (itself when static or not timed there)."""
     ns = dict(m.samples_ns).get(length) if length else None
     return replace(m, median_ns=ns) if ns is not None else m
@@ -942,7 +941,7 @@ def refine(measured: Measured, idents, db: ProfileDB, options: Options, machine:
     left = {i: j for i, j in measured.pending.items() if i not in results}
     residual = measured.residual.add((measured.predicted[i], m.median_ns) for i, m in results.items()
                                      if m.ok and i in measured.predicted)
-    seen = measured.seen + tuple(replace(row, measured_ns=_at_length(m, length).median_ns)
+    seen = measured.seen + tuple(replace(row, measured_ns=at_length(m, length).median_ns)
                                  for i, m in results.items() if m.ok and i in measured.rows
                                  for row, (length, _) in zip(measured.rows[i], measured.at))
     rows = {i: measured.rows[i] for i in left if i in measured.rows}
@@ -1182,15 +1181,15 @@ class Planned:
     machine: Machine
     # over a range, where `plan` dispatches among the sample lengths' own plans chosen by their
     # predicted gain (`sample_plans`): the one plan and each sample's choice, for `optimize` to keep
-    # an own plan only where the executable runs it measurably faster (`measured_dispatch`)
+    # an own plan only where the executable runs it measurably faster (`executed.measured_dispatch`)
     one: Any = None
     choices: tuple = ()
     dispatch: Mapping[int, float] = field(default_factory=dict)   # per sample checked: own / one plan's time
-    # over a range, per length `measured_loop_order` timed (its key text): the executable with the plan's
-    # packed rows-outside kernels turned against the plan's, whatever was kept
+    # over a range, per length `executed.measured_loop_order` timed (its key text): the executable
+    # with the plan's packed rows-outside kernels turned against the plan's, whatever was kept
     loop_order: Mapping[str, float] = field(default_factory=dict)
-    # over a range, per length `measured_long_tiles` timed: the executable with the last bucket's packed
-    # GEMMs in another tile family against the plan's, whatever was kept
+    # over a range, per length `executed.measured_long_tiles` timed: the executable with the last
+    # bucket's packed GEMMs in another tile family against the plan's, whatever was kept
     long_tiles: Mapping[str, float] = field(default_factory=dict)
 
 
@@ -1227,7 +1226,7 @@ def _plan_buckets(model, options: Options, db: ProfileDB, machine: Machine, cloc
         lengths = tuple(v for v in options.lengths if bucket_of(parts, v) == i)  # none inside: its ends and middle
         planned.append(_plan_range(model, options.with_(ranges=(part,), lengths=lengths, bucket_edges=(),
                                                         sample_gain=0.0), db, machine, clock, workers))
-    plan = _dispatch([p.plan for p in planned], parts, options, plan_meta(planned[0].loaded.source, machine, options))
+    plan = dispatch_plan([p.plan for p in planned], parts, options, plan_meta(planned[0].loaded.source, machine, options))
     # what the report shows of measurements: the bucket that serves the middle length (a kernel
     # measured in several buckets has a time in each); the counts of every bucket
     shown = planned[example_bucket(plan.meta)]
@@ -1418,7 +1417,7 @@ def measure_attention_tiles(measured: Measured, db: ProfileDB, options: Options,
             batches += 1
     measured = settled(measured, db, options, machine, workers) if batches else measured
     keys = [k.key for k in plan.kernels] if plan is not None and len(options.ranges) == 1 else []  # (one symbol's)
-    switches = [replace(jobs[key], schedule=_in_class(split(jobs[key].schedule)[0], s.name))
+    switches = [replace(jobs[key], schedule=in_class(split(jobs[key].schedule)[0], s.name))
                 for key, s in length_switches(measured, [k for k in dict.fromkeys(keys) if k in jobs],
                                               options.ranges[0]).items()]
     if not switches:
@@ -1518,7 +1517,7 @@ def _fastest_tiles(measured: Measured, key: str) -> set[str]:
 def _tile_times(measured: Measured, key: str, lengths: Sequence[int]) -> dict[str, list[int]]:
     """Per register tile (inner schedule) fusion `key` was measured in: its time at each of
     `lengths` (0: over the range, its measurement's weighted time)."""
-    return {split(i[2])[1]: [_at_length(m, n).median_ns for n in lengths]
+    return {split(i[2])[1]: [at_length(m, n).median_ns for n in lengths]
             for i, m in sorted((i, m) for i, m in measured.measurements.items() if i[0] == key)
             if m.ok and Tile.parse(split(i[2])[1]) is not None}
 
@@ -1615,7 +1614,7 @@ def _sliced_choices(own: Sequence, plan, measured: Measured, ranges, boundary_ns
     return chosen
 
 
-def _slices(at: Sequence, keys: Sequence, ranges) -> tuple[tuple[str, int, int], list, list[int], list]:
+def slices(at: Sequence, keys: Sequence, ranges) -> tuple[tuple[str, int, int], list, list[int], list]:
     """The plans `at` of the samples `keys` (`Measured.at`) as one symbol dispatches them: (its
     range, its values at the samples ascending, each sample's index among those values, the plan of
     each value). One symbol: each sample its own value. Several: the symbol whose every value's
@@ -1626,7 +1625,7 @@ def _slices(at: Sequence, keys: Sequence, ranges) -> tuple[tuple[str, int, int],
     for i, name in enumerate(names):
         values, index = _values_along(keys, i)
         per = {}
-        if all(per.setdefault(index[k], _kernels_of(p)) == _kernels_of(p) for k, p in enumerate(at)):
+        if all(per.setdefault(index[k], kernels_of(p)) == kernels_of(p) for k, p in enumerate(at)):
             first = [next(p for k, p in enumerate(at) if index[k] == j) for j in range(len(values))]
             return next(tuple(r) for r in ranges if r[0] == name), values, index, first
     raise KernorchError("internal: the samples' plans differ along every symbol; one symbol dispatches")
@@ -1641,18 +1640,18 @@ def _values_along(keys: Sequence[tuple], i: int) -> tuple[list, list[int]]:
 def joined_samples(at: Sequence, plan, measured: Measured, options: Options, meta: Mapping[str, str]):
     """The plans `at` of the sample lengths of `measured.at` as one plan (`sample_plans`): `plan`
     where they are all the same, else the plan that dispatches among them (several symbols: along
-    the one `_slices` finds, named in meta[dynamic.DISPATCH_ON])."""
+    the one `slices` finds, named in meta[dynamic.DISPATCH_ON])."""
     from .dynamic import BUCKET_BOUNDS, DISPATCH_ON, cut, sample_edges
-    rng, values, _, per = _slices(at, [key for key, _ in measured.at], options.ranges)
+    rng, values, _, per = slices(at, [key for key, _ in measured.at], options.ranges)
     plans, edges = [per[0]], []
     for e, p in zip(sample_edges(rng, values), per[1:]):
-        if _kernels_of(p) != _kernels_of(plans[-1]):
+        if kernels_of(p) != kernels_of(plans[-1]):
             plans.append(p)
             edges.append(e)
     if len(plans) == 1:
         return plan
     on = {DISPATCH_ON: rng[0]} if len(options.ranges) > 1 else {}
-    return _dispatch(plans, cut(rng, edges), options, {**meta, BUCKET_BOUNDS: "range", **on})
+    return dispatch_plan(plans, cut(rng, edges), options, {**meta, BUCKET_BOUNDS: "range", **on})
 
 
 def _cost_at(plan, measured: Measured, length: int, boundary_ns: int) -> int | None:
@@ -1663,15 +1662,15 @@ def _cost_at(plan, measured: Measured, length: int, boundary_ns: int) -> int | N
         m = measured.measurements.get((k.key, k.impl, k.schedule))
         if m is None or not m.ok:
             return None
-        total += _at_length(m, length).median_ns + boundary_ns
+        total += at_length(m, length).median_ns + boundary_ns
     return total
 
 
-def _kernels_of(plan) -> tuple:
+def kernels_of(plan) -> tuple:
     return tuple((k.members, k.impl, k.schedule) for k in plan.kernels)
 
 
-def _dispatch(plans: list, parts, options: Options, meta: Mapping[str, str]):
+def dispatch_plan(plans: list, parts, options: Options, meta: Mapping[str, str]):
     """One plan of the per-bucket `plans` (buckets `parts`, as dynamic.buckets gives them), each
     weighted by its share of the range (of the observed lengths, when given); meta["buckets"] names them."""
     from .dynamic import bucket_weights
@@ -1692,7 +1691,7 @@ def emit(graph: Graph, plan, options: Options, machine: Machine, workers: meas.W
     first, side by side, where this process would schedule them one at a time. (A static plan's
     builders named every object; looking would only lower each kernel once more.) `at`: the only
     lengths it will run at, its kernels linking the objects built for the samples (nothing built
-    whole; wrong at other lengths, never saved: `screen_samples`)."""
+    whole; wrong at other lengths, never saved: `executed.screen_samples`)."""
     from .runtime import CompiledModel
     from .backends.tvm import relax as rx
     if workers is not None and options.ranges and at is None and rx.objects.available():
@@ -1708,7 +1707,7 @@ def emit(graph: Graph, plan, options: Options, machine: Machine, workers: meas.W
 
 def optimize(model, options: Options, runs: int = 20):
     """The whole pipeline: a verified CompiledModel with its report; returns (compiled, planned)."""
-    from . import peers, verify
+    from . import executed, peers, verify
     clock = Clock()
     verify.loadable(model, options.threads)
     with meas.Workers(options) as workers:  # (one set of build and timing processes for the run)
@@ -1716,18 +1715,18 @@ def optimize(model, options: Options, runs: int = 20):
         graph = planned.loaded.graph
         if planned.one is not None:
             with clock("screen"):
-                planned = screen_samples(planned, options)
+                planned = executed.screen_samples(planned, options)
         with clock("emit"):
             compiled = emit(graph, planned.plan, options, planned.machine, workers)
         if planned.one is not None:
             with clock("dispatch"):
-                compiled, planned = measured_dispatch(compiled, planned, options, workers)
+                compiled, planned = executed.measured_dispatch(compiled, planned, options, workers)
         if options.ranges and options.loop_order:
             with clock("loop order"):
-                compiled, planned = measured_loop_order(compiled, planned, options, workers)
+                compiled, planned = executed.measured_loop_order(compiled, planned, options, workers)
         if options.ranges and options.long_tiles:
             with clock("long tiles"):
-                compiled, planned = measured_long_tiles(compiled, planned, options, workers)
+                compiled, planned = executed.measured_long_tiles(compiled, planned, options, workers)
     with clock("verify"):
         check = verify.verify(compiled, model, options)
     timing = {}
@@ -1739,404 +1738,6 @@ def optimize(model, options: Options, runs: int = 20):
     compiled.report = report_dict(planned, check, timing, profile, options, clock.seconds)
     return compiled, planned
 
-
-def screen_samples(planned: Planned, options: Options) -> Planned:
-    """Over a range, before anything is built whole: keep a sample length's own plan (`sample_choices`)
-    only where an executable of it runs at least DISPATCH_GAIN faster at that length than one of the
-    one plan, both linking the objects their kernels' measurements kept (built for the samples
-    alone: `build_executable`'s `at`) and timed in turns there (`alternated`), SCREEN_TIMINGS times
-    (each after the last found it faster; the least favourable ratio counts); elsewhere the one
-    plan serves. `measured_dispatch` then times the own plans kept over their buckets, each built
-    whole. Without this, every own plan's kernels were built whole for the dispatch's executables
-    and most plans were dropped there: gpt_like over seq=1..512 (Zen 2) built 27 kernels whole in
-    11.7 s for the own plans of 1, 64 and 512, and kept only 512's, which ran 0.95x the one plan's
-    time at 512; 1's ran 1.08x at 1 and 64's 1.00x at 64."""
-    if len(options.ranges) > 1:  # (several symbols: its executables serve one symbol's samples, `at`;
-        return planned            # `measured_dispatch` alone checks the own plans, built whole)
-    from . import executor
-    from .dynamic import bind
-    graph, one, name = planned.loaded.graph, planned.one, options.ranges[0][0]
-    lengths = [length for length, _ in planned.measured.at]
-    choices, checked = list(planned.choices), dict(planned.dispatch)
-    screened = [k for k, c in enumerate(choices) if _kernels_of(c) != _kernels_of(one)]
-    # (the one plan's executable serves every length screened: built once, for those lengths)
-    ours = emit(graph, one, options, planned.machine, at=tuple(lengths[k] for k in screened)) if screened else None
-    for k in screened:
-        n = lengths[k]
-        mine = emit(graph, choices[k], options, planned.machine, at=(n,))
-        feeds = executor.random_feeds(bind(graph, {name: n}), options.seed)
-        ratios = []
-        for _ in range(SCREEN_TIMINGS):
-            ratio, t_mine, t_ours = alternated(mine, ours, feeds)
-            ratios.append(ratio)
-            log.info("%s=%d: its own plan %.1f us against the one plan's %.1f (built for it alone)", name, n,
-                     t_mine * 1e6, t_ours * 1e6)
-            if ratio > 1.0 - DISPATCH_GAIN:
-                break
-        checked[n] = max(ratios)
-        if checked[n] > 1.0 - DISPATCH_GAIN:
-            choices[k] = one
-    plan = joined_samples(choices, one, planned.measured, options, planned.plan.meta)
-    return replace(planned, plan=plan, choices=tuple(choices), dispatch=checked, one=None if plan is one else one)
-
-
-# `screen_samples` times an own plan against the one plan this many times (the next only after the last
-# found it faster). At seq=1 gpt_like streams its weights from DRAM, and the same pairs timed in turns in
-# one process moved by +-5 % from one timing to the next (Zen 2: the own plan of 1 against the one plan,
-# 0.960, 0.988 and 1.011). Timed once, an own plan that the dispatch then dropped (after its kernels were
-# built whole) passed the screen in each of three cold gpt_like optimizes: seq=1's twice, seq=8's once
-SCREEN_TIMINGS = 2
-# an own plan of a sample length stays where the executable runs it this much faster than the one
-# plan's (two executables running the same code at a length differed by up to 2 % timed so: a
-# decision at the threshold is noise; the losses this is for were 3-4 %)
-DISPATCH_GAIN = 0.01
-
-
-def measured_dispatch(compiled, planned: Planned, options: Options, workers: meas.Workers | None = None):
-    """Over a range, keep a sample length's own plan only where the executable runs it at least
-    DISPATCH_GAIN faster over its bucket than the one plan's executable: both timed in this process
-    in turns (`alternated`) at the sample, the ends and the middle of its bucket (`dispatch_probes`),
-    the ratios' geometric mean; elsewhere the one plan serves. Where the shortest length keeps its own
-    plan, the one plan runs the other buckets as a function call (only the first bucket is inline):
-    if that shows (a bucket the one plan serves is DISPATCH_GAIN slower than in the one plan's
-    executable at its first length: `_dispatch_timed`), the shortest length's own plan goes too.
-    Re-joined, emitted (its kernels' objects are compiled already) and, while the shortest length
-    keeps its own plan (the one plan then runs as a call where it was inline), timed again until
-    nothing changes: the buckets whose plan changed. The own plans are chosen by their predicted
-    times, and at short lengths those mislead: the transformer block over seq=1..512 (Xeon model
-    167), its own plans of seq=1 and 8 predicted 9.5 % and 10 % faster than the one plan there, ran
-    1-3 % faster and 3-4 % slower (measured before its kernels of activations alone were timed
-    evicted and a kernel's timed calls ran on the tensors of its sizing call: see measure._timed).
-    A bucket is timed at its ends too since a plan made for one length can serve the rest of its
-    bucket much better or worse than it serves that length: gpt_like's own
-    plan of seq=64, 0.99x the one plan's time at 64, was dropped, and at 32 (its bucket is 23..181)
-    the one plan, made mostly for 1 and 8, ran its attention in a 14-row tile (22 us a layer against
-    10 in the static plan of 32) and took 1.12x the static plan's time. (The middle: the last bucket's
-    sample is its end, and timed at 182 and 512 alone, gpt_like's own plan of 512, 0.97x the one
-    plan's time at 512 and 1.02x at 182, was dropped; the one plan took 1.11x the static plan's time
-    at 512 and 1.04x at 300.) Returns (compiled, planned), `planned.dispatch` the last times against
-    the one plan's at every length timed."""
-    from . import executor
-    from .dynamic import bind, middle
-    graph, one = planned.loaded.graph, planned.one
-    rng, values, index, choices = _slices(planned.choices, [key for key, _ in planned.measured.at], options.ranges)
-    name = rng[0]  # (several symbols: the one dispatching; the others at their middles)
-    single = emit(graph, one, options, planned.machine, workers)
-    probes = dispatch_probes(rng, values)
-    feeds = {n: executor.random_feeds(bind(graph, {**middle(options.ranges), name: n}), options.seed)
-             for ns in probes for n in ns}
-    plan, checked = planned.plan, dict(planned.dispatch)
-    own = [k for k, c in enumerate(choices) if _kernels_of(c) != _kernels_of(one)]  # buckets with their own plan
-    todo = list(_dispatch_timed(probes, own))  # the buckets timed (again: those whose plan changed since)
-    for _ in probes:
-        timed = _dispatch_timed(probes, own)
-        for n in (n for k in todo for n in timed[k]):
-            checked[n], mine, ours = alternated(compiled, single, feeds[n])
-            log.info("%s=%d: %.1f us in the dispatching executable against %.1f in the one plan's", name, n,
-                     mine * 1e6, ours * 1e6)
-        over = {k: statistics.geometric_mean(checked[n] for n in ns) for k, ns in timed.items()}
-        kept = [k for k in own if over[k] <= 1.0 - DISPATCH_GAIN]
-        called = [k for k in timed if k not in own]
-        if 0 in kept and any(over[k] > 1.0 + DISPATCH_GAIN for k in called):
-            kept.remove(0)
-        if kept == own:
-            break
-        todo = [k for k in own if k not in kept]
-        choices = [c if k in kept else one for k, c in enumerate(choices)]
-        plan = joined_samples([choices[j] for j in index], one, planned.measured, options, planned.plan.meta)
-        log.info("own plans kept at %s", ", ".join(f"{name}={probes[k][0]}..{probes[k][-1]}" for k in kept)
-                 or "no length")
-        if plan is one:
-            compiled = single
-            break
-        compiled = emit(graph, plan, options, planned.machine, workers)
-        if 0 not in kept:  # the one plan runs the first bucket inline, as in its own executable, and
-            break          # every own plan kept runs as it was timed: nothing to time again
-        own = kept
-    return compiled, replace(planned, plan=plan, choices=tuple(choices[j] for j in index), dispatch=checked)
-
-
-# a kernel of the plan over a range runs its weight panels outside its row tiles only where that is
-# this much faster inside the executable over the lengths timed (`measured_loop_order`)
-LOOP_ORDER_GAIN = 0.01
-
-
-def columns_outside(schedule: str) -> str | None:
-    """The schedule of a packed tile with its row tiles outside the column panels (`Tile.rows_outer`)
-    with the loop order turned: the column panels outside, the same tile, packing and row copies.
-    None for any other schedule."""
-    block, inner = split(schedule)
-    tile = Tile.parse(inner)
-    if tile is None or not tile.pack or not tile.rows_outer:
-        return None
-    return _in_class(block, replace(tile, rows_outer=False).name)
-
-
-def measured_loop_order(compiled, planned: Planned, options: Options, workers: meas.Workers | None = None):
-    """Over a range: the kernels of the plan in packed tiles with their row tiles outside the column
-    panels, run with the column panels outside where the executable runs faster so. The plan's
-    executable and the one with those kernels turned are timed in turns (`alternated`) at
-    `loop_order_points` (one symbol: each power of two and each bucket's ends); a bucket keeps its
-    kernels turned where its points ran LOOP_ORDER_GAIN faster (the ratios' geometric mean), or
-    else, over one symbol, turned above the two-row copies only (a LengthSwitch between the two
-    orders of the same tile and packing) where that mean, with the lengths up to them unchanged, is
-    LOOP_ORDER_GAIN below 1 (`_turned_where`).
-
-    Timed at the lengths `measured_dispatch` times (1-3, 8, 22-23, 64 and 181 in the bucket 1..181)
-    and always in the same order (`alternated` before it alternated the order), the stage kept the
-    transformer block's rows-outside projections in that bucket in six of eight cold optimizes (its
-    ratios there 0.97-1.04), where the two executables timed in a process of their own ran
-    0.946-0.988x with them turned over those lengths (four plans; Xeon model 167).
-
-    The family of a contraction over symbolic rows is chosen by its tiles timed alone
-    (`row_copies`), and alone, at a few rows, the two orders rank otherwise than inside the model:
-    the transformer block's 384 x 384 projections over seq=1..512 (Xeon model 167) timed 1.5 us
-    faster at 2-8 rows with their rows outside (12.0 against 13.5 at 8) and 10 % slower from 23 rows
-    on, and the rows-outside family was kept. With its 28 such kernels turned, gpt_like's one plan
-    ran 3 % faster at 8, 3-6 % at 16-64, 2-4 % at 128, the same at 1; the block's (4 kernels) 1-5 %
-    faster at 8-16, 0-2 % at 22-64 (each pair of executables in turns in one process, three times).
-    (Their profiles inside the executables put the kernels' own gains higher, 8-13 % for some: the
-    calls timed one by one.)
-    Returns (compiled, planned); the plan names the kernels turned (`meta["columns_outside"]`, "c4>2"
-    for one turned above length 2), `planned.loop_order` holds every ratio timed."""
-    from .dynamic import DISPATCH_ON, bucket_of, plan_buckets
-    plan = planned.plan
-    turned = {i: t for i, k in enumerate(plan.kernels) if (t := columns_outside(k.schedule)) is not None}
-    if not turned:
-        return compiled, planned
-    graph = planned.loaded.graph
-
-    def with_turned(which: Mapping[int, int]) -> Plan:
-        """`plan` with kernel i turned above length which[i] (0: everywhere; else a LengthSwitch)."""
-        def schedule(i: int, k) -> str:
-            if i not in which:
-                return k.schedule
-            if not which[i]:
-                return turned[i]
-            layout, inner = split(k.schedule)
-            return _in_class(layout, LengthSwitch(inner, which[i], split(turned[i])[1]).name)
-        out = replace(plan, kernels=tuple(replace(k, schedule=schedule(i, k)) for i, k in enumerate(plan.kernels)))
-        return replace(out, meta={**out.meta, "columns_outside": ",".join(
-            plan.kernels[i].id + (f">{which[i]}" if which[i] else "") for i in sorted(which))})
-    every = with_turned({i: 0 for i in turned})
-    try:
-        other = emit(graph, every, options, planned.machine, workers)
-    except KernorchError as e:  # (a tile the turned order does not apply to: the plan stays)
-        log.info("loop order: the kernels with columns outside did not build (%s)", e)
-        return compiled, planned
-    parts, on = plan_buckets(plan.meta), plan.meta.get(DISPATCH_ON, options.ranges[0][0])
-
-    def bucket(point: Mapping[str, int]) -> int:
-        return bucket_of(parts, point[on]) if parts else 0
-    buckets = {plan.kernels[i].bucket for i in turned}
-    points = [p for p in loop_order_points(options.ranges, [key for key, _ in planned.measured.at], parts)
-              if bucket(p) in buckets]
-    over, timed = _timed_at(other, compiled, graph, points, options)
-    log.info("loop order: %d kernels with columns outside, the executable's time against the plan's: %s",
-             len(turned), ", ".join(f"{k} {r:.3f}" for k, r in timed.items()))
-    planned = replace(planned, loop_order=timed)
-    served: dict[int, list[tuple[int, float]]] = {}
-    for p, r in zip(points, over):
-        served.setdefault(bucket(p), []).append((p[on], r))
-    way = {b: w for b, rs in served.items() if (w := _turned_where(rs, len(options.ranges) == 1)) is not None}
-    kept = {i: way[plan.kernels[i].bucket] for i in turned if plan.kernels[i].bucket in way}
-    if not kept:
-        return compiled, planned
-    if kept == {i: 0 for i in turned}:
-        return other, replace(planned, plan=every)
-    mixed = with_turned(kept)
-    return emit(graph, mixed, options, planned.machine, workers), replace(planned, plan=mixed)
-
-
-def _timed_at(changed, compiled, graph: Graph, points: Sequence[Mapping[str, int]], options: Options
-              ) -> tuple[list[float], dict[str, float]]:
-    """`changed`'s time over `compiled`'s at each binding of `points`, in turns (`alternated`), as a
-    list and by the bindings' key text (for the report)."""
-    from . import executor
-    from .dynamic import bind, key_text, sample_key
-    over = [alternated(changed, compiled, executor.random_feeds(bind(graph, p), options.seed))[0] for p in points]
-    return over, {key_text(options.ranges, sample_key(p)): r for p, r in zip(points, over)}
-
-
-def _turned_where(timed: Sequence[tuple[int, float]], one_symbol: bool) -> int | None:
-    """Where a bucket keeps its kernels turned, from the turned executable's time over the plan's at
-    each length timed in it (`timed`: (length, ratio)): 0 at every length, where the ratios' geometric
-    mean is LOOP_ORDER_GAIN below 1; else, over one symbol, `max(SMALL_ROWS)` (a length switch: the
-    plan's loop order up to it, turned above) where that mean, counting the lengths up to it as
-    unchanged, is; None nowhere. Up to two rows a GEMM runs its one- and two-row copies, where the
-    two orders differ least (the transformer block over seq=1..512, Xeon model 167, its bucket
-    1..22 turned: 1.014 and 1.025 at 1 and 2, 0.958 and 0.969 at 4 and 8; 0.994 in all, which kept
-    it as it was; 0.988 with the lengths up to two unchanged, a switch now). A switch is not
-    preferred where turning whole passes too: its kernels are built whole once more (a cold
-    optimize of the block whose bucket 1..181 passed both ways, 0.989 and 0.988, took 11.4 s in
-    this stage for its switches against 5-7)."""
-    def mean(rs) -> float:
-        return statistics.geometric_mean(rs) if rs else 1.0
-    if mean([r for _, r in timed]) <= 1 - LOOP_ORDER_GAIN:
-        return 0
-    small = max(SMALL_ROWS)
-    switches = one_symbol and any(n <= small for n, _ in timed) and any(n > small for n, _ in timed)
-    if switches and mean([r if n > small else 1.0 for n, r in timed]) <= 1 - LOOP_ORDER_GAIN:
-        return small
-    return None
-
-
-def loop_order_points(ranges, keys: Sequence, parts: Sequence[tuple[int, int]] = ()) -> list[dict[str, int]]:
-    """The bindings `measured_loop_order` times, given the sample `keys` (`Measured.at`'s) and the
-    plan's buckets `parts` ((lo, hi) of the symbol it dispatches on). Over one symbol: each power of
-    two in the range (every octave once, as the range's weighting counts them), its ends, the
-    buckets' ends and the samples. (The lengths `measured_dispatch` times, the ends of the samples'
-    buckets, were 1-3, 22-23 and 181 of 1..181, where the turn gains least: the block's
-    projections gained 3-7 % at 16, 32 and 128 rows, 1-4 % at 2-8.) Over several symbols, every
-    sample (each symbol's ends and middle in every combination: the long pairs, where a weight
-    panel's rows stream longest, among them)."""
-    if len(ranges) == 1:
-        name, lo, hi = ranges[0]
-        octaves = {1 << i for i in range(hi.bit_length()) if lo <= 1 << i <= hi}
-        return [{name: n} for n in sorted({lo, hi, *octaves, *(e for part in parts for e in part), *keys})]
-    names = sorted(n for n, _, _ in ranges)  # (a key holds their values in this order: dynamic.sample_key)
-    return [dict(zip(names, k)) for k in sorted(keys)]
-
-
-# a packed GEMM of the last bucket is offered another tile family (`long_tiles`) where its contraction
-# alone ran this much faster in it at the bucket's longest sample
-LONG_TILE_GAIN = 0.03
-
-
-def long_tiles(planned: Planned, bucket: int, span: tuple[int, int]) -> dict[int, str]:
-    """Per kernel of the plan's bucket `bucket` (over one symbol; its lengths `span`) in a packed
-    register tile (a GEMM with its weight packed, maybe its epilogue fused): the packed tile of
-    another family (columns per tile, loop order) its contraction alone ran LONG_TILE_GAIN faster
-    in at the longest sample in `span` than in any tile of the kernel's family, where one did (in
-    the kernel's layout class; the fastest there, the tile with row copies fitted for it where it
-    was measured so). The range's weights choose one family for the fusions around a contraction,
-    mostly by the short lengths: the transformer block's projections over seq=1..512 ran 14 x 32
-    tiles where 6 x 64 ones take 7 % less at 512 rows alone, its 384 x 1536 GEMM 12 % less (Xeon
-    model 167)."""
-    plan, measured, graph = planned.plan, planned.measured, planned.loaded.graph
-    inside = [n for n, _ in measured.at if n and span[0] <= n <= span[1]]
-    if not inside:
-        return {}
-
-    def family(t: Tile) -> tuple:
-        return t.nb, t.rows_outer, t.serial
-    out = {}
-    for i, k in enumerate(plan.kernels):
-        layout, inner = split(k.schedule)
-        tile = Tile.parse(inner)
-        lin = [graph.by_name[m] for m in k.members if m in graph.by_name and graph.by_name[m].op == "matmul"]
-        if k.bucket != bucket or tile is None or not tile.pack or len(lin) != 1:
-            continue
-        key = structural_key(lin, graph, [lin[0].name])
-        timed = [(t, other, _at_length(m, max(inside)).median_ns) for (kk, _, sched), m in measured.measurements.items()
-                 if kk == key and m.ok and split(sched)[0] == layout
-                 and (other := Tile.parse(t := split(sched)[1])) is not None and other.pack]
-        ours = [ns for _, other, ns in timed if family(other) == family(tile)]
-        theirs = [(ns, not other.copies, t) for t, other, ns in timed if family(other) != family(tile)]
-        if ours and theirs:
-            ns, _, best = min(theirs)
-            if ns <= (1 - LONG_TILE_GAIN) * min(ours):
-                out[i] = _in_class(layout, best)
-    return out
-
-
-def measured_long_tiles(compiled, planned: Planned, options: Options, workers: meas.Workers | None = None):
-    """Over one symbol, the packed GEMMs of the plan's last bucket (of a plan that serves the range
-    alone: the bucket of its last sample, `dynamic.sample_edges`, made a bucket of its own) in the
-    tiles `long_tiles` finds, where the executable runs faster so: the plan's executable and the
-    one with them re-tiled timed in turns (`alternated`) at the bucket's lengths of
-    `loop_order_points`; kept where the ratios' geometric mean is LOOP_ORDER_GAIN below 1. Their
-    weights are then packed for both families where the other buckets keep the first. The
-    transformer block over seq=1..512 (Xeon model 167), its bucket 182..512's three projections
-    and its 384 x 1536 GEMM so re-tiled to 6 x 64 by hand: 0.95-0.98x the plan's time at 200-300,
-    0.97-0.99x at 512 (three timings each, in one process). Over one symbol and the whole range's
-    measurements only (not buckets planned apart). Returns (compiled, planned); the plan names the
-    kernels re-tiled (`meta["long_tiles"]`), `planned.long_tiles` holds every ratio timed."""
-    from .dynamic import BUCKET_BOUNDS, DISPATCH_ON, cut, plan_buckets, sample_edges
-    plan, graph = planned.plan, planned.loaded.graph
-    rng, parts = options.ranges[0], plan_buckets(plan.meta)
-    if len(options.ranges) != 1 or DISPATCH_ON in plan.meta or (parts and plan.meta.get(BUCKET_BOUNDS) != "range"):
-        return compiled, planned  # (buckets planned over their own lengths (--buckets): measured apart)
-    lengths = [n for n, _ in planned.measured.at]
-    if parts:
-        last, span = len(parts) - 1, parts[-1]
-    elif len(lengths) > 1:
-        edge = sample_edges(rng, lengths)[-1]
-        last, span = 0, (edge + 1, rng[2])
-    else:
-        return compiled, planned
-    retiled = long_tiles(planned, last, span)
-    if not retiled:
-        return compiled, planned
-    other = replace(plan, kernels=tuple(replace(k, schedule=retiled.get(i, k.schedule))
-                                        for i, k in enumerate(plan.kernels)))
-    ids = [other.kernels[i].id for i in sorted(retiled)]
-    if not parts:  # (the one plan below the edge, re-tiled above it; each kernel's id then names its bucket)
-        turned = {"columns_outside": ",".join(f"b{b}.{t}" for b in (0, 1) for t in plan.meta["columns_outside"].split(
-            ","))} if plan.meta.get("columns_outside") else {}
-        other = _dispatch([plan, other], cut(rng, [span[0] - 1]), options,
-                          {**plan.meta, **turned, BUCKET_BOUNDS: "range"})
-        ids = [f"b1.{i}" for i in ids]
-    other = replace(other, meta={**other.meta, "long_tiles": ",".join(ids)})
-    try:
-        ran = emit(graph, other, options, planned.machine, workers)
-    except KernorchError as e:  # (a fusion the other tile does not apply to: the plan stays)
-        log.info("long tiles: the re-tiled kernels did not build (%s)", e)
-        return compiled, planned
-    on = rng[0]
-    points = [p for p in loop_order_points(options.ranges, lengths, plan_buckets(other.meta))
-              if span[0] <= p[on] <= span[1]]
-    over, timed = _timed_at(ran, compiled, graph, points, options)
-    log.info("long tiles: %d kernels of the bucket %d..%d re-tiled, the executable's time against the plan's: %s",
-             len(retiled), span[0], span[1], ", ".join(f"{k} {r:.3f}" for k, r in timed.items()))
-    planned = replace(planned, long_tiles=timed)
-    if not over or statistics.geometric_mean(over) > 1 - LOOP_ORDER_GAIN:
-        return compiled, planned
-    return ran, replace(planned, plan=other)
-
-
-def _dispatch_timed(probes: Sequence[tuple[int, ...]], own: Sequence[int]) -> dict[int, tuple[int, ...]]:
-    """The lengths `measured_dispatch` times, per bucket: a bucket with its own plan (`own`) at every
-    one of its `probes`; while the first bucket has its own plan (the one plan then runs as a called
-    function), each other bucket at its first length, where a call's fixed cost weighs the most
-    (gpt_like, Zen 2: seq=181..512 took 6 of the stage's 9 s, its 55 ms runs against a call's
-    15 us); otherwise the one plan runs as in its own executable and is not timed."""
-    return {k: ns if k in own else ns[:1] for k, ns in enumerate(probes) if k in own or (k > 0 and 0 in own)}
-
-
-def dispatch_probes(rng: tuple[str, int, int], lengths: Sequence[int]) -> list[tuple[int, ...]]:
-    """Per sample length of `lengths` (ascending, in the range `rng`): the lengths its bucket is
-    timed at by `measured_dispatch`: its first, its geometric middle, the sample and its last
-    (dynamic.sample_edges; the middle is the sample but at the ends of the range)."""
-    from .dynamic import cut, sample_edges
-    return [tuple(sorted({a, math.isqrt(a * b), n, b}))
-            for (_, a, b), n in zip(cut(rng, sample_edges(rng, lengths)), lengths)]
-
-
-def alternated(a, b, feeds, rounds: int = 7, round_s: float = 0.02, budget_s: float = 0.5,
-               ) -> tuple[float, float, float]:
-    """Executables `a` and `b` on `feeds`, timed in turns: up to `rounds` rounds (at least 3, made
-    even: each order as often) of as many calls as take about `round_s` each (at least one), the
-    rounds cut to about `budget_s` of calls in all where the calls are long (gpt_like at seq=512,
-    Zen 2: 7 rounds of 3 calls of 57 ms took 3.3 s a length; the ratio of two 57 ms calls varies by
-    about 1 %). Returns a's time over b's as the median of the rounds' ratios (`peers.paired_ratio`:
-    two timings seconds apart, in the same phase of the host), and each one's median seconds per
-    call."""
-    import numpy as np
-    from .peers import paired_ratio
-    once = max(max(min(x.time(feeds, runs=2, warmup=1)) for x in (a, b)), 1e-6)
-    calls = max(1, int(round_s / once))
-    rounds = min(rounds, max(3, int(budget_s / (2 * calls * once))))
-    rounds += rounds % 2  # (as many rounds in each order)
-    times: dict[str, list[float]] = {"a": [], "b": []}
-    for r in range(rounds):
-        # each round in the other order: timed first in every round (and loaded first), of two
-        # executables of the same plan the one ran 1.1-1.4 % slower (geometric means at 1-128; the
-        # transformer block over seq=1..512, in an optimize's process, Xeon model 167; the orders
-        # alternated, in a process of their own, 1.002-1.010)
-        for x, name in ((a, "a"), (b, "b"))[::1 if r % 2 == 0 else -1]:
-            times[name] += x.time(feeds, runs=calls, warmup=0)
-    return paired_ratio(times, "a", "b", calls), float(np.median(times["a"])), float(np.median(times["b"]))
 
 
 def in_context(compiled, seed: int = 0, runs: int = 5) -> dict:

@@ -510,7 +510,7 @@ def test_a_measured_build_holds_only_the_copies_its_lengths_run(block, monkeypat
 
 def test_a_packed_gemm_switches_its_loop_order_by_the_length(block):
     """A length switch between one packed tile's two loop orders ("t6x32pr~...|2|t6x32p~...", what
-    `pipeline.measured_loop_order` keeps where only the lengths above the two-row copies gain) is
+    `executed.measured_loop_order` keeps where only the lengths above the two-row copies gain) is
     one kernel taking the weight packed once, as both tiles pack it (`variant_packs`); right at
     lengths on both sides of the switch and of the row copies. Two tiles packing otherwise are refused."""
     import tvm
@@ -1074,7 +1074,7 @@ def test_one_executable_serves_the_whole_range(tmp_path):
     """optimize over seq=1..512: one plan, one compiled module; right against ONNX Runtime at 20
     lengths, both ends included, and a length outside the range is refused by name."""
     import onnxruntime as ort
-    from kernorch import pipeline
+    from kernorch import executed, pipeline
     from kernorch.options import Options
     path = tmp_path / "block.onnx"
     onnx.save(examples.transformer_block(seq="seq"), str(path))
@@ -1156,7 +1156,7 @@ def test_one_executable_serves_the_whole_range(tmp_path):
     # in both buckets
     from dataclasses import replace
     from kernorch.kernels import split
-    long_tiles = pipeline.long_tiles
+    long_tiles = executed.long_tiles
 
     def other_columns(planned, bucket, span):
         out = {}
@@ -1170,10 +1170,10 @@ def test_one_executable_serves_the_whole_range(tmp_path):
             chosen = long_tiles(replace(planned, measured=replace(planned.measured, measurements=ms)), bucket, span)
             out.update({i: chosen[i]} if i in chosen else {})
         return out
-    with meas.Workers(options) as workers, mock.patch.object(pipeline, "LONG_TILE_GAIN", -10.0), \
-            mock.patch.object(pipeline, "long_tiles", other_columns), \
-            mock.patch.object(pipeline, "alternated", lambda a, b, feeds: (0.9, 1.0, 1.0)):
-        retiled, out = pipeline.measured_long_tiles(compiled, planned, options, workers)
+    with meas.Workers(options) as workers, mock.patch.object(executed, "LONG_TILE_GAIN", -10.0), \
+            mock.patch.object(executed, "long_tiles", other_columns), \
+            mock.patch.object(executed, "alternated", lambda a, b, feeds: (0.9, 1.0, 1.0)):
+        retiled, out = executed.measured_long_tiles(compiled, planned, options, workers)
     assert out.plan.meta["buckets"].endswith("182..512") and out.plan.meta["long_tiles"]
     packed: dict = {}
     for tensor, layout in retiled.executable.weight_names:
@@ -1413,7 +1413,7 @@ def test_a_plan_per_sample_from_one_measurement(tmp_path, capsys, monkeypatch):
     boundary = int(one.meta["boundary_ns"])
 
     def at(plan, length, ms):  # the plan's kernels timed at `length`, each plus the kernel boundary
-        return sum(pipeline._at_length(ms[(k.key, k.impl, k.schedule)], length).median_ns + boundary
+        return sum(pipeline.at_length(ms[(k.key, k.impl, k.schedule)], length).median_ns + boundary
                    for k in plan.kernels)
 
     def check(got, ms):
@@ -1449,7 +1449,7 @@ def test_a_plan_per_sample_from_one_measurement(tmp_path, capsys, monkeypatch):
         for b, (lo, hi) in enumerate(got):
             length = next(v for v in lengths if lo <= v <= hi)
             mine = gained.bucket(b)
-            assert (pipeline._kernels_of(mine) == pipeline._kernels_of(one)
+            assert (pipeline.kernels_of(mine) == pipeline.kernels_of(one)
                     or at(mine, length, slowed) <= (1 - gain) * at(one, length, slowed)), (gain, lo, hi)
     assert pipeline.sample_plans(graph, planned.enumeration, replace(measured, measurements=slowed), options,
                                  one.meta, one, gain=0.999) is one
@@ -1512,7 +1512,7 @@ def test_each_sample_length_gets_the_fusions_its_plan_wants_measured(tmp_path):
         assert np.isclose(p, sum(w * x for w, x in zip(weights, measured.predicted_at[i])))
     view = pipeline.at_sample(measured, 3)
     some = next(iter(measured.measurements.items()))
-    assert view.measurements[some[0]] == pipeline._at_length(some[1], 64) and view.at == ((64, 1.0),)
+    assert view.measurements[some[0]] == pipeline.at_length(some[1], 64) and view.at == ((64, 1.0),)
     assert set(view.estimates) == set(measured.pending)
     from kernorch.database import ProfileDB
     with ProfileDB(options.db_path) as db:
@@ -2512,25 +2512,25 @@ class _Exe:
 def _scripted_emit(monkeypatch) -> list:
     """`pipeline.emit` made to return an `_Exe` of its plan, and a length's feeds {"seq": n}
     (`dynamic.bind`, `executor.random_feeds`). Returns the list the plans emitted go to."""
-    from kernorch import executor, pipeline
+    from kernorch import executed, executor, pipeline
     emitted = []
-    monkeypatch.setattr(pipeline, "emit", lambda g, plan, o, m, *_: (emitted.append(plan), _Exe(plan))[1])
+    monkeypatch.setattr(executed, "emit", lambda g, plan, o, m, *_: (emitted.append(plan), _Exe(plan))[1])
     monkeypatch.setattr(dynamic, "bind", lambda g, binding: binding)
     monkeypatch.setattr(executor, "random_feeds", lambda binding, seed=0: binding)
     return emitted
 
 
 def _scripted_turns(monkeypatch, emitted: list, given, ratio, timed: list) -> None:
-    """`pipeline.alternated` made to time the executable last emitted (into `emitted`, see
+    """`executed.alternated` made to time the executable last emitted (into `emitted`, see
     `_scripted_emit`) against `given`, `ratio(n)` its time over the other's at length n, each length
     appended to `timed`; both lists cleared first."""
-    from kernorch import pipeline
+    from kernorch import executed, pipeline
 
     def timing(a, b, feeds):
         assert a.plan is emitted[-1] and b is given  # (the changed plan's executable against the plan's)
         timed.append(feeds["seq"])
         return ratio(feeds["seq"]), 1.0, 1.0
-    monkeypatch.setattr(pipeline, "alternated", timing)
+    monkeypatch.setattr(executed, "alternated", timing)
     timed.clear()
     emitted.clear()
 
@@ -2542,7 +2542,7 @@ def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch)
     an own plan of the shortest length goes too when the one plan, now called as a bucket
     function, runs the first length of a bucket it serves slower; re-joined until nothing changes, and without any own
     plan left the one plan's executable is the result."""
-    from kernorch import pipeline
+    from kernorch import executed, pipeline
     from kernorch.measure import MeasureStats
     from kernorch.options import Machine, Options
     from kernorch.plan import Kernel, Plan, SolverStats
@@ -2566,14 +2566,14 @@ def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch)
 
     def run(choices, times):
         """`times(tag, n)`: the dispatching executable's seconds at length n against the one plan's 1."""
-        monkeypatch.setattr(pipeline, "alternated", lambda a, b, feeds: (
+        monkeypatch.setattr(executed, "alternated", lambda a, b, feeds: (
             timed.append(feeds["seq"]), times(runs(a.plan, feeds["seq"]), feeds["seq"]), 1.0, 1.0)[1:])
         timed.clear()
         plan = pipeline.joined_samples(choices, one, measured, options, one.meta)
         planned = pipeline.Planned(pipeline.Loaded("m", None, None), None, measured, plan, None, {}, Machine.host(),
                                    one, tuple(choices))
         emitted.clear()
-        return pipeline.measured_dispatch(Exe(plan), planned, options)
+        return executed.measured_dispatch(Exe(plan), planned, options)
 
     # own plans at 8 and 512: 8 runs 4 % slower, 512 5 % faster: 512 stays, 8 goes
     speed = {"own8": 1.04, "own512": 0.95}
@@ -2592,7 +2592,7 @@ def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch)
     assert [runs(planned.plan, n) for n, _ in at] == ["own1", "one", "one", "one"] and emitted == [one]
     # the ends of a bucket count: the own plan of 64, level at 64 but 10 % faster at 23, stays; the
     # own plan of 512, 3 % faster at 512 and level at 305 but 7 % slower at 182, goes
-    assert pipeline.dispatch_probes(options.ranges[0], [n for n, _ in at]) == [(1, 2), (3, 8, 22), (23, 64, 181),
+    assert executed.dispatch_probes(options.ranges[0], [n for n, _ in at]) == [(1, 2), (3, 8, 22), (23, 64, 181),
                                                                               (182, 305, 512)]
     speed = {("own64", 23): 0.9, ("own512", 512): 0.97, ("own512", 182): 1.07}
     compiled, planned = run([one, one, own[2], own[3]], lambda tag, n: speed.get((tag, n), 1.0))
@@ -2611,7 +2611,7 @@ def test_own_plans_are_screened_at_their_samples_before_anything_is_built_whole(
     objects of the measurements), and keeps it only where it ran DISPATCH_GAIN faster in each of
     SCREEN_TIMINGS timings (the next only after a pass); the others are the one plan's again before
     any whole build. With none kept the plan is the one plan and no dispatch is left to time."""
-    from kernorch import executor, pipeline
+    from kernorch import executed, executor, pipeline
     from kernorch.measure import MeasureStats
     from kernorch.options import Machine, Options
     from kernorch.plan import Kernel, Plan, SolverStats
@@ -2628,7 +2628,7 @@ def test_own_plans_are_screened_at_their_samples_before_anything_is_built_whole(
         def __init__(self, plan, at):
             self.plan, self.at = plan, at
     emitted = []
-    monkeypatch.setattr(pipeline, "emit", lambda g, plan, o, m, workers=None, at=None: (
+    monkeypatch.setattr(executed, "emit", lambda g, plan, o, m, workers=None, at=None: (
         emitted.append((plan.kernels[0].key, at)), Exe(plan, at))[1])
     monkeypatch.setattr(dynamic, "bind", lambda g, binding: binding)
     monkeypatch.setattr(executor, "random_feeds", lambda binding, seed=0: binding)
@@ -2640,12 +2640,12 @@ def test_own_plans_are_screened_at_their_samples_before_anything_is_built_whole(
         tag = a.plan.kernels[0].key
         timings.append(tag)
         return speed[tag][timings.count(tag) - 1], 1.0, 1.0
-    monkeypatch.setattr(pipeline, "alternated", alternated)
+    monkeypatch.setattr(executed, "alternated", alternated)
     choices = [own[1], one, own[64], own[512]]
     plan = pipeline.joined_samples(choices, one, measured, options, one.meta)
     planned = pipeline.Planned(pipeline.Loaded("m", None, None), None, measured, plan, None, {}, Machine.host(),
                                one, tuple(choices))
-    got = pipeline.screen_samples(planned, options)
+    got = executed.screen_samples(planned, options)
     # 512's own plan, 2 % faster at its first timing, is timed again: 0.9 % faster is not enough
     assert got.choices == (one, one, own[64], one) and got.one is one
     assert got.plan.meta["buckets"] == "1..22,23..181,182..512" and got.dispatch == {1: 1.0, 64: 0.97, 512: 0.991}
@@ -2653,7 +2653,7 @@ def test_own_plans_are_screened_at_their_samples_before_anything_is_built_whole(
     assert emitted == [("one", (1, 64, 512)), ("own1", (1,)), ("own64", (64,)), ("own512", (512,))]
     speed["own64"] = [0.995]
     timings.clear()
-    got = pipeline.screen_samples(planned, options)
+    got = executed.screen_samples(planned, options)
     assert got.plan is one and got.one is None and got.choices == (one,) * 4
 
 
@@ -2661,7 +2661,7 @@ def test_two_executables_timed_in_turns_within_a_budget():
     """`alternated` times two executables in turns, round by round, each order in as many rounds; short
     calls fill rounds of about `round_s` (8 rounds), long ones run one call a round in as many rounds
     (at least 4) as fit the budget, so a 57 ms model is not timed for seconds at each length."""
-    from kernorch import pipeline
+    from kernorch import executed, pipeline
 
     class Fake:
         def __init__(self, seconds):
@@ -2673,7 +2673,7 @@ def test_two_executables_timed_in_turns_within_a_budget():
 
     def timed(a_s, b_s, **kw):
         a, b = Fake(a_s), Fake(b_s)
-        ratio, mine, ours = pipeline.alternated(a, b, {}, **kw)
+        ratio, mine, ours = executed.alternated(a, b, {}, **kw)
         assert (mine, ours) == (a_s, b_s) and ratio == pytest.approx(a_s / b_s)
         assert a.calls == b.calls and a.calls[0] == (2, 1)
         return a.calls[1:]
@@ -2692,7 +2692,7 @@ def test_two_executables_timed_in_turns_within_a_budget():
             turns.extend([self] * (warmup == 0))
             return [x * (1.02 if first else 1.0) for x in super().time(feeds, runs, warmup)]
     a, b = First(0.001), First(0.001)
-    ratio, _, _ = pipeline.alternated(a, b, {})
+    ratio, _, _ = executed.alternated(a, b, {})
     assert ratio == pytest.approx(1.0, abs=1e-3) and turns[:4] == [a, b, b, a]
 
 
@@ -2913,15 +2913,15 @@ def test_no_cut_falls_inside_an_attention_of_gpt_like_over_seq():
 
 
 def test_columns_outside_turns_a_packed_tile_with_rows_outside():
-    """`pipeline.columns_outside`: the same tile, packing and row copies with the column panels
+    """`executed.columns_outside`: the same tile, packing and row copies with the column panels
     outside; nothing for a tile with them outside already, an unpacked one or another schedule."""
-    from kernorch import pipeline
+    from kernorch import executed, pipeline
     copies = "~14:1@12000,2@25600~8:1@11600,3@26800"
-    assert pipeline.columns_outside("t8x32pr" + copies) == "t8x32p" + copies
-    assert pipeline.columns_outside("b16/t6x64pr") == "b16/t6x64p"
-    assert pipeline.columns_outside("t8x32prs") == "t8x32ps"
+    assert executed.columns_outside("t8x32pr" + copies) == "t8x32p" + copies
+    assert executed.columns_outside("b16/t6x64pr") == "b16/t6x64p"
+    assert executed.columns_outside("t8x32prs") == "t8x32ps"
     for schedule in ("t8x32p", "t6x64r", "default", "t14x32r|22|t6x64r", "-"):
-        assert pipeline.columns_outside(schedule) is None
+        assert executed.columns_outside(schedule) is None
 
 
 def test_a_bucket_keeps_its_kernels_with_columns_outside_where_the_executable_runs_faster(monkeypatch):
@@ -2931,7 +2931,7 @@ def test_a_bucket_keeps_its_kernels_with_columns_outside_where_the_executable_ru
     mean); the plan names them. Nothing turned: the plan and its executable stay; a turned kernel
     that does not build: the same."""
     from dataclasses import replace
-    from kernorch import pipeline
+    from kernorch import executed, pipeline
     from kernorch.measure import MeasureStats
     from kernorch.options import Machine, Options
     from kernorch.plan import Kernel, Plan, SolverStats
@@ -2952,7 +2952,7 @@ def test_a_bucket_keeps_its_kernels_with_columns_outside_where_the_executable_ru
     def run(ratio):
         """`ratio(n)`: the turned executable's time over the plan's at length n."""
         _scripted_turns(monkeypatch, emitted, given, ratio, timed)
-        return pipeline.measured_loop_order(given, planned, options)
+        return executed.measured_loop_order(given, planned, options)
     given = Exe(plan)
 
     # the first bucket's lengths 3 % faster, the second's level: its kernel alone turns
@@ -2978,12 +2978,12 @@ def test_a_bucket_keeps_its_kernels_with_columns_outside_where_the_executable_ru
     # (what it timed is kept for the report either way)
     assert out.loop_order == {f"seq={n}": 0.995 for n in timed} and len(out.loop_order) == 12
     # a turned kernel that does not build: nothing timed, the plan stays
-    monkeypatch.setattr(pipeline, "emit", lambda *a, **k: (_ for _ in ()).throw(KernorchError("tile does not apply")))
+    monkeypatch.setattr(executed, "emit", lambda *a, **k: (_ for _ in ()).throw(KernorchError("tile does not apply")))
     compiled, out = run(lambda n: 0.9)
     assert out is planned and timed == []
     # no packed tile with rows outside: nothing at all
     none = replace(plan, kernels=tuple(replace(k, schedule="t6x64p") for k in plan.kernels))
-    assert pipeline.measured_loop_order(Exe(none), replace(planned, plan=none), options)[1].plan is none
+    assert executed.measured_loop_order(Exe(none), replace(planned, plan=none), options)[1].plan is none
 
 
 def _long_tiles_case(block):
@@ -3024,18 +3024,18 @@ def test_the_last_buckets_gemms_are_offered_the_tile_family_their_contraction_ra
     loop order) its contraction alone ran LONG_TILE_GAIN faster in at the bucket's longest sample
     than in any tile of its own family (the fitted copies preferred at a tie); in its layout class."""
     from dataclasses import replace
-    from kernorch import pipeline
+    from kernorch import executed, pipeline
     planned = _long_tiles_case(block)
     # 182..512: both GEMMs to 6 x 64 with its copies (486 us against 522 and 525); not the LayerNorm
-    assert pipeline.long_tiles(planned, 0, (182, 512)) == {1: "t6x64p~6:1@14800", 2: "t6x64p~6:1@14800"}
+    assert executed.long_tiles(planned, 0, (182, 512)) == {1: "t6x64p~6:1@14800", 2: "t6x64p~6:1@14800"}
     # 9..181 holds the sample 64 only, where every tile took as long: nothing
-    assert pipeline.long_tiles(planned, 0, (9, 181)) == {}
+    assert executed.long_tiles(planned, 0, (9, 181)) == {}
     # another bucket's kernels: not these
-    assert pipeline.long_tiles(planned, 1, (182, 512)) == {}
+    assert executed.long_tiles(planned, 1, (182, 512)) == {}
     # under the gain: 6 x 64 2 % faster only
     slower = {i: replace(m, samples_ns=((64, 70_000), (512, 512_000))) if i[2].startswith("t6x64p") else m
               for i, m in planned.measured.measurements.items()}
-    assert pipeline.long_tiles(replace(planned, measured=replace(planned.measured, measurements=slower)), 0,
+    assert executed.long_tiles(replace(planned, measured=replace(planned.measured, measurements=slower)), 0,
                                (182, 512)) == {}
 
 
@@ -3046,7 +3046,7 @@ def test_the_last_buckets_gemms_run_another_tile_family_where_the_executable_run
     that dispatches there, its weights packed both ways; the ratios kept for the report either way.
     A plan with buckets re-tiles its last; a re-tiled kernel that does not build leaves the plan."""
     from dataclasses import replace
-    from kernorch import pipeline
+    from kernorch import executed, pipeline
     from kernorch.options import Options
     planned = _long_tiles_case(block)
     options = Options(threads=1, ranges=(("seq", 1, 512),))
@@ -3056,7 +3056,7 @@ def test_the_last_buckets_gemms_run_another_tile_family_where_the_executable_run
 
     def run(planned, ratio):
         _scripted_turns(monkeypatch, emitted, given, ratio, timed)
-        return pipeline.measured_long_tiles(given, planned, options)
+        return executed.measured_long_tiles(given, planned, options)
 
     compiled, out = run(replace(planned, plan=replace(planned.plan, meta={**planned.plan.meta,
                                                                           "columns_outside": "c2>2"})), lambda n: 0.97)
@@ -3084,7 +3084,7 @@ def test_the_last_buckets_gemms_run_another_tile_family_where_the_executable_run
     compiled, out = run(replace(planned, plan=apart), lambda n: 0.9)
     assert out.plan is apart and timed == []
     # a re-tiled kernel that does not build: nothing timed, the plan stays
-    monkeypatch.setattr(pipeline, "emit", lambda *a, **k: (_ for _ in ()).throw(KernorchError("tile does not apply")))
+    monkeypatch.setattr(executed, "emit", lambda *a, **k: (_ for _ in ()).throw(KernorchError("tile does not apply")))
     compiled, out = run(planned, lambda n: 0.9)
     assert out is planned and timed == []
 
@@ -3114,18 +3114,18 @@ def test_over_several_symbols_the_loop_order_is_timed_at_every_sample_and_decide
     """Over batch x seq `measured_loop_order` times the two executables at every sample (`loop_order_points`:
     the long pairs among them), each in the bucket of the symbol the plan dispatches on
     (meta["dispatch_on"]), and turns a bucket's kernels where its samples ran faster."""
-    from kernorch import pipeline
+    from kernorch import executed, pipeline
     from kernorch.measure import MeasureStats
     from kernorch.options import Machine, Options
     from kernorch.plan import Kernel, Plan, SolverStats
 
     ranges = (("batch", 1, 8), ("seq", 1, 512))
     keys = [dynamic.sample_key(b) for b, _ in dynamic.samples_of(Options(ranges=ranges))]
-    points = pipeline.loop_order_points(ranges, keys)
+    points = executed.loop_order_points(ranges, keys)
     assert len(points) == 9 and {"batch": 8, "seq": 512} in points and {"batch": 1, "seq": 1} in points
-    assert pipeline.loop_order_points((("seq", 1, 512),), [1, 8, 64, 512]) == [
+    assert executed.loop_order_points((("seq", 1, 512),), [1, 8, 64, 512]) == [
         {"seq": n} for n in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)]
-    assert pipeline.loop_order_points((("seq", 3, 300),), [3, 23, 300], [(3, 22), (23, 300)]) == [
+    assert executed.loop_order_points((("seq", 3, 300),), [3, 23, 300], [(3, 22), (23, 300)]) == [
         {"seq": n} for n in (3, 4, 8, 16, 22, 23, 32, 64, 128, 256, 300)]
 
     def kernel(i, schedule, bucket):
@@ -3140,9 +3140,9 @@ def test_over_several_symbols_the_loop_order_is_timed_at_every_sample_and_decide
     _scripted_emit(monkeypatch)
     timed = []
     # turned, the long pairs run 4 % faster, the short ones 1 % slower
-    monkeypatch.setattr(pipeline, "alternated", lambda a, b, feeds: (
+    monkeypatch.setattr(executed, "alternated", lambda a, b, feeds: (
         timed.append((feeds["batch"], feeds["seq"])), 0.96 if feeds["seq"] > 4 else 1.01, 1.0, 1.0)[1:])
-    compiled, out = pipeline.measured_loop_order(_Exe(plan), planned, options)
+    compiled, out = executed.measured_loop_order(_Exe(plan), planned, options)
     assert sorted(timed) == sorted((p["batch"], p["seq"]) for p in points)
     assert [k.schedule for k in out.plan.kernels] == ["t8x32pr", "t14x32p"]
     assert out.plan.meta["columns_outside"] == "c1"

@@ -440,7 +440,7 @@ def test_plans_per_sample_over_two_symbols_dispatch_along_one():
     assert plan.meta[dynamic.DISPATCH_ON] == "batch" and dynamic.plan_buckets(plan.meta) == [(1, 4), (5, 8)]
     # samples whose plans differ along both symbols are no dispatch of one symbol
     with pytest.raises(KernorchError, match="one symbol dispatches"):
-        pipeline._slices([wide if (b, s) == (8, 512) else one for b, s in keys], keys, ranges)
+        pipeline.slices([wide if (b, s) == (8, 512) else one for b, s in keys], keys, ranges)
 
 
 def test_a_plan_dispatching_along_one_of_two_symbols_runs_right(tmp_path):
@@ -488,7 +488,7 @@ def test_the_dispatch_over_two_symbols_is_timed_along_the_one_dispatching(monkey
     at the probes of the dispatching symbol's buckets (here scripted), the other symbol at its
     middle, and keeps a slice's own plan only where it ran DISPATCH_GAIN faster over its bucket;
     the choices stay one per slice, and with none kept the one plan's executable is the result."""
-    from kernorch import executor, pipeline
+    from kernorch import executed, executor, pipeline
     from kernorch.measure import MeasureStats
     from kernorch.options import Machine, Options
     from kernorch.plan import Kernel, Plan, SolverStats
@@ -505,13 +505,13 @@ def test_the_dispatch_over_two_symbols_is_timed_along_the_one_dispatching(monkey
     class Exe:
         def __init__(self, plan):
             self.plan = plan
-    monkeypatch.setattr(pipeline, "emit", lambda g, plan, o, m, *_: Exe(plan))
+    monkeypatch.setattr(executed, "emit", lambda g, plan, o, m, *_: Exe(plan))
     monkeypatch.setattr(dynamic, "bind", lambda g, binding: binding)
     monkeypatch.setattr(executor, "random_feeds", lambda binding, seed=0: binding)
     timed = []
 
     def run(speed):
-        monkeypatch.setattr(pipeline, "alternated", lambda a, b, feeds: (
+        monkeypatch.setattr(executed, "alternated", lambda a, b, feeds: (
             timed.append(dict(feeds)), speed(a.plan, feeds), 1.0, 1.0)[1:])
         timed.clear()
         choices = [long if s == 512 else one for _, s in keys]
@@ -519,7 +519,7 @@ def test_the_dispatch_over_two_symbols_is_timed_along_the_one_dispatching(monkey
         assert plan.meta[dynamic.DISPATCH_ON] == "seq"
         planned = pipeline.Planned(pipeline.Loaded("m", None, None), None, measured, plan, None, {}, Machine.host(),
                                    one, tuple(choices))
-        return pipeline.measured_dispatch(Exe(plan), planned, options)
+        return executed.measured_dispatch(Exe(plan), planned, options)
 
     def runs(plan, seq):
         parts = dynamic.plan_buckets(plan.meta)

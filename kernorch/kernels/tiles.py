@@ -125,7 +125,7 @@ class LengthSwitch:
     plan over the range is weighed by its short lengths: a gpt_like one plan ran its 14-row tile at
     32 rows, 22 us a layer against 10 in the static plan of 32. Micro-kernels chosen by the length,
     as a tile's row copies are (HAOTuner). The two may also be one packed tile in its two loop orders
-    ("t14x32pr~...|2|t14x32p~...", the same packing: pipeline.measured_loop_order)."""
+    ("t14x32pr~...|2|t14x32p~...", the same packing: executed.measured_loop_order)."""
     first: str
     until: int
     then: str

@@ -27,7 +27,7 @@ and every source file of kernorch (`package_digest`: the schedule rules, the til
 are all in it); the emitter links that object without scheduling. A build for its sample lengths
 only (a tile, whose `at` may drop copies) is named apart, with those lengths (SAMPLED): the
 executable that is saved needs the whole kernel, and only one run at those lengths alone may link
-it (the screening of a range's own plans at their samples: kernorch.pipeline.screen_samples).
+it (the screening of a range's own plans at their samples: kernorch.executed.screen_samples).
 """
 from __future__ import annotations
 
