@@ -291,20 +291,22 @@ def loop_order_points(ranges, keys: Sequence, parts: Sequence[tuple[int, int]] =
 LONG_TILE_GAIN = 0.03
 
 
-def long_tiles(planned: Planned, bucket: int, span: tuple[int, int]) -> dict[int, str]:
-    """Per kernel of the plan's bucket `bucket` (over one symbol; its lengths `span`) in a packed
-    register tile (a GEMM with its weight packed, maybe its epilogue fused): the packed tile of
-    another family (columns per tile, loop order) its contraction alone ran LONG_TILE_GAIN faster
-    in at the longest sample in `span` than in any tile of the kernel's family, where one did (in
-    the kernel's layout class; the fastest there, the tile with row copies fitted for it where it
-    was measured so). The range's weights choose one family for the fusions around a contraction,
-    mostly by the short lengths: the transformer block's projections over seq=1..512 ran 14 x 32
-    tiles where 6 x 64 ones take 7 % less at 512 rows alone, its 384 x 1536 GEMM 12 % less (Xeon
-    model 167)."""
+def long_tiles(planned: Planned, bucket: int, span: tuple[int, int], along: int | None = None) -> dict[int, str]:
+    """Per kernel of the plan's bucket `bucket` (its lengths `span` of the symbol it dispatches on:
+    over several, the `along`-th of a sample key's values) in a packed register tile (a GEMM with
+    its weight packed, maybe its epilogue fused): the packed tile of another family (columns per
+    tile, loop order) its contraction alone ran LONG_TILE_GAIN faster in at the bucket's sample of
+    the most rows (the product of its values) than in any tile of the kernel's family, where one
+    did (in the kernel's layout class; the fastest there, the tile with row copies fitted for it
+    where it was measured so). The range's weights choose one family for the fusions around a
+    contraction, mostly by the short lengths: the transformer block's projections over seq=1..512
+    ran 14 x 32 tiles where 6 x 64 ones take 7 % less at 512 rows alone, its 384 x 1536 GEMM 12 %
+    less (Xeon model 167)."""
     plan, measured, graph = planned.plan, planned.measured, planned.loaded.graph
-    inside = [n for n, _ in measured.at if n and span[0] <= n <= span[1]]
+    inside = [n for n, _ in measured.at if n and span[0] <= _along(n, along) <= span[1]]
     if not inside:
         return {}
+    longest = max(inside, key=lambda n: math.prod(n) if isinstance(n, tuple) else n)
 
     def family(t: Tile) -> tuple:
         return t.nb, t.rows_outer, t.serial
@@ -316,7 +318,7 @@ def long_tiles(planned: Planned, bucket: int, span: tuple[int, int]) -> dict[int
         if k.bucket != bucket or tile is None or not tile.pack or len(lin) != 1:
             continue
         key = structural_key(lin, graph, [lin[0].name])
-        timed = [(t, other, at_length(m, max(inside)).median_ns) for (kk, _, sched), m in measured.measurements.items()
+        timed = [(t, other, at_length(m, longest).median_ns) for (kk, _, sched), m in measured.measurements.items()
                  if kk == key and m.ok and split(sched)[0] == layout
                  and (other := Tile.parse(t := split(sched)[1])) is not None and other.pack]
         ours = [ns for _, other, ns in timed if family(other) == family(tile)]
@@ -328,32 +330,43 @@ def long_tiles(planned: Planned, bucket: int, span: tuple[int, int]) -> dict[int
     return out
 
 
+def _along(key, i: int | None) -> int:
+    """A sample key's value of one symbol: the key itself over one, its `i`-th value over several."""
+    return key if i is None else key[i]
+
+
 def measured_long_tiles(compiled, planned: Planned, options: Options, workers: meas.Workers | None = None):
-    """Over one symbol, the packed GEMMs of the plan's last bucket (of a plan that serves the range
-    alone: the bucket of its last sample, `dynamic.sample_edges`, made a bucket of its own) in the
-    tiles `long_tiles` finds, where the executable runs faster so: the plan's executable and the
-    one with them re-tiled timed in turns (`alternated`) at the bucket's lengths of
-    `loop_order_points`; kept where the ratios' geometric mean is LOOP_ORDER_GAIN below 1. Their
-    weights are then packed for both families where the other buckets keep the first. The
-    transformer block over seq=1..512 (Xeon model 167), its bucket 182..512's three projections
-    and its 384 x 1536 GEMM so re-tiled to 6 x 64 by hand: 0.95-0.98x the plan's time at 200-300,
-    0.97-0.99x at 512 (three timings each, in one process). Over one symbol and the whole range's
-    measurements only (not buckets planned apart). Returns (compiled, planned); the plan names the
-    kernels re-tiled (`meta["long_tiles"]`), `planned.long_tiles` holds every ratio timed."""
+    """Over a range, the packed GEMMs of the plan's last bucket along the symbol it dispatches on
+    (of a plan that serves the range alone: the bucket of its last sample, `dynamic.sample_edges`,
+    made a bucket of its own, along the symbol of the widest range) in the tiles `long_tiles`
+    finds, where the executable runs faster so: the plan's executable and the one with them
+    re-tiled timed in turns (`alternated`) at the bucket's points (`long_tile_points`); kept where
+    the ratios' geometric mean is LOOP_ORDER_GAIN below 1. Their weights are then packed for both
+    families where the other buckets keep the first. The transformer block over seq=1..512 (Xeon
+    model 167), its bucket 182..512's three projections and its 384 x 1536 GEMM so re-tiled to 6 x
+    64 by hand: 0.95-0.98x the plan's time at 200-300, 0.97-0.99x at 512 (three timings each, in one
+    process). Over batch=1..8 x seq=1..512 the one plan ran 1.07-1.11x its static plans at 8x128,
+    3x300 and 8x512 (sixty-sixth session), its FFN's second GEMM in t14x32p 12-15 % slower there
+    than the static plan's t6x64p inside the executables (7 % alone, at 8x512). Over the whole
+    range's measurements only (not buckets planned apart). Returns (compiled, planned); the plan
+    names the kernels re-tiled (`meta["long_tiles"]`), `planned.long_tiles` holds every ratio timed."""
     from .dynamic import BUCKET_BOUNDS, DISPATCH_ON, cut, plan_buckets, sample_edges
     plan, graph = planned.plan, planned.loaded.graph
-    rng, parts = options.ranges[0], plan_buckets(plan.meta)
-    if len(options.ranges) != 1 or DISPATCH_ON in plan.meta or (parts and plan.meta.get(BUCKET_BOUNDS) != "range"):
+    parts = plan_buckets(plan.meta)
+    if parts and plan.meta.get(BUCKET_BOUNDS) != "range":
         return compiled, planned  # (buckets planned over their own lengths (--buckets): measured apart)
-    lengths = [n for n, _ in planned.measured.at]
+    on = plan.meta.get(DISPATCH_ON) or max(options.ranges, key=lambda r: r[2] / r[1])[0]
+    rng, names = next(r for r in options.ranges if r[0] == on), sorted(n for n, _, _ in options.ranges)
+    along = names.index(on) if len(names) > 1 else None
+    keys = [key for key, _ in planned.measured.at]
+    values = sorted({_along(key, along) for key in keys})
     if parts:
         last, span = len(parts) - 1, parts[-1]
-    elif len(lengths) > 1:
-        edge = sample_edges(rng, lengths)[-1]
-        last, span = 0, (edge + 1, rng[2])
+    elif len(values) > 1:
+        last, span = 0, (sample_edges(rng, values)[-1] + 1, rng[2])
     else:
         return compiled, planned
-    retiled = long_tiles(planned, last, span)
+    retiled = long_tiles(planned, last, span, along)
     if not retiled:
         return compiled, planned
     other = replace(plan, kernels=tuple(replace(k, schedule=retiled.get(i, k.schedule))
@@ -362,8 +375,9 @@ def measured_long_tiles(compiled, planned: Planned, options: Options, workers: m
     if not parts:  # (the one plan below the edge, re-tiled above it; each kernel's id then names its bucket)
         turned = {"columns_outside": ",".join(f"b{b}.{t}" for b in (0, 1) for t in plan.meta["columns_outside"].split(
             ","))} if plan.meta.get("columns_outside") else {}
+        dispatched = {DISPATCH_ON: on} if along is not None else {}
         other = dispatch_plan([plan, other], cut(rng, [span[0] - 1]), options,
-                          {**plan.meta, **turned, BUCKET_BOUNDS: "range"})
+                              {**plan.meta, **turned, BUCKET_BOUNDS: "range", **dispatched})
         ids = [f"b1.{i}" for i in ids]
     other = replace(other, meta={**other.meta, "long_tiles": ",".join(ids)})
     try:
@@ -371,16 +385,27 @@ def measured_long_tiles(compiled, planned: Planned, options: Options, workers: m
     except KernorchError as e:  # (a fusion the other tile does not apply to: the plan stays)
         log.info("long tiles: the re-tiled kernels did not build (%s)", e)
         return compiled, planned
-    on = rng[0]
-    points = [p for p in loop_order_points(options.ranges, lengths, plan_buckets(other.meta))
-              if span[0] <= p[on] <= span[1]]
+    points = long_tile_points(options.ranges, keys, plan_buckets(other.meta), on, span)
     over, timed = _timed_at(ran, compiled, graph, points, options)
-    log.info("long tiles: %d kernels of the bucket %d..%d re-tiled, the executable's time against the plan's: %s",
-             len(retiled), span[0], span[1], ", ".join(f"{k} {r:.3f}" for k, r in timed.items()))
+    log.info("long tiles: %d kernels of the bucket %s=%d..%d re-tiled, the executable's time against the plan's: %s",
+             len(retiled), on, span[0], span[1], ", ".join(f"{k} {r:.3f}" for k, r in timed.items()))
     planned = replace(planned, long_tiles=timed)
     if not over or statistics.geometric_mean(over) > 1 - LOOP_ORDER_GAIN:
         return compiled, planned
     return ran, replace(planned, plan=other)
+
+
+def long_tile_points(ranges, keys: Sequence, parts: Sequence[tuple[int, int]], on: str,
+                     span: tuple[int, int]) -> list[dict[str, int]]:
+    """The bindings `measured_long_tiles` times its bucket `span` of the symbol `on` at: over one
+    symbol, the bucket's `loop_order_points` (its ends, the octaves and samples in it); over
+    several, each sample in the bucket and each with `on` at the bucket's first value (the fewest
+    rows it serves: the samples of batch x seq=1..512 in seq=109..512 are all at seq=512)."""
+    points = [p for p in loop_order_points(ranges, keys, parts) if span[0] <= p[on] <= span[1]]
+    if len(ranges) == 1:
+        return points
+    firsts = [{**p, on: span[0]} for p in points]
+    return sorted({tuple(sorted(p.items())): p for p in [*points, *firsts]}.values(), key=lambda p: sorted(p.items()))
 
 
 def _dispatch_timed(probes: Sequence[tuple[int, ...]], own: Sequence[int]) -> dict[int, tuple[int, ...]]:

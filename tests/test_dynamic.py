@@ -3089,6 +3089,63 @@ def test_the_last_buckets_gemms_run_another_tile_family_where_the_executable_run
     assert out is planned and timed == []
 
 
+def test_over_several_symbols_the_long_pairs_gemms_are_re_tiled_along_the_symbol_of_the_widest_range(
+        block, monkeypatch):
+    """Over batch x seq `measured_long_tiles` cuts a one plan at its last sample's edge along the
+    symbol of the widest range (seq: 1..108, 109..512, the plan dispatching on it), re-tiles that
+    bucket's GEMMs to the family their contraction ran fastest in at its sample of the most rows
+    (8x512), and times the executables at that bucket's samples and at each with seq at the
+    bucket's first value (`long_tile_points`); a plan that dispatches already re-tiles its last
+    bucket along its own symbol."""
+    from dataclasses import replace
+    from kernorch import executed
+    from kernorch.options import Options
+    ranges = (("batch", 1, 8), ("seq", 1, 512))
+    keys = [(b, s) for b in (1, 3, 8) for s in (1, 23, 512)]
+    planned = _long_tiles_case(block)
+
+    def over_pairs(m):  # (each tile's times at (batch, seq): its time at seq's rows, batch 8 as 512's)
+        at = dict(m.samples_ns)
+        return replace(m, samples_ns=tuple(((b, s), at.get(512 if b == 8 and s == 512 else 64, 1))
+                                           for b, s in keys))
+    measured = replace(planned.measured, at=tuple((k, 1 / 9) for k in keys),
+                       measurements={i: over_pairs(m) for i, m in planned.measured.measurements.items()})
+    plan = replace(planned.plan, meta={"ranges": "batch=1..8,seq=1..512"})
+    planned = replace(planned, measured=measured, plan=plan)
+    assert executed.long_tiles(planned, 0, (109, 512), along=1) == {1: "t6x64p~6:1@14800", 2: "t6x64p~6:1@14800"}
+    assert executed.long_tiles(planned, 0, (1, 108), along=1) == {}
+    options = Options(threads=1, ranges=ranges)
+    emitted = _scripted_emit(monkeypatch)
+    given, timed = _Exe(plan), []
+
+    def run(planned, ratio):
+        emitted.clear()
+        timed.clear()
+
+        def timing(a, b, feeds):
+            assert a.plan is emitted[-1] and b is given
+            timed.append((feeds["batch"], feeds["seq"]))
+            return ratio, 1.0, 1.0
+        monkeypatch.setattr(executed, "alternated", timing)
+        return executed.measured_long_tiles(given, planned, options)
+    compiled, out = run(planned, 0.96)
+    assert timed == [(1, 109), (1, 512), (3, 109), (3, 512), (8, 109), (8, 512)]
+    assert out.plan.meta["buckets"] == "1..108,109..512" and out.plan.meta["dispatch_on"] == "seq"
+    assert [(k.bucket, k.schedule) for k in out.plan.kernels][3:] == [
+        (1, "default"), (1, "t6x64p~6:1@14800"), (1, "t6x64p~6:1@14800")]
+    assert out.plan.meta["long_tiles"] == "b1.c1,b1.c2" and compiled.plan is out.plan
+    assert out.long_tiles["batch=8,seq=512"] == 0.96 and len(out.long_tiles) == 6
+    # a plan dispatching on batch already (1..2, 3..8): its last bucket re-tiled, timed at batch=3..8
+    on_batch = replace(plan, kernels=tuple(replace(k, bucket=int(i > 1)) for i, k in enumerate(plan.kernels)),
+                       meta={**plan.meta, "buckets": "1..2,3..8", "bucket_bounds": "range", "dispatch_on": "batch"})
+    compiled, out = run(replace(planned, plan=on_batch), 0.96)
+    assert sorted(timed) == [k for k in keys if k[0] >= 3]
+    assert [k.schedule for k in out.plan.kernels] == ["default", "t14x32p~14:1@12000,2@25600", "t6x64p~6:1@14800"]
+    # not faster: the plan stays
+    compiled, out = run(planned, 1.0)
+    assert compiled is given and out.plan is plan and len(out.long_tiles) == 6
+
+
 def test_the_optimize_summary_says_what_the_executables_timed_in_turns_decided():
     """Over a range the CLI's summary of an optimize prints the ratios the run decided on by timing
     executables in turns: the sample lengths' own plans against the one plan, the plan's
