@@ -39,7 +39,9 @@ class Kernel:
     members: tuple[str, ...]  # in execution (topological) order
     inputs: tuple[str, ...]
     outputs: tuple[str, ...]
-    cost_ns: int                   # measured alone, in this schedule
+    # measured alone, in this schedule; a kernel the executable's timed stages turned or re-tiled
+    # (meta "columns_outside", "long_tiles": kernorch.executed) keeps the cost it was planned at
+    cost_ns: int
     alternatives: tuple[Alternative, ...] = ()
     schedule: str = "default"      # "default" rules, a micro-kernel tile ("t14x32p"), a tuning record
     bucket: int = 0                # a plan that dispatches on a symbolic length: the bucket it runs in

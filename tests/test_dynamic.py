@@ -1158,7 +1158,7 @@ def test_one_executable_serves_the_whole_range(tmp_path):
     from kernorch.kernels import split
     long_tiles = executed.long_tiles
 
-    def other_columns(planned, bucket, span):
+    def other_columns(planned, bucket, span, along=None):
         out = {}
         for i, k in enumerate(planned.plan.kernels):
             tile = Tile.parse(split(k.schedule)[1])
@@ -1167,7 +1167,8 @@ def test_one_executable_serves_the_whole_range(tmp_path):
             ms = {ident: m for ident, m in planned.measured.measurements.items()
                   if (t := Tile.parse(split(ident[2])[1])) is None or t.nb != tile.nb
                   or (t.rows_outer, t.serial) == (tile.rows_outer, tile.serial)}
-            chosen = long_tiles(replace(planned, measured=replace(planned.measured, measurements=ms)), bucket, span)
+            chosen = long_tiles(replace(planned, measured=replace(planned.measured, measurements=ms)), bucket, span,
+                                along)
             out.update({i: chosen[i]} if i in chosen else {})
         return out
     with meas.Workers(options) as workers, mock.patch.object(executed, "LONG_TILE_GAIN", -10.0), \
