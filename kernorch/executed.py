@@ -338,7 +338,10 @@ def _along(key, i: int | None) -> int:
 def measured_long_tiles(compiled, planned: Planned, options: Options, workers: meas.Workers | None = None):
     """Over a range, the packed GEMMs of the plan's last bucket along the symbol it dispatches on
     (of a plan that serves the range alone: the bucket of its last sample, `dynamic.sample_edges`,
-    made a bucket of its own, along the symbol of the widest range) in the tiles `long_tiles`
+    made a bucket of its own, along the symbol of the widest range; of a last bucket that serves
+    more than its last sample's lengths, those lengths cut off as a bucket of their own: gpt_like's
+    own plan of seq=5..512 over batch x seq, its GEMMs re-tiled, ran 0.96-0.98x at 3x512 and 8x512
+    and 1.01-1.04x at 1x5 and 3x5, and was not kept) in the tiles `long_tiles`
     finds, where the executable runs faster so: the plan's executable and the one with them
     re-tiled timed in turns (`alternated`) at the bucket's points (`long_tile_points`); kept where
     the ratios' geometric mean is LOOP_ORDER_GAIN below 1. Their weights are then packed for both
@@ -360,13 +363,17 @@ def measured_long_tiles(compiled, planned: Planned, options: Options, workers: m
     along = names.index(on) if len(names) > 1 else None
     keys = [key for key, _ in planned.measured.at]
     values = sorted({_along(key, along) for key in keys})
+    edge = sample_edges(rng, values)[-1] if len(values) > 1 else None
+    if parts and edge is not None and edge >= parts[-1][0]:  # (the last bucket serves more than its last
+        plan = _split_last(plan, rng, parts, edge, options)  # sample's lengths: those get a bucket of their own)
+        parts = plan_buckets(plan.meta)
     if parts:
         last, span = len(parts) - 1, parts[-1]
-    elif len(values) > 1:
-        last, span = 0, (sample_edges(rng, values)[-1] + 1, rng[2])
+    elif edge is not None:
+        last, span = 0, (edge + 1, rng[2])
     else:
         return compiled, planned
-    retiled = long_tiles(planned, last, span, along)
+    retiled = long_tiles(replace(planned, plan=plan), last, span, along)
     if not retiled:
         return compiled, planned
     other = replace(plan, kernels=tuple(replace(k, schedule=retiled.get(i, k.schedule))
@@ -393,6 +400,21 @@ def measured_long_tiles(compiled, planned: Planned, options: Options, workers: m
     if not over or statistics.geometric_mean(over) > 1 - LOOP_ORDER_GAIN:
         return compiled, planned
     return ran, replace(planned, plan=other)
+
+
+def _split_last(plan: Plan, rng: tuple[str, int, int], parts: Sequence[tuple[int, int]], edge: int,
+                options: Options) -> Plan:
+    """`plan` (with buckets along `rng`'s symbol, `parts`) with its last bucket cut after `edge`, the
+    same kernels on both sides (`Plan.split_last`); the kernels turned in the last are named turned
+    in both (meta["columns_outside"])."""
+    from .dynamic import bucket_weights, cut
+    last = len(parts) - 1
+    parts = [*parts[:-1], (parts[-1][0], edge), (edge + 1, parts[-1][1])]
+    turned = [t for t in plan.meta.get("columns_outside", "").split(",") if t]
+    turned += [f"b{last + 1}.{t.removeprefix(f'b{last}.')}" for t in turned if t.startswith(f"b{last}.")]
+    meta = {**plan.meta, "buckets": ",".join(f"{lo}..{hi}" for lo, hi in parts),
+            **({"columns_outside": ",".join(turned)} if turned else {})}
+    return plan.split_last(bucket_weights([(rng[0], lo, hi) for lo, hi in parts], options.lengths), meta)
 
 
 def long_tile_points(ranges, keys: Sequence, parts: Sequence[tuple[int, int]], on: str,

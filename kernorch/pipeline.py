@@ -8,6 +8,8 @@
     plan     = orchestrate(loaded.graph, cands, measured, options, meta)       # plan.Plan
     (plan, measured, tuning) = tune.tune_loop(..., solve)             # only with a budget
     compiled = emit(loaded.graph, plan, options, machine)             # runtime.CompiledModel
+    (compiled, planned) = executed.measured_*(compiled, planned, ...)  # over a range: changes kept where
+                                                                      # the executable runs faster (executed.py)
     check    = verify.verify(compiled, model, options)                # outputs vs ONNX Runtime
     timing   = peers.time_against(compiled, model, ...)               # each system in its own process
 

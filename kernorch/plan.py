@@ -10,7 +10,7 @@ import math
 import logging
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from kernorch.ir import KernorchError
 from kernorch.orchestrate import Problem, Solution, greedy, solve, unfused
@@ -96,6 +96,20 @@ class Plan:
         if not self.weights:
             return self
         return replace(self, kernels=tuple(k for k in self.kernels if k.bucket == b), weights=())
+
+    def split_last(self, weights: Sequence[float], meta: Mapping[str, str]) -> "Plan":
+        """A plan with buckets, its last bucket's kernels (and the buffers they write) serving one
+        more bucket after it, the same kernels (ids "b{n}." of the new bucket n); `weights` every
+        bucket's share, `meta` the plan's (its "buckets" naming the new one)."""
+        last = len(self.weights) - 1
+        first = next(i for i, k in enumerate(self.kernels) if k.bucket == last)
+        n, prefix = len(self.kernels), f"b{last}."
+        kernels = tuple(replace(k, id=f"b{last + 1}.{k.id.removeprefix(prefix)}", bucket=last + 1)
+                        for k in self.kernels[first:])
+        buffers = tuple(replace(x, produced_at=x.produced_at - first + n, last_use=x.last_use - first + n)
+                        for x in self.buffers if x.produced_at >= first)
+        return replace(self, kernels=self.kernels + kernels, buffers=self.buffers + buffers, weights=tuple(weights),
+                       meta=dict(meta))
 
     @staticmethod
     def dispatch(plans: "list[Plan]", weights: list[float], meta: Mapping[str, str]) -> "Plan":

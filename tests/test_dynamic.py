@@ -3097,7 +3097,8 @@ def test_over_several_symbols_the_long_pairs_gemms_are_re_tiled_along_the_symbol
     bucket's GEMMs to the family their contraction ran fastest in at its sample of the most rows
     (8x512), and times the executables at that bucket's samples and at each with seq at the
     bucket's first value (`long_tile_points`); a plan that dispatches already re-tiles its last
-    bucket along its own symbol."""
+    bucket along its own symbol, the share of its last sample cut off as a bucket of its own where
+    that bucket serves more (the plan as it was where that is not kept)."""
     from dataclasses import replace
     from kernorch import executed
     from kernorch.options import Options
@@ -3136,15 +3137,55 @@ def test_over_several_symbols_the_long_pairs_gemms_are_re_tiled_along_the_symbol
         (1, "default"), (1, "t6x64p~6:1@14800"), (1, "t6x64p~6:1@14800")]
     assert out.plan.meta["long_tiles"] == "b1.c1,b1.c2" and compiled.plan is out.plan
     assert out.long_tiles["batch=8,seq=512"] == 0.96 and len(out.long_tiles) == 6
-    # a plan dispatching on batch already (1..2, 3..8): its last bucket re-tiled, timed at batch=3..8
-    on_batch = replace(plan, kernels=tuple(replace(k, bucket=int(i > 1)) for i, k in enumerate(plan.kernels)),
-                       meta={**plan.meta, "buckets": "1..2,3..8", "bucket_bounds": "range", "dispatch_on": "batch"})
+    # a plan dispatching on batch already (1..2, 3..8): its last bucket's last sample's share
+    # (5..8) re-tiled, timed at its samples and at batch=5
+    from kernorch.plan import Plan
+    on_batch = Plan.dispatch([replace(plan, kernels=plan.kernels[:1]), plan], [0.5, 0.5],
+                             {**plan.meta, "buckets": "1..2,3..8", "bucket_bounds": "range", "dispatch_on": "batch"})
     compiled, out = run(replace(planned, plan=on_batch), 0.96)
-    assert sorted(timed) == [k for k in keys if k[0] >= 3]
-    assert [k.schedule for k in out.plan.kernels] == ["default", "t14x32p~14:1@12000,2@25600", "t6x64p~6:1@14800"]
+    assert timed == [(5, 1), (5, 23), (5, 512), (8, 1), (8, 23), (8, 512)]
+    assert out.plan.meta["buckets"] == "1..2,3..4,5..8" and out.plan.meta["dispatch_on"] == "batch"
+    assert [k.schedule for k in out.plan.kernels if k.bucket == 2] == [
+        "default", "t6x64p~6:1@14800", "t6x64p~6:1@14800"]
     # not faster: the plan stays
     compiled, out = run(planned, 1.0)
     assert compiled is given and out.plan is plan and len(out.long_tiles) == 6
+    # a plan dispatching on seq whose last bucket (5..512) serves more than its last sample's lengths:
+    # those (109..512) cut off as a bucket of their own, the same kernels below, re-tiled above
+    wide = Plan.dispatch([replace(plan, kernels=plan.kernels[:1]), plan], [0.5, 0.5],
+                         {**plan.meta, "buckets": "1..4,5..512", "bucket_bounds": "range", "dispatch_on": "seq",
+                          "columns_outside": "b1.c2"})
+    compiled, out = run(replace(planned, plan=wide), 0.96)
+    assert timed == [(1, 109), (1, 512), (3, 109), (3, 512), (8, 109), (8, 512)]
+    assert out.plan.meta["buckets"] == "1..4,5..108,109..512" and len(out.plan.weights) == 3
+    assert [(k.id, k.schedule) for k in out.plan.kernels if k.bucket > 0] == [
+        ("b1.c0", "default"), ("b1.c1", "t14x32p~14:1@12000,2@25600"), ("b1.c2", "t8x32pr"),
+        ("b2.c0", "default"), ("b2.c1", "t6x64p~6:1@14800"), ("b2.c2", "t6x64p~6:1@14800")]
+    assert out.plan.meta["long_tiles"] == "b2.c1,b2.c2" and out.plan.meta["columns_outside"] == "b1.c2,b2.c2"
+    # not faster: the plan as it was, unsplit
+    compiled, out = run(replace(planned, plan=wide), 1.0)
+    assert compiled is given and out.plan is wide
+
+
+def test_a_dispatching_plans_last_bucket_splits_into_two_of_the_same_kernels(block):
+    """`Plan.split_last`: the last bucket's kernels serve one more bucket after it, ids "b{n}." of
+    the new one, the buffers they write copied at their new positions; the buckets' weights and the
+    meta as given; the buckets before untouched."""
+    from dataclasses import replace
+    from kernorch.plan import Buffer, Plan
+    one = _long_tiles_case(block).plan
+    one = replace(one, buffers=(Buffer("ln", 0, 1), Buffer("x1", 1, 2), Buffer("x2", 2, 3)))
+    short = replace(one, kernels=one.kernels[:1], buffers=one.buffers[:1])
+    both = Plan.dispatch([short, one], [0.6, 0.4], {"buckets": "1..8,9..512"})
+    got = both.split_last([0.6, 0.3, 0.1], {"buckets": "1..8,9..108,109..512"})
+    assert [(k.id, k.bucket, k.schedule) for k in got.kernels] == [
+        ("b0.c0", 0, "default"), ("b1.c0", 1, "default"), ("b1.c1", 1, "t14x32p~14:1@12000,2@25600"),
+        ("b1.c2", 1, "t8x32pr"), ("b2.c0", 2, "default"), ("b2.c1", 2, "t14x32p~14:1@12000,2@25600"),
+        ("b2.c2", 2, "t8x32pr")]
+    assert got.buffers == (Buffer("ln", 0, 1), Buffer("ln", 1, 2), Buffer("x1", 2, 3), Buffer("x2", 3, 4),
+                           Buffer("ln", 4, 5), Buffer("x1", 5, 6), Buffer("x2", 6, 7))
+    assert got.weights == (0.6, 0.3, 0.1) and got.meta == {"buckets": "1..8,9..108,109..512"}
+    assert got.bucket(2).predicted_ns == got.bucket(1).predicted_ns == one.predicted_ns
 
 
 def test_the_optimize_summary_says_what_the_executables_timed_in_turns_decided():
