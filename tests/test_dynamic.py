@@ -1342,6 +1342,10 @@ def test_a_plan_per_bucket_dispatched_inside_one_executable(tmp_path, capsys):
         # the first bucket runs inline in main (a called function checks its inputs again)
         assert [p["call"] for p in calls if p["call"].startswith("bucket")] == ([] if b == 0 else [f"bucket{b}"])
         checks.append(sum(p["call"] == "vm.builtin.check_tensor_info" for p in calls))
+        # each symbolic shape the run allocates tensors of is built once (`relax._shapes_once`)
+        made = [p["call"] for p in calls].count("vm.builtin.make_shape")
+        allocated = [p["call"] for p in calls].count("vm.builtin.alloc_tensor")
+        assert 0 < made and 2 * made <= allocated, (made, allocated)
     # ... but neither checks the weights (the executable's own, "num_input"): each the model's inputs alone
     n = len(planned.loaded.graph.inputs)
     assert checks == [n, 2 * n], checks
