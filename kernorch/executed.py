@@ -364,29 +364,24 @@ def measured_long_tiles(compiled, planned: Planned, options: Options, workers: m
     keys = [key for key, _ in planned.measured.at]
     values = sorted({_along(key, along) for key in keys})
     edge = sample_edges(rng, values)[-1] if len(values) > 1 else None
-    if parts and edge is not None and edge >= parts[-1][0]:  # (the last bucket serves more than its last
-        plan = _split_last(plan, rng, parts, edge, options)  # sample's lengths: those get a bucket of their own)
-        parts = plan_buckets(plan.meta)
-    if parts:
-        last, span = len(parts) - 1, parts[-1]
-    elif edge is not None:
-        last, span = 0, (edge + 1, rng[2])
-    else:
+    if not parts and edge is None:
         return compiled, planned
+    if not parts:  # (the one plan as a plan of one bucket, cut below; each kernel's id then names its bucket)
+        turned = {"columns_outside": ",".join(f"b0.{t}" for t in plan.meta["columns_outside"].split(","))
+                  } if plan.meta.get("columns_outside") else {}
+        dispatched = {DISPATCH_ON: on} if along is not None else {}
+        plan = dispatch_plan([plan], cut(rng, []), options, {**plan.meta, **turned, BUCKET_BOUNDS: "range", **dispatched})
+        parts = plan_buckets(plan.meta)
+    if edge is not None and edge >= parts[-1][0]:  # (the last bucket serves more than its last sample's
+        plan = _split_last(plan, rng, parts, edge, options)  # lengths: those get a bucket of their own)
+        parts = plan_buckets(plan.meta)
+    last, span = len(parts) - 1, parts[-1]
     retiled = long_tiles(replace(planned, plan=plan), last, span, along)
     if not retiled:
         return compiled, planned
     other = replace(plan, kernels=tuple(replace(k, schedule=retiled.get(i, k.schedule))
                                         for i, k in enumerate(plan.kernels)))
-    ids = [other.kernels[i].id for i in sorted(retiled)]
-    if not parts:  # (the one plan below the edge, re-tiled above it; each kernel's id then names its bucket)
-        turned = {"columns_outside": ",".join(f"b{b}.{t}" for b in (0, 1) for t in plan.meta["columns_outside"].split(
-            ","))} if plan.meta.get("columns_outside") else {}
-        dispatched = {DISPATCH_ON: on} if along is not None else {}
-        other = dispatch_plan([plan, other], cut(rng, [span[0] - 1]), options,
-                              {**plan.meta, **turned, BUCKET_BOUNDS: "range", **dispatched})
-        ids = [f"b1.{i}" for i in ids]
-    other = replace(other, meta={**other.meta, "long_tiles": ",".join(ids)})
+    other = replace(other, meta={**other.meta, "long_tiles": ",".join(other.kernels[i].id for i in sorted(retiled))})
     try:
         ran = emit(graph, other, options, planned.machine, workers)
     except KernorchError as e:  # (a fusion the other tile does not apply to: the plan stays)
