@@ -1173,7 +1173,7 @@ def test_one_executable_serves_the_whole_range(tmp_path):
         return out
     with meas.Workers(options) as workers, mock.patch.object(executed, "LONG_TILE_GAIN", -10.0), \
             mock.patch.object(executed, "long_tiles", other_columns), \
-            mock.patch.object(executed, "alternated", lambda a, b, feeds: (0.9, 1.0, 1.0)):
+            mock.patch.object(executed, "alternated", lambda a, b, feeds, **_: (0.9, 1.0, 1.0)):
         retiled, out = executed.measured_long_tiles(compiled, planned, options, workers)
     assert out.plan.meta["buckets"].endswith("182..512") and out.plan.meta["long_tiles"]
     packed: dict = {}
@@ -2531,7 +2531,7 @@ def _scripted_turns(monkeypatch, emitted: list, given, ratio, timed: list) -> No
     appended to `timed`; both lists cleared first."""
     from kernorch import executed, pipeline
 
-    def timing(a, b, feeds):
+    def timing(a, b, feeds, **_):
         assert a.plan is emitted[-1] and b is given  # (the changed plan's executable against the plan's)
         timed.append(feeds["seq"])
         return ratio(feeds["seq"]), 1.0, 1.0
@@ -2571,7 +2571,7 @@ def test_an_own_plan_stays_only_where_the_executable_runs_it_faster(monkeypatch)
 
     def run(choices, times):
         """`times(tag, n)`: the dispatching executable's seconds at length n against the one plan's 1."""
-        monkeypatch.setattr(executed, "alternated", lambda a, b, feeds: (
+        monkeypatch.setattr(executed, "alternated", lambda a, b, feeds, **_: (
             timed.append(feeds["seq"]), times(runs(a.plan, feeds["seq"]), feeds["seq"]), 1.0, 1.0)[1:])
         timed.clear()
         plan = pipeline.joined_samples(choices, one, measured, options, one.meta)
@@ -2640,7 +2640,7 @@ def test_own_plans_are_screened_at_their_samples_before_anything_is_built_whole(
     speed = {"own1": [1.0], "own64": [0.95, 0.97], "own512": [0.98, 0.991]}  # each timing's ratio, in turn
     timings = []
 
-    def alternated(a, b, feeds):
+    def alternated(a, b, feeds, **_):
         assert b.plan is one and a.at == (feeds["seq"],) and feeds["seq"] in b.at
         tag = a.plan.kernels[0].key
         timings.append(tag)
@@ -2699,6 +2699,25 @@ def test_two_executables_timed_in_turns_within_a_budget():
     a, b = First(0.001), First(0.001)
     ratio, _, _ = executed.alternated(a, b, {})
     assert ratio == pytest.approx(1.0, abs=1e-3) and turns[:4] == [a, b, b, a]
+
+
+def test_a_stage_shares_its_rounds_of_timing_among_its_points(block, monkeypatch):
+    """A stage judged by the geometric mean of its points' ratios (`_timed_at`) times each point in
+    its share of STAGE_ROUNDS rounds: a point or a few in `alternated`'s 7 (made 8), the loop order's
+    12 points of seq=1..512 (two buckets) in 4 each, never fewer."""
+    from kernorch import executed
+    from kernorch.options import Options
+    assert [executed.stage_rounds(n) for n in (1, 3, 5, 6, 8, 14, 100)] == [7, 7, 7, 6, 4, 4, 4]
+    got = []
+
+    def alternated(a, b, feeds, rounds=7):
+        got.append((int(feeds["x"].shape[1]), rounds))
+        return 0.98, 1.0, 1.0
+    monkeypatch.setattr(executed, "alternated", alternated)
+    points = executed.loop_order_points((("seq", 1, 512),), [1, 8, 64, 512], [(1, 181), (182, 512)])
+    over, timed = executed._timed_at("changed", "plan's", block[1], points, Options(threads=1, ranges=(("seq", 1, 512),)))
+    assert len(points) == 12 and over == [0.98] * 12 and got == [(p["seq"], 4) for p in points]
+    assert timed["seq=512"] == 0.98
 
 
 def _symbolic_batch_kernel(graph, inputs, tile, at=None):
@@ -3128,7 +3147,7 @@ def test_over_several_symbols_the_long_pairs_gemms_are_re_tiled_along_the_symbol
         emitted.clear()
         timed.clear()
 
-        def timing(a, b, feeds):
+        def timing(a, b, feeds, **_):
             assert a.plan is emitted[-1] and b is given
             timed.append((feeds["batch"], feeds["seq"]))
             return ratio, 1.0, 1.0
@@ -3243,7 +3262,7 @@ def test_over_several_symbols_the_loop_order_is_timed_at_every_sample_and_decide
     _scripted_emit(monkeypatch)
     timed = []
     # turned, the long pairs run 4 % faster, the short ones 1 % slower
-    monkeypatch.setattr(executed, "alternated", lambda a, b, feeds: (
+    monkeypatch.setattr(executed, "alternated", lambda a, b, feeds, **_: (
         timed.append((feeds["batch"], feeds["seq"])), 0.96 if feeds["seq"] > 4 else 1.01, 1.0, 1.0)[1:])
     compiled, out = executed.measured_loop_order(_Exe(plan), planned, options)
     assert sorted(timed) == sorted((p["batch"], p["seq"]) for p in points)

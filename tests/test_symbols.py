@@ -511,7 +511,7 @@ def test_the_dispatch_over_two_symbols_is_timed_along_the_one_dispatching(monkey
     timed = []
 
     def run(speed):
-        monkeypatch.setattr(executed, "alternated", lambda a, b, feeds: (
+        monkeypatch.setattr(executed, "alternated", lambda a, b, feeds, **_: (
             timed.append(dict(feeds)), speed(a.plan, feeds), 1.0, 1.0)[1:])
         timed.clear()
         choices = [long if s == 512 else one for _, s in keys]
