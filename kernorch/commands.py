@@ -185,7 +185,7 @@ def cmd_candidates(args, options: Options) -> int:
         machine = Machine.host()
         clock = pipeline.Clock()
         loaded = pipeline.load(args.model, options, clock)
-        options = pipeline.model_options(loaded.graph, options, machine)
+        options = pipeline.model_options(loaded.graph, options, machine, loaded.source)
         with clock("enumerate"):
             en = pipeline.enumerate_candidates(loaded.graph, options)
         with clock("measure"):

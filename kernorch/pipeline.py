@@ -29,6 +29,7 @@ from typing import Any, Mapping, Sequence
 from . import candidates as cands
 from . import costmodel as cm
 from . import fission as fis
+from . import footprint
 from . import masks
 from . import measure as meas
 from . import primitives
@@ -140,12 +141,14 @@ def load(model, options: Options, clock: Clock | None = None) -> Loaded:
     return Loaded(og.source, og, graph, rewritten)
 
 
-def model_options(graph: Graph, options: Options, machine: Machine) -> Options:
+def model_options(graph: Graph, options: Options, machine: Machine, source: str = "") -> Options:
     """What the model tells the measurements: where its kernels find their weights (in the
     last-level cache when they all fit there, as the calibration measured it: `measure.weights_fit`),
     and over a range, the weight of each length timed, relative to the model's floor there
-    (`dynamic.relative_weights`)."""
+    (`dynamic.relative_weights`). First, a model whose largest tensor is too large to measure on
+    this host (at the top of its range) is refused (`footprint.check`; `source` names it)."""
     from .calibrate import calibrate
+    footprint.check(graph, options.ranges, source or graph.name)
     cal = calibrate(options.threads)
     options = options.with_(weights_cached=meas.weights_fit(graph, machine, cal.get("last_level_kib")))
     if options.ranges and not options.sample_weights:
@@ -1244,7 +1247,7 @@ def _plan_range(model, options: Options, db: ProfileDB, machine: Machine, clock:
     """One plan over the range (or the static shapes) of `options`. Over a range, its lengths are
     weighted relative to the model's floor at each (dynamic.relative_weights)."""
     loaded = load(model, options, clock)
-    options = model_options(loaded.graph, options, machine)
+    options = model_options(loaded.graph, options, machine, loaded.source)
     with clock("enumerate"):
         enumeration = enumerate_candidates(loaded.graph, options)
     meta = plan_meta(loaded.source, machine, options)

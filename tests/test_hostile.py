@@ -13,6 +13,7 @@
 | external data missing                  | inspect      | external data ... missing                   |
 | unbound symbolic dimension             | inspect      | unbound symbolic dimension(s) ... --shape   |
 | --shape of a non-input                 | inspect      | not model inputs                            |
+| a tensor too large for this host       | optimize     | the tensor ..., takes ... fits up to        |
 | operator kept whole, no permission     | optimize     | has no compiled kernel ... --allow-python   |
 | input of an unknown name               | run          | unknown inputs                              |
 | input of a wrong shape                 | run          | has shape ... optimized for                 |
@@ -144,6 +145,33 @@ def test_unbound_symbols_and_bad_shapes(tmp_path, capsys):
     onnx.save(m, str(tmp_path / "sym.onnx"))
     expect(capsys, ["inspect", tmp_path / "sym.onnx"], "unbound symbolic dimension", "--shape")
     expect(capsys, ["inspect", tmp_path / "sym.onnx", "--shape", "nope=1x2"], "not model inputs")
+
+
+def test_a_tensor_too_large_to_measure_here_is_refused_before_anything_is_measured(tmp_path, capsys):
+    """x @ x^T over a symbolic length: at seq=10^6 its square output takes 3.6 TiB (3725 GiB); refused by name,
+    node and shape, with the widest range that fits (the scores of the transformer block over
+    seq=1..10^8 ran the first stage for minutes without a word); bound statically, the same."""
+    from kernorch import footprint
+    m = model([helper.make_node("Transpose", ["x"], ["t"], name="tr", perm=[1, 0]),
+               helper.make_node("MatMul", ["x", "t"], ["y"], name="square")],
+              [vi("x", ["seq", 8])], [vi("y", ["seq", "seq"])])
+    onnx.save(m, str(tmp_path / "sq.onnx"))
+    db = tmp_path / "db.sqlite"
+    expect(capsys, ["optimize", tmp_path / "sq.onnx", "-o", tmp_path / "o", "--db", db, "--shape", "seq=1..1000000"],
+           "sq.onnx: at seq=1000000", "(node square)", "float32[1000000x1000000]", "3725.3 GiB",
+           "of memory: the range fits up to seq=")
+    expect(capsys, ["candidates", tmp_path / "sq.onnx", "--db", db, "--shape", "x=1000000x8"],
+           "sq.onnx: the tensor y (node square)", "float32[1000000x1000000]")
+    assert not (tmp_path / "o").exists()
+    # the boundary: the largest length whose square fits in an eighth of the memory given
+    graph = pipeline.load(str(tmp_path / "sq.onnx"), Options(ranges=(("seq", 1, 4096),))).graph
+    memory = 8 * 4 * 1000 * 1000
+    footprint.check(graph, (("seq", 1, 1000),), "sq", memory)
+    with pytest.raises(Exception, match=r"fits up to seq=1000 \(--shape seq=1\.\.1000\)"):
+        footprint.check(graph, (("seq", 1, 1001),), "sq", memory)
+    with pytest.raises(Exception, match="not even seq=2000 fits"):
+        footprint.check(graph, (("seq", 2000, 4096),), "sq", memory)
+    footprint.check(graph, (("seq", 1, 4096),), "sq", 0)  # (a host that does not say: not checked)
 
 
 def test_operator_kept_whole_needs_permission(tmp_path, capsys):
