@@ -48,7 +48,8 @@ sys.path.insert(0, str(HERE.parent))
 from kernorch import examples  # noqa: E402
 from kernorch.peers import Timer, load_state, round_ratios  # noqa: E402
 
-BLOCK = 3  # timed runs per system per round
+BLOCK = 3  # timed runs per system per round, at least
+BLOCK_S = 0.02  # and as many as last this long for the fastest system (Timer.block_lasting)
 
 
 def build_model(args):
@@ -132,8 +133,8 @@ def timed(point, systems: dict[str, tuple[Path, tuple]], model: Path, args) -> d
     same threads (kernorch.peers.Timer): the kernorch executables of `systems` ({label: (directory,
     the point it runs at)}: a padded one runs at its bucket), ONNX Runtime and OpenVINO (the dynamic model,
     compiled once for every length; f32, LATENCY hint). Returns the medians (ms), the runs, every
-    run (s, in order: BLOCK per round) and, per pair of systems, the median of their per-round
-    ratios (kernorch.peers.round_ratios)."""
+    run (s, in order: `block` per round, BLOCK or as many as last BLOCK_S) and, per pair of
+    systems, the median of their per-round ratios (kernorch.peers.round_ratios)."""
     rng = np.random.default_rng(point[0] * 100000 + point[1])
     with Timer(args.threads) as t:
         for label, (directory, at) in systems.items():
@@ -144,11 +145,13 @@ def timed(point, systems: dict[str, tuple[Path, tuple]], model: Path, args) -> d
         if t.add("openvino", str(model), inputs)["status"] != "ok":
             print(f"OpenVINO: {t.info['openvino']}", flush=True)
         before = load_state()
-        times = t.rounds(args.rounds, block=BLOCK)
+        block = t.block_lasting(BLOCK_S, BLOCK)
+        times = t.rounds(args.rounds, block=block)
     paired = {f"{a}/{b}": statistics.median(r) for a in times for b in times
-              if a != b and (r := round_ratios(times, a, b, BLOCK))}
+              if a != b and (r := round_ratios(times, a, b, block))}
     return {"ms": {n: statistics.median(v) * 1e3 for n, v in times.items() if v},
-            "runs": {n: len(v) for n, v in times.items()}, "paired": paired, "times_s": times, "load": before}
+            "runs": {n: len(v) for n, v in times.items()}, "block": block, "paired": paired, "times_s": times,
+            "load": before}
 
 
 def main(argv=None) -> int:
@@ -277,7 +280,8 @@ def main(argv=None) -> int:
     lines = [f"# One executable over {over_what} ({what}, dim {args.dim}, {args.threads} threads, "
              f"max kernel size {args.max_kernel_size})", "",
              f"Median ms; at each length every system runs in its own process, in turns ({args.rounds} rounds of "
-             f"{BLOCK} runs). The ratios are medians of the per-round ratios (two systems compared within one round, "
+             f"{BLOCK} runs or as many as take the fastest system {BLOCK_S * 1e3:.0f} ms: "
+             f"{', '.join(str(r.get('block', BLOCK)) for r in rows)} at the lengths below). The ratios are medians of the per-round ratios (two systems compared within one round, "
              "seconds apart: kernorch.peers.round_ratios). dynamic: `kernorch optimize` over the range"
              + (f" (timed at {args.samples} lengths)" if args.samples else "")
              + f", one plan or own plans dispatched where they run faster (here: {summary['dynamic_buckets']})"

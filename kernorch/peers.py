@@ -19,6 +19,7 @@ error and never stops the others.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -313,6 +314,15 @@ class Timer:
         except OSError:  # no /proc (or the process is gone): nothing to wait for
             pass
         return time.monotonic() - t0
+
+    def block_lasting(self, seconds: float, least: int = 3) -> int:
+        """Timed runs per turn (`rounds`' block) that make the fastest system's turn last about
+        `seconds`, never fewer than `least`: each system's call timed once, after its warm-up. A
+        turn of 3 calls of 0.7 ms is at the mercy of one interruption: two kernorch executables of
+        gpt_like at seq=7, each in its own process, their 15 round ratios spread 0.91-1.77 in turns
+        of 3 calls and 0.98-1.11 in turns of 30 (medians 1.057 and 1.061; Xeon model 167)."""
+        fastest = min(min(self._block(n, 1, 1)) for n in self.systems)
+        return max(least, math.ceil(seconds / max(fastest, 1e-6)))
 
     def rounds(self, rounds: int, block: int = 3, warmup: int = 1, max_seconds: float = 120.0) -> dict[str, list[float]]:
         """`rounds` turns of `block` timed runs per system (after `warmup` untimed ones lasting at

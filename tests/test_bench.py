@@ -258,6 +258,21 @@ def test_each_turn_warms_a_system_up_for_a_while_before_timing_it():
     assert calls[-3] - calls[0] >= WARMUP_S
 
 
+def test_a_turn_of_short_calls_lasts_a_while():
+    """`Timer.block_lasting`: as many timed runs per turn as make the fastest system's turn last the
+    seconds asked (each system's call timed once), never fewer than the least: 3 calls of 0.7 ms are
+    at the mercy of one interruption, 3 of 30 ms are not."""
+    from kernorch.peers import Timer
+    once = {"a": 0.001, "b": 0.0005}
+    with Timer(1) as t:
+        for name in once:
+            t.add_local(name, lambda: None)
+        t._block = lambda name, runs, warmup: [once[name]] * runs
+        assert t.block_lasting(0.02, 3) == 40   # the faster one's 0.5 ms sets it
+        once.update(a=0.03, b=0.05)
+        assert t.block_lasting(0.02, 3) == 3
+
+
 def test_systems_are_compared_round_by_round():
     """Two systems timed in turns while the machine changes pace between rounds: the median of the
     per-round ratios is their true ratio (2), where the ratio of their overall medians is not."""
