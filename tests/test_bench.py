@@ -262,6 +262,7 @@ def test_a_turn_of_short_calls_lasts_a_while():
     """`Timer.block_lasting`: as many timed runs per turn as make the fastest system's turn last the
     seconds asked (each system's call timed once), never fewer than the least: 3 calls of 0.7 ms are
     at the mercy of one interruption, 3 of 30 ms are not."""
+    from kernorch.ir import KernorchError
     from kernorch.peers import Timer
     once = {"a": 0.001, "b": 0.0005}
     with Timer(1) as t:
@@ -271,6 +272,13 @@ def test_a_turn_of_short_calls_lasts_a_while():
         assert t.block_lasting(0.02, 3) == 40   # the faster one's 0.5 ms sets it
         once.update(a=0.03, b=0.05)
         assert t.block_lasting(0.02, 3) == 3
+
+        def failing(name, runs, warmup):  # a system that fails is left to `rounds` to report
+            if name == "b":
+                raise KernorchError("b: crashed")
+            return [0.002] * runs
+        t._block = failing
+        assert t.block_lasting(0.02, 3) == 10
 
 
 def test_systems_are_compared_round_by_round():
