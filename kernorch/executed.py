@@ -104,7 +104,7 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
     plan's time at 512 and 1.02x at 182, was dropped; the one plan took 1.11x the static plan's time
     at 512 and 1.04x at 300.) Returns (compiled, planned), `planned.dispatch` the last times against
     the one plan's at every length timed."""
-    from . import executor
+    from . import executor, progress
     from .dynamic import bind, middle
     graph, one = planned.loaded.graph, planned.one
     rng, values, index, choices = slices(planned.choices, [key for key, _ in planned.measured.at], options.ranges)
@@ -118,10 +118,13 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
     todo = list(_dispatch_timed(probes, own))  # the buckets timed (again: those whose plan changed since)
     for _ in probes:
         timed = _dispatch_timed(probes, own)
-        for n in (n for k in todo for n in timed[k]):
-            checked[n], mine, ours = alternated(compiled, single, feeds[n])
-            log.info("%s=%d: %.1f us in the dispatching executable against %.1f in the one plan's", name, n,
-                     mine * 1e6, ours * 1e6)
+        lengths = [n for k in todo for n in timed[k]]
+        with progress.bar("dispatch: time in turns", len(lengths)) as bar:
+            for n in lengths:
+                checked[n], mine, ours = alternated(compiled, single, feeds[n])
+                log.info("%s=%d: %.1f us in the dispatching executable against %.1f in the one plan's", name, n,
+                         mine * 1e6, ours * 1e6)
+                bar.advance()
         over = {k: statistics.geometric_mean(checked[n] for n in ns) for k, ns in timed.items()}
         kept = [k for k in own if over[k] <= 1.0 - DISPATCH_GAIN]
         called = [k for k in timed if k not in own]
@@ -219,7 +222,7 @@ def measured_loop_order(compiled, planned: Planned, options: Options, workers: m
     buckets = {plan.kernels[i].bucket for i in turned}
     points = [p for p in loop_order_points(options.ranges, [key for key, _ in planned.measured.at], parts)
               if bucket(p) in buckets]
-    over, timed = _timed_at(other, compiled, graph, points, options)
+    over, timed = _timed_at(other, compiled, graph, points, options, "loop order")
     log.info("loop order: %d kernels with columns outside, the executable's time against the plan's: %s",
              len(turned), ", ".join(f"{k} {r:.3f}" for k, r in timed.items()))
     planned = replace(planned, loop_order=timed)
@@ -252,15 +255,20 @@ def stage_rounds(points: int) -> int:
     return max(MIN_ROUNDS, min(7, math.ceil(STAGE_ROUNDS / max(points, 1))))
 
 
-def _timed_at(changed, compiled, graph: Graph, points: Sequence[Mapping[str, int]], options: Options
-              ) -> tuple[list[float], dict[str, float]]:
+def _timed_at(changed, compiled, graph: Graph, points: Sequence[Mapping[str, int]], options: Options,
+              stage: str = "executable") -> tuple[list[float], dict[str, float]]:
     """`changed`'s time over `compiled`'s at each binding of `points`, in turns (`alternated`, in
-    `stage_rounds` rounds each), as a list and by the bindings' key text (for the report)."""
-    from . import executor
+    `stage_rounds` rounds each), as a list and by the bindings' key text (for the report); a
+    progress bar named for `stage` counts the points."""
+    from . import executor, progress
     from .dynamic import bind, key_text, sample_key
     rounds = stage_rounds(len(points))
-    over = [alternated(changed, compiled, executor.random_feeds(bind(graph, p), options.seed), rounds=rounds)[0]
-            for p in points]
+    over = []
+    with progress.bar(f"{stage}: time in turns", len(points)) as bar:
+        for p in points:
+            over.append(alternated(changed, compiled, executor.random_feeds(bind(graph, p), options.seed),
+                                   rounds=rounds)[0])
+            bar.advance()
     return over, {key_text(options.ranges, sample_key(p)): r for p, r in zip(points, over)}
 
 
@@ -406,7 +414,7 @@ def measured_long_tiles(compiled, planned: Planned, options: Options, workers: m
         log.info("long tiles: the re-tiled kernels did not build (%s)", e)
         return compiled, planned
     points = long_tile_points(options.ranges, keys, plan_buckets(other.meta), on, span)
-    over, timed = _timed_at(ran, compiled, graph, points, options)
+    over, timed = _timed_at(ran, compiled, graph, points, options, "long tiles")
     log.info("long tiles: %d kernels of the bucket %s=%d..%d re-tiled, the executable's time against the plan's: %s",
              len(retiled), on, span[0], span[1], ", ".join(f"{k} {r:.3f}" for k, r in timed.items()))
     planned = replace(planned, long_tiles=timed)

@@ -1,5 +1,6 @@
 """Symbolic dimensions (kernorch.dynamic): one generic graph over a range, which binds back to exactly
 the graph fission gives at any value of the range; what cannot be one graph is refused by name."""
+import contextlib
 import random
 import re
 from unittest import mock
@@ -2718,6 +2719,22 @@ def test_a_stage_shares_its_rounds_of_timing_among_its_points(block, monkeypatch
     over, timed = executed._timed_at("changed", "plan's", block[1], points, Options(threads=1, ranges=(("seq", 1, 512),)))
     assert len(points) == 12 and over == [0.98] * 12 and got == [(p["seq"], 4) for p in points]
     assert timed["seq=512"] == 0.98
+    # (a progress bar named for the stage counts the points)
+    from kernorch import progress
+    bars = []
+
+    class Bar:
+        def advance(self, n=1):
+            bars[-1][2] += n
+
+    @contextlib.contextmanager
+    def bar(description, total):
+        bars.append([description, total, 0])
+        yield Bar()
+    monkeypatch.setattr(progress, "bar", bar)
+    executed._timed_at("changed", "plan's", block[1], points[:3], Options(threads=1, ranges=(("seq", 1, 512),)),
+                       "loop order")
+    assert bars == [["loop order: time in turns", 3, 3]]
 
 
 def _symbolic_batch_kernel(graph, inputs, tile, at=None):
