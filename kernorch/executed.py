@@ -22,7 +22,7 @@ from .ir import Graph, KernorchError, structural_key
 from .kernels import LengthSwitch, Tile, split
 from .kernels.tiles import SMALL_ROWS
 from .options import Options
-from .pipeline import Planned, at_length, dispatch_plan, emit, in_class, joined_samples, kernels_of, slices
+from .pipeline import Planned, at_length, bucketed, dispatch_plan, emit, in_class, joined_samples, kernels_of, slices
 from .plan import Plan
 
 log = logging.getLogger(__name__)
@@ -252,7 +252,7 @@ MIN_ROUNDS = 4
 
 def stage_rounds(points: int) -> int:
     """The rounds of `alternated` each of a stage's `points` is timed in (STAGE_ROUNDS shared)."""
-    return max(MIN_ROUNDS, min(7, math.ceil(STAGE_ROUNDS / max(points, 1))))
+    return max(MIN_ROUNDS, min(ROUNDS, math.ceil(STAGE_ROUNDS / max(points, 1))))
 
 
 def _timed_at(changed, compiled, graph: Graph, points: Sequence[Mapping[str, int]], options: Options,
@@ -396,7 +396,8 @@ def measured_long_tiles(compiled, planned: Planned, options: Options, workers: m
         turned = {"columns_outside": ",".join(f"b0.{t}" for t in plan.meta["columns_outside"].split(","))
                   } if plan.meta.get("columns_outside") else {}
         dispatched = {DISPATCH_ON: on} if along is not None else {}
-        plan = dispatch_plan([plan], cut(rng, []), options, {**plan.meta, **turned, BUCKET_BOUNDS: "range", **dispatched})
+        plan = dispatch_plan([plan], cut(rng, []), options,
+                             {**plan.meta, **turned, BUCKET_BOUNDS: "range", **dispatched})
         parts = plan_buckets(plan.meta)
     if edge is not None and edge >= parts[-1][0]:  # (the last bucket serves more than its last sample's
         plan = _split_last(plan, rng, parts, edge, options)  # lengths: those get a bucket of their own)
@@ -428,14 +429,13 @@ def _split_last(plan: Plan, rng: tuple[str, int, int], parts: Sequence[tuple[int
     """`plan` (with buckets along `rng`'s symbol, `parts`) with its last bucket cut after `edge`, the
     same kernels on both sides (`Plan.split_last`); the kernels turned in the last are named turned
     in both (meta["columns_outside"])."""
-    from .dynamic import bucket_weights, cut
-    last = len(parts) - 1
-    parts = [*parts[:-1], (parts[-1][0], edge), (edge + 1, parts[-1][1])]
+    from .dynamic import cut
+    last, name = len(parts) - 1, rng[0]
+    weights, named = bucketed([*((name, lo, hi) for lo, hi in parts[:-1]), *cut((name, *parts[-1]), [edge])],
+                              options)
     turned = [t for t in plan.meta.get("columns_outside", "").split(",") if t]
     turned += [f"b{last + 1}.{t.removeprefix(f'b{last}.')}" for t in turned if t.startswith(f"b{last}.")]
-    meta = {**plan.meta, "buckets": ",".join(f"{lo}..{hi}" for lo, hi in parts),
-            **({"columns_outside": ",".join(turned)} if turned else {})}
-    return plan.split_last(bucket_weights([(rng[0], lo, hi) for lo, hi in parts], options.lengths), meta)
+    return plan.split_last(weights, {**plan.meta, **named, **({"columns_outside": ",".join(turned)} if turned else {})})
 
 
 def long_tile_points(ranges, keys: Sequence, parts: Sequence[tuple[int, int]], on: str,
@@ -469,7 +469,10 @@ def dispatch_probes(rng: tuple[str, int, int], lengths: Sequence[int]) -> list[t
             for (_, a, b), n in zip(cut(rng, sample_edges(rng, lengths)), lengths)]
 
 
-def alternated(a, b, feeds, rounds: int = 7, round_s: float = 0.02, budget_s: float = 0.5,
+ROUNDS = 7  # `alternated`'s rounds, at most (made even)
+
+
+def alternated(a, b, feeds, rounds: int = ROUNDS, round_s: float = 0.02, budget_s: float = 0.5,
                ) -> tuple[float, float, float]:
     """Executables `a` and `b` on `feeds`, timed in turns: up to `rounds` rounds (at least 3, made
     even: each order as often) of as many calls as take about `round_s` each (at least one), the

@@ -1675,12 +1675,18 @@ def kernels_of(plan) -> tuple:
     return tuple((k.members, k.impl, k.schedule) for k in plan.kernels)
 
 
+def bucketed(parts, options: Options) -> tuple[list[float], dict[str, str]]:
+    """Each of the buckets `parts` ((name, lo, hi), as dynamic.cut gives them) weighted by its share
+    of the range (of the observed lengths, when given), and the plan meta naming them ("buckets")."""
+    from .dynamic import bucket_weights
+    return bucket_weights(parts, options.lengths), {"buckets": ",".join(f"{lo}..{hi}" for _, lo, hi in parts)}
+
+
 def dispatch_plan(plans: list, parts, options: Options, meta: Mapping[str, str]):
     """One plan of the per-bucket `plans` (buckets `parts`, as dynamic.buckets gives them), each
-    weighted by its share of the range (of the observed lengths, when given); meta["buckets"] names them."""
-    from .dynamic import bucket_weights
-    return Plan.dispatch(plans, bucket_weights(parts, options.lengths),
-                         {**meta, "buckets": ",".join(f"{lo}..{hi}" for _, lo, hi in parts)})
+    weighted by its share of the range (`bucketed`); meta["buckets"] names them."""
+    weights, named = bucketed(parts, options)
+    return Plan.dispatch(plans, weights, {**meta, **named})
 
 
 # ------------------------------------------------------------------------------------------------
