@@ -596,9 +596,17 @@ def _with_pending(measured: Measured, pending: Mapping, options: Options, machin
     does not rebuild where the earlier run ended (its correction and spread followed the order of
     its measurements: segformer_b0 on a Zen 4 still measured 669 more fusions in 24 rounds); the
     estimates that run kept do (`_resumed`, applied after this)."""
+    # over a range each estimate is the weighted sum of estimates at the lengths the kernels are
+    # timed at, each made from the times there (bound, features, the model's labels): made at the
+    # middle length and scaled as the members' times scale over the range, a fused attention over
+    # seq=1..512 was estimated at twice its time (its keys padded to its tile cost it more at short
+    # lengths than its members, less at long ones), so it was never measured. The stages after the
+    # plan read those lengths too, with nothing pending as well (`--measure-all` over seq=1..512 timed
+    # its executables at seq=0 and stopped there: `measured_loop_order`)
+    at = _lengths_at(options)
     if not pending:
         return replace(measured, pending={}, estimates={}, bounds={}, members_ns={}, predicted={}, bounds_at={},
-                       predicted_at={})
+                       predicted_at={}, at=tuple((length, w) for length, w, _ in at))
     from .calibrate import calibrate
     from .estimate import fused_estimate_ns
     cal = calibrate(options.threads)
@@ -606,12 +614,6 @@ def _with_pending(measured: Measured, pending: Mapping, options: Options, machin
     alone, cheapest = cm.alone_times(measured.measurements)
     prim_alone = cm.prims_alone(graphs, alone)
     members_ns = {i: float(max(1, sum(prim_alone.get(p.name, 0) for p in j.graph.prims))) for i, j in pending.items()}
-    # over a range each estimate is the weighted sum of estimates at the lengths the kernels are
-    # timed at, each made from the times there (bound, features, the model's labels): made at the
-    # middle length and scaled as the members' times scale over the range, a fused attention over
-    # seq=1..512 was estimated at twice its time (its keys padded to its tile cost it more at short
-    # lengths than its members, less at long ones), so it was never measured
-    at = _lengths_at(options)
     model = cm.shipped() if options.cost_model == "learned" else None
     learned = [i for i, j in pending.items() if _learnable(j.graph)]
     bounds_at: dict = {i: [] for i in pending}

@@ -1059,6 +1059,21 @@ def test_over_a_range_a_fusion_is_estimated_at_each_length_it_is_timed_at(block,
     assert out.predicted[job.ident] == pytest.approx(2.0 * sum(w * (at[0][v] + at[1][v]) for v, w in weights.items()))
 
 
+def test_over_a_range_the_lengths_timed_at_are_known_with_nothing_pending():
+    """Every fusion measured up front (`--measure-all`, or a database that holds them all) leaves
+    nothing pending, and the stages after the plan still read the range's sample lengths from
+    `Measured.at`; left at the static default (0), the loop order stage timed executables at
+    seq=0 and the optimize stopped there."""
+    from kernorch import pipeline
+    from kernorch.measure import MeasureStats
+    from kernorch.options import Machine, Options
+    options = Options(threads=1, ranges=(("seq", 1, 512),), sample_weights=(0.76, 0.24, 0.0043), samples=3)
+    out = pipeline._with_pending(pipeline.Measured({}, MeasureStats()), {}, options, Machine.host())
+    assert out.at == ((1, 0.76), (23, 0.24), (512, 0.0043)) and not out.pending
+    static = pipeline._with_pending(pipeline.Measured({}, MeasureStats()), {}, Options(threads=1), Machine.host())
+    assert static.at == ((0, 1.0),)
+
+
 def test_row_copies_on_a_static_gemm_are_refused(block):
     from kernorch.backends.tvm.lower import lower
     from kernorch.backends.tvm.schedule import schedule
