@@ -509,6 +509,24 @@ def test_the_pruning_replay_takes_optimize_shapes(benchmark_script):
         bench.shape_options(["seq=1..x"])
 
 
+def test_the_refine_replay_prices_the_one_plan_at_the_oracles_times(benchmark_script):
+    """benchmarks/replay.py: the plan a replay ended with is priced with each kernel at the oracle's
+    time where the oracle holds it. Over a range that is the one plan the refine loop settled on,
+    not the plan dispatching among the samples' own plans (its buckets' kernels are weighted by
+    their buckets, the oracle's times by the whole range)."""
+    from types import SimpleNamespace as NS
+    bench = benchmark_script("replay")
+
+    def plan(*costs):
+        return NS(stats=NS(objective_ns=sum(costs) + 5), kernels=[NS(key=f"k{i}", cost_ns=c) for i, c in enumerate(costs)])
+    oracle = {"k0": NS(ok=True, median_ns=120), "k1": NS(ok=False, median_ns=None)}
+    one, dispatching = plan(100, 50), plan(900, 800)
+    chosen, true = bench.priced(NS(one=one, plan=dispatching), lambda k: oracle.get(k.key))
+    assert chosen is one and true == 155 + 20      # k0 at the oracle's 120, k1 (refused there) at its own cost
+    chosen, true = bench.priced(NS(one=None, plan=one), lambda k: None)
+    assert chosen is one and true == 155
+
+
 def test_the_retest_scores_a_second_timing_of_the_same_fusions_as_a_predictor(monkeypatch, benchmark_script):
     """benchmarks/costmodel.py --retest: the measured fusions of each model (up to n, sampled) are
     timed again in a fresh database, with the options the model was measured with, and that second
