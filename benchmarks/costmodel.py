@@ -64,11 +64,18 @@ from kernorch.estimate import fused_estimate_ns  # noqa: E402
 from kernorch.options import Machine, Options  # noqa: E402
 
 
+_EXAMPLES: tempfile.TemporaryDirectory | None = None  # the example models of this process, removed as it ends
+
+
 def model_paths(names) -> list[Path]:
+    """The ONNX files of `names`: the shared models, and kernorch's examples written once per process
+    into a directory of its own (a directory per call, never removed, had left 49 in /tmp)."""
+    global _EXAMPLES
     from kernorch.examples import save_examples
     out = [SHARED / f"{n}.onnx" for n in names if (SHARED / f"{n}.onnx").exists()]
-    examples = Path(tempfile.mkdtemp(prefix="kernorch-examples-"))
-    out += [p for p in save_examples(examples) if p.stem in names]
+    if _EXAMPLES is None:
+        _EXAMPLES = tempfile.TemporaryDirectory(prefix="kernorch-examples-")
+    out += [p for p in save_examples(Path(_EXAMPLES.name)) if p.stem in names]
     return out
 
 

@@ -3,6 +3,7 @@ run's residual, and how pruning uses it (never below the analytic bound)."""
 import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -507,6 +508,18 @@ def test_the_pruning_replay_takes_optimize_shapes(benchmark_script):
     assert bench.shape_options([]) == {"ranges": (), "shapes": ()}
     with pytest.raises(KernorchError, match="seq=1..x"):
         bench.shape_options(["seq=1..x"])
+
+
+def test_the_benchmarks_write_the_example_models_once_into_one_directory_of_the_process(benchmark_script):
+    """benchmarks/costmodel.py's model_paths (costmodel.py and pruning.py each call it, pruning.py
+    twice): kernorch's examples in one temporary directory per process (removed as it ends), not a
+    new one per call left behind."""
+    bench = benchmark_script("costmodel")
+    first = bench.model_paths(["transformer_block", "candy_like", "no_such_model"])
+    again = bench.model_paths(["transformer_block"])
+    assert sorted(p.stem for p in first) == ["candy_like", "transformer_block"] and all(p.exists() for p in first)
+    assert again == [p for p in first if p.stem == "transformer_block"]
+    assert bench._EXAMPLES is not None and first[0].parent == Path(bench._EXAMPLES.name)
 
 
 def test_the_refine_replay_prices_the_one_plan_at_the_oracles_times(benchmark_script):
