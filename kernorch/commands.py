@@ -102,7 +102,8 @@ def cmd_db(args, options: Options) -> int:
                 _emit_json(s)
             else:
                 print(f"{s['path']}: {s['measurements']} measurements, {s['size_bytes'] / 1e6:.2f} MB; the last "
-                      f"estimates of {s['runs_kept']} runs, {s['block_solutions']} proven block solutions")
+                      f"estimates of {s['runs_kept']} runs, {s['block_solutions']} proven block solutions, "
+                      f"{s['executable_comparisons']} timings of executables in turns")
                 _table("Measurements", ["target", "impl", "status", "rows", "distinct keys"],
                        [[g["target"], g["impl"], g["status"], g["rows"], g["distinct_keys"]] for g in s["groups"]])
         elif args.action == "export":

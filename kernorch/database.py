@@ -4,7 +4,8 @@ A measurement is keyed by (target fingerprint, kernel key, implementation, sched
 Each row is committed the moment it exists, so a killed run loses nothing it measured; a second
 run on the same model finds everything and measures nothing (and, in `estimates` and `solutions`,
 where the first run's estimates of the fusions it never measured ended, and the blocks of its
-orchestration program already solved). A key measured more than once
+orchestration program already solved; in `comparisons`, over a range, how its whole executables
+timed against each other, so the second run takes the same decisions). A key measured more than once
 (`measure --remeasure`) counts its fastest measurement: other work on the machine only ever makes
 a kernel slower.
 """
@@ -43,6 +44,11 @@ CREATE TABLE IF NOT EXISTS estimates (  -- a run's last estimates of the fusions
 CREATE TABLE IF NOT EXISTS solutions (  -- proven solutions of orchestration blocks (kernorch.blocks)
     key TEXT PRIMARY KEY,               -- digest of the block's program: its kernels, their costs, its state
     solution TEXT NOT NULL,             -- JSON
+    created REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS comparisons (  -- two whole executables timed in turns (kernorch.executed.compared)
+    key TEXT PRIMARY KEY,                 -- digest: both executables' libraries, the inputs' shape, the machine, the turn
+    comparison TEXT NOT NULL,             -- JSON [first's time over second's, first's s, second's s]
     created REAL NOT NULL
 );
 """
@@ -177,6 +183,14 @@ class ProfileDB:
     def keep_estimates(self, key: str, estimates) -> None:
         self._keep("estimates", key, json.dumps([[*i, int(ns)] for i, ns in sorted(estimates.items())]))
 
+    def comparison(self, key: str) -> tuple[float, float, float] | None:
+        """Two executables' timing in turns kept under `key` (kernorch.executed.compared), or None."""
+        text = self._kept("comparisons", key)
+        return tuple(float(x) for x in json.loads(text)) if text else None
+
+    def keep_comparison(self, key: str, values: tuple[float, float, float]) -> None:
+        self._keep("comparisons", key, json.dumps([float(x) for x in values]))
+
     def rows(self) -> Iterator[Measurement]:
         for row in self.conn.execute(
                 "SELECT target,key,impl,schedule,versions,status,median_ns,runs_ns,reason,build_s,description,"
@@ -188,9 +202,9 @@ class ProfileDB:
         total = c.execute("SELECT COUNT(*) FROM measurements").fetchone()[0]
         by = c.execute("SELECT target, impl, status, COUNT(*), COUNT(DISTINCT key) FROM measurements "
                        "GROUP BY target, impl, status ORDER BY target, impl, status").fetchall()
-        kept = {t: c.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ("estimates", "solutions")}
+        kept = {t: c.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ("estimates", "solutions", "comparisons")}
         return {"path": str(self.path), "measurements": total, "runs_kept": kept["estimates"],
-                "block_solutions": kept["solutions"],
+                "block_solutions": kept["solutions"], "executable_comparisons": kept["comparisons"],
                 "size_bytes": self.path.stat().st_size if self.path.exists() else 0,
                 "groups": [{"target": t, "impl": i, "status": s, "rows": n, "distinct_keys": k}
                            for t, i, s, n, k in by]}
@@ -202,9 +216,10 @@ class ProfileDB:
         where = " WHERE status IN ('refused', 'failed')" if refused_only else ""
         n = self.conn.execute("SELECT COUNT(*) FROM measurements" + where).fetchone()[0]
         self.conn.execute("DELETE FROM measurements" + where)
-        if not refused_only:  # estimated and solved from costs that are gone
+        if not refused_only:  # estimated and solved from costs that are gone; executables of kernels timed again
             self.conn.execute("DELETE FROM solutions")
             self.conn.execute("DELETE FROM estimates")
+            self.conn.execute("DELETE FROM comparisons")
         self.conn.commit()
         return n
 

@@ -11,13 +11,17 @@ runs faster, timed in turns against the plan's in this process (`alternated`).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import math
 import statistics
 from dataclasses import replace
+from pathlib import Path
 from typing import Mapping, Sequence
 
 from . import measure as meas
+from .database import ProfileDB
 from .ir import Graph, KernorchError, structural_key
 from .kernels import LengthSwitch, Tile, split
 from .kernels.tiles import SMALL_ROWS
@@ -54,8 +58,8 @@ def screen_samples(planned: Planned, options: Options) -> Planned:
         mine = emit(graph, choices[k], options, planned.machine, at=(n,))
         feeds = executor.random_feeds(bind(graph, {name: n}), options.seed)
         ratios = []
-        for _ in range(SCREEN_TIMINGS):
-            ratio, t_mine, t_ours = alternated(mine, ours, feeds)
+        for turn in range(SCREEN_TIMINGS):
+            ratio, t_mine, t_ours = compared(mine, ours, feeds, {name: n}, options, turn=turn)
             ratios.append(ratio)
             log.info("%s=%d: its own plan %.1f us against the one plan's %.1f (built for it alone)", name, n,
                      t_mine * 1e6, t_ours * 1e6)
@@ -121,7 +125,8 @@ def measured_dispatch(compiled, planned: Planned, options: Options, workers: mea
         lengths = [n for k in todo for n in timed[k]]
         with progress.bar("dispatch: time in turns", len(lengths)) as bar:
             for n in lengths:
-                checked[n], mine, ours = alternated(compiled, single, feeds[n])
+                checked[n], mine, ours = compared(compiled, single, feeds[n], {**middle(options.ranges), name: n},
+                                                  options)
                 log.info("%s=%d: %.1f us in the dispatching executable against %.1f in the one plan's", name, n,
                          mine * 1e6, ours * 1e6)
                 bar.advance()
@@ -266,8 +271,8 @@ def _timed_at(changed, compiled, graph: Graph, points: Sequence[Mapping[str, int
     over = []
     with progress.bar(f"{stage}: time in turns", len(points)) as bar:
         for p in points:
-            over.append(alternated(changed, compiled, executor.random_feeds(bind(graph, p), options.seed),
-                                   rounds=rounds)[0])
+            over.append(compared(changed, compiled, executor.random_feeds(bind(graph, p), options.seed), p, options,
+                                 rounds=rounds)[0])
             bar.advance()
     return over, {key_text(options.ranges, sample_key(p)): r for p, r in zip(points, over)}
 
@@ -469,6 +474,40 @@ def dispatch_probes(rng: tuple[str, int, int], lengths: Sequence[int]) -> list[t
             for (_, a, b), n in zip(cut(rng, sample_edges(rng, lengths)), lengths)]
 
 
+def compared(a, b, feeds, binding: Mapping[str, int], options: Options, rounds: int | None = None,
+             turn: int = 0) -> tuple[float, float, float]:
+    """`alternated(a, b, feeds)` (`feeds` of the shape `binding` gives), kept in the profile database
+    under both executables' libraries (what each runs: `relax.executable_key`), the binding, the
+    machine and `turn` (a pair timed again in one stage: `screen_samples`): a second optimize with
+    the same database finds its executables timed, takes the decisions the first took, and builds
+    nothing those did not (the transformer block over seq=1..512 re-optimized warm: 18.6 s, 12 of
+    them timing and building for the stages of this module, and its executable took other turns
+    than the first's). With `options.remeasure`, timed again; an executable not kept as a library
+    is timed every time."""
+    key = _comparison_key(a, b, binding, options, turn)
+    if key is not None and not options.remeasure:
+        with ProfileDB(options.resolved_db()) as db:
+            kept = db.comparison(key)
+        if kept is not None:
+            return kept
+    out = alternated(a, b, feeds, rounds=rounds or ROUNDS)
+    if key is not None:
+        with ProfileDB(options.resolved_db()) as db:
+            db.keep_comparison(key, out)
+    return out
+
+
+def _comparison_key(a, b, binding: Mapping[str, int], options: Options, turn: int) -> str | None:
+    """What `compared`'s timing depends on, or None where an executable is not kept as a library."""
+    libraries = [getattr(getattr(x, "executable", None), "library", None) for x in (a, b)]
+    if None in libraries:
+        return None
+    text = json.dumps([COMPARISON_VERSION, *(Path(p).stem for p in libraries), sorted(binding.items()),
+                       meas.target_of(a.machine, options), options.threads, options.seed, turn])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+COMPARISON_VERSION = 1  # how `compared` times (`alternated`): a new way keeps nothing timed the old way
 ROUNDS = 7  # `alternated`'s rounds, at most (made even)
 
 

@@ -2717,6 +2717,45 @@ def test_two_executables_timed_in_turns_within_a_budget():
     assert ratio == pytest.approx(1.0, abs=1e-3) and turns[:4] == [a, b, b, a]
 
 
+def test_two_executables_timed_in_turns_are_kept_in_the_profile_database(tmp_path, monkeypatch):
+    """`compared`: a pair of executables timed in turns at a binding is kept in the profile database
+    under both libraries, the binding, the machine and the turn; a second optimize with that database
+    takes the kept timing instead of timing again. Another binding, turn or library is timed; with
+    --remeasure the pair is timed again and the new timing kept; an executable that is not a kept
+    library is timed every time and nothing is kept; `db clear` drops the kept timings."""
+    from types import SimpleNamespace as NS
+    from kernorch import executed
+    from kernorch.database import ProfileDB
+    from kernorch.options import Machine, Options
+    script = iter([(0.97, 1.0e-3, 1.1e-3), (1.02, 2.0, 2.0), (0.99, 3.0, 3.0), (1.05, 4.0, 4.0), (0.95, 5.0, 5.0),
+                   (1.10, 6.0, 6.0), (1.20, 7.0, 7.0)])
+    calls = []
+
+    def alternated(a, b, feeds, **kw):
+        calls.append(kw.get("rounds"))
+        return next(script)
+    monkeypatch.setattr(executed, "alternated", alternated)
+
+    def exe(library):
+        return NS(executable=NS(library=library and tmp_path / f"{library}.so"), machine=Machine.host())
+    options = Options(threads=1, ranges=(("seq", 1, 512),), db_path=str(tmp_path / "p.sqlite"))
+    a, b = exe("aaaa"), exe("bbbb")
+    assert executed.compared(a, b, {}, {"seq": 8}, options, rounds=4) == (0.97, 1.0e-3, 1.1e-3) and calls == [4]
+    assert executed.compared(a, b, {}, {"seq": 8}, options) == (0.97, 1.0e-3, 1.1e-3) and calls == [4]  # kept
+    assert executed.compared(a, b, {}, {"seq": 9}, options)[0] == 1.02                      # another binding
+    assert executed.compared(a, b, {}, {"seq": 8}, options, turn=1)[0] == 0.99              # the pair's second turn
+    assert executed.compared(exe("cccc"), b, {}, {"seq": 8}, options)[0] == 1.05            # another executable
+    assert executed.compared(a, b, {}, {"seq": 8}, options.with_(remeasure=True))[0] == 0.95  # timed again ...
+    assert executed.compared(a, b, {}, {"seq": 8}, options)[0] == 0.95                       # ... and kept
+    assert executed.compared(exe(None), b, {}, {"seq": 8}, options)[0] == 1.10              # not a kept library:
+    assert executed.compared(exe(None), b, {}, {"seq": 8}, options)[0] == 1.20              # timed every time
+    assert len(calls) == 7
+    with ProfileDB(options.resolved_db()) as db:
+        assert db.stats()["executable_comparisons"] == 4
+        db.clear()
+        assert db.stats()["executable_comparisons"] == 0
+
+
 def test_a_stage_shares_its_rounds_of_timing_among_its_points(block, monkeypatch):
     """A stage judged by the geometric mean of its points' ratios (`_timed_at`) times each point in
     its share of STAGE_ROUNDS rounds: a point or a few in `alternated`'s 7 (made 8), the loop order's
