@@ -122,7 +122,8 @@ def _tuning_args(p: argparse.ArgumentParser) -> None:
                         "reference evaluator as Python callbacks inside the executable (slow; off by default)")
     p.add_argument("--remeasure", action="store_true",
                    help="time every kernel again (until it has 3 measurements); the fastest counts, so "
-                        "timings disturbed by other work on the machine are replaced")
+                        "timings disturbed by other work on the machine are replaced; over a range, the "
+                        "executables compared in turns are timed again too (the new timing is kept)")
     p.add_argument("--time-limit", type=float, default=None, help="solver time limit (s)")
     p.add_argument("--budget", default=None, metavar="200t|20m",
                    help="MetaSchedule tuning budget for the kernels that can change the plan: trials (200t) "
