@@ -480,10 +480,10 @@ def compared(a, b, feeds, binding: Mapping[str, int], options: Options, rounds: 
     under both executables' libraries (what each runs: `relax.executable_key`), the binding, the
     machine and `turn` (a pair timed again in one stage: `screen_samples`): a second optimize with
     the same database finds its executables timed, takes the decisions the first took, and builds
-    nothing those did not (the transformer block over seq=1..512 re-optimized warm: 18.6 s, 12 of
-    them timing and building for the stages of this module, and its executable took other turns
-    than the first's). With `options.remeasure`, timed again; an executable not kept as a library
-    is timed every time."""
+    nothing those did not (the transformer block over seq=1..512 re-optimized warm, Xeon model 167:
+    18.5 s, 12 of them timing and building for the stages of this module, its executable taking
+    other turns than the first's; with them kept, 5.6 s and the same plan in three runs). With
+    `options.remeasure`, timed again; an executable not kept as a library is timed every time."""
     key = _comparison_key(a, b, binding, options, turn)
     if key is not None and not options.remeasure:
         with ProfileDB(options.resolved_db()) as db:
