@@ -485,15 +485,14 @@ def compared(a, b, feeds, binding: Mapping[str, int], options: Options, rounds: 
     other turns than the first's; with them kept, 5.6 s and the same plan in three runs). With
     `options.remeasure`, timed again; an executable not kept as a library is timed every time."""
     key = _comparison_key(a, b, binding, options, turn)
-    if key is not None and not options.remeasure:
-        with ProfileDB(options.resolved_db()) as db:
-            kept = db.comparison(key)
+    if key is None:
+        return alternated(a, b, feeds, rounds=rounds or ROUNDS)
+    with ProfileDB(options.resolved_db()) as db:
+        kept = None if options.remeasure else db.comparison(key)
         if kept is not None:
             return kept
-    out = alternated(a, b, feeds, rounds=rounds or ROUNDS)
-    if key is not None:
-        with ProfileDB(options.resolved_db()) as db:
-            db.keep_comparison(key, out)
+        out = alternated(a, b, feeds, rounds=rounds or ROUNDS)
+        db.keep_comparison(key, out)
     return out
 
 
