@@ -32,7 +32,7 @@ from .database import best as best_of
 from .timing import time_repeats
 from .ir import Graph, KernorchError, structural_key
 from .options import Machine, Options
-from .workers import WorkerPool
+from .workers import WorkerPool, start_server
 from .backends import registry
 from .kernels import pack_args, unpack_outputs, variant_out_packs
 
@@ -513,13 +513,14 @@ class _Timed:
 
 
 class Workers:
-    """The build and timing worker processes of a series of `measure` calls, started once (each
-    worker imports TVM: about a second) and closed with the context; with them the run's directory
+    """The build and timing worker processes of a series of `measure` calls, started once (forked
+    from the server that imported TVM: kernorch.workers.start_server) and closed with the context; with them the run's directory
     of built kernels, the kernels it timed (`timed`) and those to time once more (`again`, queued
     by `time_later`): the next `measure` call times them after its builds, or `time_again` does."""
 
     def __init__(self, options: Options):
         self.options = options
+        start_server()  # (in the background: its imports overlap the caller's loading of the model)
         self._builders: WorkerPool | None = None
         self._timer: WorkerPool | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
@@ -563,12 +564,12 @@ class Workers:
         if self._builders is None:
             # one thread each: a builder only runs a kernel to check it, and two builders whose TVM
             # pools spin 2 threads each on 2 cores took 35-45 % longer (segformer_b0, Zen 4)
-            self._builders = WorkerPool(self.options.workers, worker_env(1))
+            self._builders = WorkerPool(self.options.workers, worker_env(1), preload=True)
         return self._builders
 
     def timer(self) -> WorkerPool:
         if self._timer is None:
-            self._timer = WorkerPool(1, worker_env(self.options.threads))
+            self._timer = WorkerPool(1, worker_env(self.options.threads), preload=True)
         return self._timer
 
     def end_run(self) -> None:

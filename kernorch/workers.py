@@ -1,9 +1,12 @@
 """A small process pool whose tasks can time out or crash without stopping the run.
 
-`concurrent.futures` cannot kill a hung task; here each worker is a spawned process with its own
-pipe: a task past its deadline has its worker killed and replaced, and a worker that dies (a
-segfault in a kernel) reports the task as crashed. Workers are spawned (not forked) because TVM's
-thread pool does not survive fork.
+`concurrent.futures` cannot kill a hung task; here each worker is a process of its own with its
+own pipe: a task past its deadline has its worker killed and replaced, and a worker that dies (a
+segfault in a kernel) reports the task as crashed. Workers are never forked from the caller:
+TVM's thread pool does not survive fork. They are spawned (a fresh interpreter), or, with
+`preload`, forked from a server process that imported TVM and kernorch's measuring code once and
+never ran a kernel (`multiprocessing`'s forkserver, `start_server`): a spawned worker imports TVM
+itself, about 1.3 s of a core each (Xeon model 167), a forked one starts in some 15 ms.
 """
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ class TaskResult:
 
 def _die_with_parent(parent: int) -> None:
     """Linux: have the kernel kill this worker when its parent dies (a killed `optimize` must not
-    leave workers compiling for minutes); elsewhere the pipe's EOF ends an idle worker."""
+    leave workers compiling for minutes; a forked worker's parent is the server, which ends when
+    the process it serves does); elsewhere the pipe's EOF ends an idle worker."""
     try:
         import ctypes
         import signal
@@ -43,10 +47,16 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _worker_main(conn, parent: int | None = None) -> None:
-    """Serve tasks until EOF or None. The environment was set before the process started."""
+def _worker_main(conn, parent: int | None = None, env: dict[str, str] | None = None) -> None:
+    """Serve tasks until EOF or None. A spawned worker started in its environment; a forked one
+    (`env` given) takes it here, the caller's as it was when the worker started plus the pool's,
+    before anything it runs starts TVM's thread pool (which reads its thread count then)."""
     if parent is not None:
         _die_with_parent(parent)
+    if env is not None:
+        _leave_server()
+        os.environ.clear()
+        os.environ.update(env)
     while True:
         try:
             msg = conn.recv()
@@ -88,23 +98,74 @@ def _main_not_rerun():
                 main.__dict__.pop("__spec__", None)
 
 
+# what the server imports once for the workers forked from it (`start_server`): TVM and the tasks
+# of the measuring workers
+PRELOAD = ("kernorch.backends.tvm", "kernorch.measure")
+# the server's environment as it starts: the libraries it loads read their thread counts then (a
+# forked worker runs NumPy's BLAS on one thread; TVM's pool starts later, in the worker, with its own)
+SERVER_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """os.environ with `env` while the block runs (a process started in it inherits it)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def start_server():
+    """Start the server the preloaded workers are forked from, if it does not run yet, and return
+    its context. It starts in the background (its imports overlap whatever the caller does next;
+    the first worker waits for them); it ends when this process does. POSIX only: elsewhere None
+    (workers are spawned)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return None
+    ctx = mp.get_context("forkserver")
+    from multiprocessing import forkserver
+    with _environment(SERVER_ENV), _main_not_rerun():
+        ctx.set_forkserver_preload(list(PRELOAD))
+        forkserver.ensure_running()
+    return ctx
+
+
+def _leave_server() -> None:
+    """In a forked worker: close the write end of the server's "alive" pipe that every process it
+    forks inherits. The server ends when no process holds it, and its workers with it (their
+    parent-death signal); held by a worker busy compiling, a killed caller's server and workers
+    lived on until the task ended."""
+    from multiprocessing import forkserver
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        server._forkserver_alive_fd = None
+
+
+def _server_pid() -> int | None:
+    from multiprocessing import forkserver
+    return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+
+
 class _Worker:
     def __init__(self, ctx, env):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child, os.getpid()), daemon=True)
-        # the child must start with `env`: libraries read their variables when first imported
-        # (TVM its thread count), which happens before the worker's own code runs
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            with _main_not_rerun():
-                self.proc.start()
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        forked = ctx.get_start_method() == "forkserver"
+        parent = _server_pid() if forked else os.getpid()
+        self.proc = ctx.Process(target=_worker_main, args=(child, parent, {**os.environ, **env} if forked else None),
+                                daemon=True)
+        # a spawned child must start with `env`: libraries read their variables when first
+        # imported, which happens before the worker's own code runs
+        with _environment({} if forked else env), _main_not_rerun():
+            self.proc.start()
         child.close()
         self.task: int | None = None
         self.deadline = 0.0
@@ -120,10 +181,12 @@ class _Worker:
 
 
 class WorkerPool:
-    """Run `fn(*args)` tasks in `n` spawned processes with a per-task timeout."""
+    """Run `fn(*args)` tasks in `n` worker processes with a per-task timeout: spawned, or with
+    `preload` forked from the server that imported TVM (`start_server`). A process timing another
+    runtime (ONNX Runtime, OpenVINO) is spawned: it must hold nothing but that runtime."""
 
-    def __init__(self, n: int, env: dict[str, str] | None = None):
-        self.ctx = mp.get_context("spawn")
+    def __init__(self, n: int, env: dict[str, str] | None = None, preload: bool = False):
+        self.ctx = (start_server() if preload else None) or mp.get_context("spawn")
         self.env = dict(env or {})
         self.workers = [_Worker(self.ctx, self.env) for _ in range(max(1, n))]
 

@@ -105,8 +105,9 @@ def _raise():
     raise ValueError("bad kernel")
 
 
-def test_pool_contains_hangs_and_crashes():
-    with WorkerPool(2) as pool:
+@pytest.mark.parametrize("preload", [False, True], ids=["spawned", "forked"])
+def test_pool_contains_hangs_and_crashes(preload):
+    with WorkerPool(2, preload=preload) as pool:
         got = {r.index: r for r in pool.run(_square, [(i,) for i in range(6)], timeout=60)}
         assert [got[i].value for i in range(6)] == [0, 1, 4, 9, 16, 25]
         rs = list(pool.run(_sleep, [(30,), (0.01,)], timeout=2))
@@ -121,15 +122,17 @@ def test_pool_contains_hangs_and_crashes():
         assert [r.value for r in pool.run(_square, [(3,)], timeout=30)] == [9]
 
 
-def test_workers_die_with_a_killed_parent(tmp_path):
-    """SIGKILL the process that owns the pool mid-task: its workers do not linger (Linux)."""
+@pytest.mark.parametrize("preload", [False, True], ids=["spawned", "forked"])
+def test_workers_die_with_a_killed_parent(tmp_path, preload):
+    """SIGKILL the process that owns the pool mid-task: its workers do not linger (Linux). Forked
+    workers' parent is the server, which ends as the process it serves does."""
     if not sys.platform.startswith("linux"):
         pytest.skip("parent-death signal is Linux only")
     pids = tmp_path / "pids"
     script = textwrap.dedent(f"""
         import time
         from kernorch.workers import WorkerPool
-        pool = WorkerPool(2)
+        pool = WorkerPool(2, preload={preload})
         open({str(pids)!r}, "w").write(" ".join(str(w.proc.pid) for w in pool.workers))
         for _ in pool.run(time.sleep, [(60,), (60,)], timeout=120):
             pass
@@ -365,14 +368,36 @@ def _tvm_threads():
     return tvm.runtime.num_threads()
 
 
-def test_workers_start_with_their_environment():
+@pytest.mark.parametrize("preload", [False, True], ids=["spawned", "forked"])
+def test_workers_start_with_their_environment(preload):
     """TVM reads its thread count when its pool starts, before the worker runs any task: the
-    variable must already be set when the worker process starts (TVM's default here is 1)."""
+    variable must already be set when the worker process starts (TVM's default here is 1); a
+    worker forked from the preloaded server (which imported TVM) sets it before its first task."""
     before = os.environ.get("TVM_NUM_THREADS")
-    with WorkerPool(1, {"TVM_NUM_THREADS": "2"}) as pool:
+    with WorkerPool(1, {"TVM_NUM_THREADS": "2"}, preload=preload) as pool:
         r = pool.call(_tvm_threads, (), timeout=60)
     assert r.ok and r.value == 2
     assert os.environ.get("TVM_NUM_THREADS") == before  # the parent's environment is unchanged
+
+
+def _environment_of(names):
+    import sys
+    return {n: os.environ.get(n) for n in names}, "tvm" in sys.modules
+
+
+def test_forked_workers_see_the_callers_environment_as_it_is_now(monkeypatch):
+    """The server was started with the environment of its time (another test's, or the run's
+    start); a worker forked from it later has the caller's environment as it is when the worker
+    starts, the pool's variables over it, and TVM already imported (what the server preloads)."""
+    from kernorch.workers import start_server
+    start_server()
+    monkeypatch.setenv("KERNORCH_TEST_LATER", "set after the server started")
+    with WorkerPool(1, {"KERNORCH_TEST_POOL": "pool"}, preload=True) as pool:
+        r = pool.call(_environment_of, (("KERNORCH_TEST_LATER", "KERNORCH_TEST_POOL"),), 60)
+    assert r.ok, r.error
+    env, preloaded = r.value
+    assert env == {"KERNORCH_TEST_LATER": "set after the server started", "KERNORCH_TEST_POOL": "pool"}
+    assert preloaded
 
 
 def _open_and_add(path: str, i: int, barrier, errors) -> None:
