@@ -127,8 +127,10 @@ def test_loop_tunes_within_budget_and_never_worsens_the_plan(tuned):
     assert plan.predicted_ns <= before.predicted_ns
     times = [t for t, _ in history["curve"]]
     assert times == sorted(times) and history["curve"][-1][1] == pytest.approx(plan.predicted_ns / 1e6)
-    covered = sorted(m for k in plan.kernels for m in k.members)
-    assert covered == sorted(p.name for p in loaded.graph.prims)
+    # every prim computed (at least once: the program lets a kernel recompute one where its
+    # measurements make that the cheaper plan, as a run of the full suite found for the output)
+    covered = {m for k in plan.kernels for m in k.members}
+    assert covered == {p.name for p in loaded.graph.prims}
     with ProfileDB(opts.resolved_db()) as db:
         rows = [m for m in db.rows() if m.impl == "tvm-tuned"]
     assert rows and all(m.schedule.startswith("ms:") for m in rows)
