@@ -514,9 +514,10 @@ class _Timed:
 
 class Workers:
     """The build and timing worker processes of a series of `measure` calls, started once (forked
-    from the server that imported TVM: kernorch.workers.start_server) and closed with the context; with them the run's directory
-    of built kernels, the kernels it timed (`timed`) and those to time once more (`again`, queued
-    by `time_later`): the next `measure` call times them after its builds, or `time_again` does."""
+    from the server that imported TVM: kernorch.workers.start_server) and closed with the context;
+    with them the run's directory of built kernels, the kernels it timed (`timed`) and those to
+    time once more (`again`, queued by `time_later`): the next `measure` call times them after its
+    builds, or `time_again` does."""
 
     def __init__(self, options: Options):
         self.options = options
