@@ -46,7 +46,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 from kernorch import examples  # noqa: E402
-from kernorch.peers import Timer, load_state, round_ratios  # noqa: E402
+from kernorch.peers import REPLICA, Timer, load_state, median_replicas, round_ratios  # noqa: E402
 
 BLOCK = 3  # timed runs per system per round, at least
 BLOCK_S = 0.02  # and as many as last this long for the fastest system (Timer.block_lasting)
@@ -129,24 +129,28 @@ def went_text(name: str, w: dict) -> str:
 
 
 def timed(point, systems: dict[str, tuple[Path, tuple]], model: Path, args) -> dict:
-    """Every system at `point` ((batch, length)), each in a process of its own, in turns with the
-    same threads (kernorch.peers.Timer): the kernorch executables of `systems` ({label: (directory,
+    """Every system at `point` ((batch, length)), each in `args.replicas` processes of its own, in
+    turns with the same threads (kernorch.peers.Timer), each round counting its median replica
+    (kernorch.peers.median_replicas): the kernorch executables of `systems` ({label: (directory,
     the point it runs at)}: a padded one runs at its bucket), ONNX Runtime and OpenVINO (the dynamic model,
     compiled once for every length; f32, LATENCY hint). Returns the medians (ms), the runs, every
     run (s, in order: `block` per round, BLOCK or as many as last BLOCK_S) and, per pair of
     systems, the median of their per-round ratios (kernorch.peers.round_ratios)."""
     rng = np.random.default_rng(point[0] * 100000 + point[1])
+    at_feeds = {label: feeds(args, at, rng) for label, (_, at) in systems.items()}
+    inputs = feeds(args, point, rng)
     with Timer(args.threads) as t:
-        for label, (directory, at) in systems.items():
-            if t.add(label, str(directory), feeds(args, at, rng), peer="kernorch")["status"] != "ok":
-                raise SystemExit(f"{label}: {t.info[label]}")
-        inputs = feeds(args, point, rng)
-        t.add("ort", str(model), inputs)
-        if t.add("openvino", str(model), inputs)["status"] != "ok":
-            print(f"OpenVINO: {t.info['openvino']}", flush=True)
+        for k in range(args.replicas):  # (each system in `replicas` processes: peers.median_replicas)
+            for label, (directory, _) in systems.items():
+                name = f"{label}{REPLICA}{k}"
+                if t.add(name, str(directory), at_feeds[label], peer="kernorch")["status"] != "ok":
+                    raise SystemExit(f"{label}: {t.info[name]}")
+            t.add(f"ort{REPLICA}{k}", str(model), inputs, peer="ort")
+            if t.add(f"openvino{REPLICA}{k}", str(model), inputs, peer="openvino")["status"] != "ok":
+                print(f"OpenVINO: {t.info[f'openvino{REPLICA}{k}']}", flush=True)
         before = load_state()
         block = t.block_lasting(BLOCK_S, BLOCK)
-        times = t.rounds(args.rounds, block=block)
+        times = median_replicas(t.rounds(args.rounds, block=block), block)
     paired = {f"{a}/{b}": statistics.median(r) for a in times for b in times
               if a != b and (r := round_ratios(times, a, b, block))}
     return {"ms": {n: statistics.median(v) * 1e3 for n, v in times.items() if v},
@@ -178,6 +182,8 @@ def main(argv=None) -> int:
                     help="also a one-plan executable timed at N lengths (system 'samplesN'), beside the others")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--replicas", type=int, default=3,
+                    help="processes per system at each length; each round counts the median one's runs")
     ap.add_argument("--max-kernel-size", type=int, default=8)
     ap.add_argument("--work", default="/tmp/kernorch-dynamic")
     ap.add_argument("--out", default=str(HERE / "results" / "dynamic"))
@@ -279,7 +285,10 @@ def main(argv=None) -> int:
     over_what = ", ".join(ranges)
     lines = [f"# One executable over {over_what} ({what}, dim {args.dim}, {args.threads} threads, "
              f"max kernel size {args.max_kernel_size})", "",
-             f"Median ms; at each length every system runs in its own process, in turns ({args.rounds} rounds of "
+             f"Median ms; at each length every system runs in {args.replicas} processes of its own, all in turns, "
+             "each round counting the process whose median is the replicas' median (kernorch.peers.median_replicas: "
+             "a process keeps its own speed, 5-14 % apart at short lengths) "
+             f"({args.rounds} rounds of "
              f"{BLOCK} runs or as many as take the fastest system {BLOCK_S * 1e3:.0f} ms: "
              f"{', '.join(str(r.get('block', BLOCK)) for r in rows)} at the lengths below). The ratios are medians of the per-round ratios (two systems compared within one round, "
              "seconds apart: kernorch.peers.round_ratios). dynamic: `kernorch optimize` over the range"

@@ -369,6 +369,34 @@ def round_ratios(times: dict[str, list[float]], num: str, den: str, block: int) 
             for i in range(n)]
 
 
+REPLICA = "#"  # a system timed in several processes: "name#0", "name#1", ... (`median_replicas`)
+
+
+def median_replicas(times: dict[str, list[float]], block: int) -> dict[str, list[float]]:
+    """`times` of systems each timed in several processes of its own (labels "name#k"), as one
+    system per name: in each round, the runs of the replica whose median is the median of the
+    replicas' (the lower middle of an even count); other labels pass through. Rounds some replica
+    lacks are dropped. Why: at short lengths a process keeps its own speed for its lifetime, and
+    one in a few runs every call 5-14 % slower than copies of itself (the transformer block's
+    executable at seq=1, three or four processes of the same files timed in turns, Xeon model 167):
+    one process per system puts that luck into every ratio."""
+    groups: dict[str, list[list[float]]] = {}
+    out: dict[str, list[float]] = {}
+    for label, runs in times.items():
+        name, sep, _ = label.rpartition(REPLICA)
+        if sep:
+            groups.setdefault(name, []).append(runs)
+        else:
+            out[label] = list(runs)
+    for name, reps in groups.items():
+        merged: list[float] = []
+        for i in range(min(len(r) for r in reps) // block):
+            blocks = sorted((r[i * block:(i + 1) * block] for r in reps), key=lambda b: float(np.median(b)))
+            merged += blocks[(len(blocks) - 1) // 2]
+        out[name] = merged
+    return out
+
+
 def paired_ratio(times: dict[str, list[float]], num: str, den: str, block: int) -> float:
     """`num`'s time over `den`'s: the median of their `round_ratios`, or without a whole round, the
     ratio of their medians."""

@@ -297,6 +297,19 @@ def test_systems_are_compared_round_by_round():
     assert peers.round_ratios(skewed, "a", "b", block=3) == [2.0, 3.0, 2.0]
 
 
+def test_replicas_of_a_system_count_as_their_median_replica_each_round():
+    """Each round, a system timed in several processes counts as the replica with the median of
+    their medians (one unlucky process outvoted); labels without replicas pass through; a round
+    some replica lacks is dropped."""
+    times = {"a#0": [1.0, 1.0, 1.1, 5.0, 5.0, 5.0], "a#1": [2.0, 2.0, 2.0, 1.0, 1.0, 1.2],
+             "a#2": [9.0, 9.0, 9.0, 3.0, 3.0, 3.0], "b": [1.0] * 6, "c#0": [1.0] * 6, "c#1": [4.0] * 3}
+    got = peers.median_replicas(times, block=3)
+    assert got["a"] == [2.0, 2.0, 2.0, 3.0, 3.0, 3.0]    # round 1: medians 1, 2, 9; round 2: 5, 1, 3
+    assert got["b"] == [1.0] * 6
+    assert got["c"] == [1.0] * 3                          # (the lower middle of two; one whole round)
+    assert peers.round_ratios(got, "a", "b", block=3) == [2.0, 3.0]
+
+
 def test_speedups_are_the_medians_of_the_per_round_ratios():
     """bench's speedups compare the systems round by round: kernorch twice as fast as ONNX Runtime
     in the same phase of the machine reads 2.0, though the machine slowed between the rounds and
