@@ -136,13 +136,19 @@ def start_server():
     return ctx
 
 
+def _server():
+    """This process's handle on multiprocessing's forkserver (private to CPython: the one place
+    kernorch reads it), or None."""
+    from multiprocessing import forkserver
+    return getattr(forkserver, "_forkserver", None)
+
+
 def _leave_server() -> None:
     """In a forked worker: close the write end of the server's "alive" pipe that every process it
     forks inherits. The server ends when no process holds it, and its workers with it (their
     parent-death signal); held by a worker busy compiling, a killed caller's server and workers
     lived on until the task ended."""
-    from multiprocessing import forkserver
-    server = getattr(forkserver, "_forkserver", None)
+    server = _server()
     fd = getattr(server, "_forkserver_alive_fd", None)
     if fd is not None:
         with contextlib.suppress(OSError):
@@ -151,8 +157,7 @@ def _leave_server() -> None:
 
 
 def _server_pid() -> int | None:
-    from multiprocessing import forkserver
-    return getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    return getattr(_server(), "_forkserver_pid", None)
 
 
 class _Worker:
