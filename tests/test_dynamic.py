@@ -1169,23 +1169,33 @@ def test_one_executable_serves_the_whole_range(tmp_path):
     # its packed GEMMs in another tile family above the last sample's edge, one of other columns (so
     # another packing: `long_tiles` offered, kernel by kernel, its family and those alone, at any
     # gain), the timing scripted to keep it: one executable holding weights packed both ways, right
-    # in both buckets
+    # in both buckets. Where the register rule allows one column width only (AVX2, 16 registers of 8
+    # lanes: x16 tiles), nothing of other columns was measured: the kernel's tile at half its columns
+    # (one vector), packed for them
     from dataclasses import replace
     from kernorch.kernels import split
+    from kernorch.pipeline import in_class
     long_tiles = executed.long_tiles
 
     def other_columns(planned, bucket, span, along=None):
         out = {}
+        graph = planned.loaded.graph
         for i, k in enumerate(planned.plan.kernels):
-            tile = Tile.parse(split(k.schedule)[1])
-            if tile is None:
+            layout, inner = split(k.schedule)
+            tile = Tile.parse(inner)
+            if tile is None or not tile.pack or k.bucket != bucket or sum(
+                    graph.by_name[m].op == "matmul" for m in k.members if m in graph.by_name) != 1:
                 continue
             ms = {ident: m for ident, m in planned.measured.measurements.items()
                   if (t := Tile.parse(split(ident[2])[1])) is None or t.nb != tile.nb
                   or (t.rows_outer, t.serial) == (tile.rows_outer, tile.serial)}
             chosen = long_tiles(replace(planned, measured=replace(planned.measured, measurements=ms)), bucket, span,
                                 along)
-            out.update({i: chosen[i]} if i in chosen else {})
+            widths = {t.nb for ident in ms if (t := Tile.parse(split(ident[2])[1])) is not None and t.pack}
+            if len(widths) == 1:
+                out[i] = in_class(layout, replace(tile, nb=tile.nb // 2, copies=()).name)
+            elif i in chosen:
+                out[i] = chosen[i]
         return out
     with meas.Workers(options) as workers, mock.patch.object(executed, "LONG_TILE_GAIN", -10.0), \
             mock.patch.object(executed, "long_tiles", other_columns), \
