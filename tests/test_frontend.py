@@ -158,3 +158,41 @@ def test_shared_model_loads(shared_models):
     og = load(p)
     assert og.opset == 17 and og.nodes and not og.symbols
     assert all(t.static for _, t in og.inputs)
+
+
+def test_shape_inference_sees_large_constants_by_their_type_alone():
+    """Types come from onnx's shape inference on a copy of the model whose constants of more than
+    INFER_VALUES_MAX elements are graph inputs of their type (it serializes what it is given): a
+    large weight and a large folded constant (its transpose) are never handed over with their
+    values, the small shape tensor a Reshape reads is, every type is the one shape inference gives
+    on the whole model, and the model computes what ONNX Runtime does."""
+    from unittest import mock
+
+    from kernorch.frontend import onnx as frontend
+    w = np.random.default_rng(0).standard_normal((48, 64)).astype(np.float32)
+    nodes = [helper.make_node("Transpose", ["w"], ["wt"], name="t", perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "wt"], ["h"], name="mm"),
+             helper.make_node("Reshape", ["h", "shape"], ["r"], name="rs"),
+             helper.make_node("Relu", ["r"], ["y"], name="relu")]
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array([-1, 4, 12], np.int64), "shape")]
+    m = model(nodes, [helper.make_tensor_value_info("x", F, [6, 64])], [helper.make_tensor_value_info("y", F, None)],
+              inits)
+    given = []
+    real = onnx.shape_inference.infer_shapes
+
+    def infer(proto, *a, **k):
+        given.append(proto)
+        return real(proto, *a, **k)
+    with mock.patch.object(onnx.shape_inference, "infer_shapes", infer):
+        g = load(m)
+    assert len(given) >= 2   # (again after the transpose folded)
+    for proto in given:
+        assert all(np.prod(i.dims) <= frontend.INFER_VALUES_MAX for i in proto.graph.initializer)
+        assert "shape" in {i.name for i in proto.graph.initializer} and "w" in {i.name for i in proto.graph.input}
+    assert "wt" in g.constants and any("wt" in {i.name for i in proto.graph.input} for proto in given)
+    whole = real(m, data_prop=True)
+    want = {vi.name: tuple(d.dim_value for d in vi.type.tensor_type.shape.dim)
+            for vi in [*whole.graph.value_info, *whole.graph.output]}
+    assert want["y"] == (6, 4, 12)
+    assert all(g.types[n].shape == s for n, s in want.items() if n in g.types) and "y" in g.types
+    assert executor.compare_with_ort(m, fission(g))["y"]["rel"] < 1e-5
