@@ -160,23 +160,30 @@ def test_shared_model_loads(shared_models):
     assert all(t.static for _, t in og.inputs)
 
 
-def test_shape_inference_sees_large_constants_by_their_type_alone():
+@pytest.mark.parametrize("listed", [False, True])
+def test_shape_inference_sees_large_constants_by_their_type_alone(listed):
     """Types come from onnx's shape inference on a copy of the model whose constants of more than
     INFER_VALUES_MAX elements are graph inputs of their type (it serializes what it is given): a
     large weight and a large folded constant (its transpose) are never handed over with their
     values, the small shape tensor a Reshape reads is, every type is the one shape inference gives
-    on the whole model, and the model computes what ONNX Runtime does."""
+    on the whole model, and the model computes what ONNX Runtime does. `listed`: the weight is also
+    a graph input (as older models list their initializers), declared without a shape."""
     from unittest import mock
 
     from kernorch.frontend import onnx as frontend
     w = np.random.default_rng(0).standard_normal((48, 64)).astype(np.float32)
+    v = np.random.default_rng(1).standard_normal((48, 48)).astype(np.float32)
     nodes = [helper.make_node("Transpose", ["w"], ["wt"], name="t", perm=[1, 0]),
              helper.make_node("MatMul", ["x", "wt"], ["h"], name="mm"),
-             helper.make_node("Reshape", ["h", "shape"], ["r"], name="rs"),
+             helper.make_node("MatMul", ["h", "v"], ["h2"], name="mm2"),
+             helper.make_node("Reshape", ["h2", "shape"], ["r"], name="rs"),
              helper.make_node("Relu", ["r"], ["y"], name="relu")]
-    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array([-1, 4, 12], np.int64), "shape")]
-    m = model(nodes, [helper.make_tensor_value_info("x", F, [6, 64])], [helper.make_tensor_value_info("y", F, None)],
-              inits)
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(v, "v"),
+             numpy_helper.from_array(np.array([-1, 4, 12], np.int64), "shape")]
+    declared = [helper.make_tensor_value_info("x", F, [6, 64])]
+    if listed:  # (v's shape only shape inference gives: no constant is folded from it)
+        declared.append(helper.make_tensor_value_info("v", F, None))
+    m = model(nodes, declared, [helper.make_tensor_value_info("y", F, None)], inits)
     given = []
     real = onnx.shape_inference.infer_shapes
 
@@ -188,11 +195,13 @@ def test_shape_inference_sees_large_constants_by_their_type_alone():
     assert len(given) >= 2   # (again after the transpose folded)
     for proto in given:
         assert all(np.prod(i.dims) <= frontend.INFER_VALUES_MAX for i in proto.graph.initializer)
-        assert "shape" in {i.name for i in proto.graph.initializer} and "w" in {i.name for i in proto.graph.input}
+        assert "shape" in {i.name for i in proto.graph.initializer} and {"w", "v"} <= {i.name for i in proto.graph.input}
     assert "wt" in g.constants and any("wt" in {i.name for i in proto.graph.input} for proto in given)
-    whole = real(m, data_prop=True)
-    want = {vi.name: tuple(d.dim_value for d in vi.type.tensor_type.shape.dim)
-            for vi in [*whole.graph.value_info, *whole.graph.output]}
-    assert want["y"] == (6, 4, 12)
-    assert all(g.types[n].shape == s for n, s in want.items() if n in g.types) and "y" in g.types
+    assert g.types["wt"].shape == (64, 48) and g.types["h2"].shape == (6, 48) and g.types["y"].shape == (6, 4, 12)
+    if not listed:  # (declared without a shape, the weight leaves onnx's own inference y's first dim unknown)
+        whole = real(m, data_prop=True)
+        want = {vi.name: tuple(d.dim_value for d in vi.type.tensor_type.shape.dim)
+                for vi in [*whole.graph.value_info, *whole.graph.output]}
+        assert want["y"] == (6, 4, 12)
+        assert all(g.types[n].shape == s for n, s in want.items() if n in g.types)
     assert executor.compare_with_ort(m, fission(g))["y"]["rel"] < 1e-5

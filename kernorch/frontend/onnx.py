@@ -302,12 +302,16 @@ def _shapes_only(proto):
     dst.node.extend(src.node)
     dst.input.extend(src.input)
     dst.output.extend(src.output)
-    listed = {i.name for i in src.input}
+    listed = {i.name: i for i in dst.input}   # (an older model lists its initializers as inputs too)
     for init in src.initializer:
         if math.prod(init.dims) <= INFER_VALUES_MAX:
             dst.initializer.append(init)
-        elif init.name not in listed:
-            dst.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+            continue
+        typed = onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims))
+        if init.name in listed:
+            listed[init.name].CopyFrom(typed)
+        else:
+            dst.input.append(typed)
     return m
 
 
