@@ -26,7 +26,6 @@ partitions) is solved block by block, with the same optimum (kernorch.blocks).
 from __future__ import annotations
 
 import heapq
-import itertools
 import logging
 import math
 import time
@@ -538,10 +537,21 @@ def _splits(choices: Sequence[Choice]) -> dict[tuple, tuple[tuple, tuple]]:
     by_members: dict[frozenset[str], list[Choice]] = {}
     for c in choices:
         by_members.setdefault(c.members, []).append(c)
+    containing: dict[str, list[frozenset[str]]] = {}  # prim -> the member sets holding it
+    for m in by_members:
+        for p in m:
+            containing.setdefault(p, []).append(m)
     out: dict[tuple, tuple[tuple, tuple]] = {}
     for k in choices:
-        members = sorted(k.members)
-        parts = (frozenset(p) for size in range(1, len(members)) for p in itertools.combinations(members, size))
+        if len(k.members) < 2:
+            continue
+        # the member sets that split k in two (each split has one side holding any one prim of k: the
+        # rarest), in the order of k's subsets by size, then by their sorted prims (an 8-prim fusion
+        # has 254 subsets, and the solver's model is made at every solve)
+        pivot = min(k.members, key=lambda p: (len(containing[p]), p))
+        halves = {h for s in containing[pivot] if s < k.members and (rest := k.members - s) in by_members
+                  for h in (s, rest)}
+        parts = sorted(halves, key=lambda h: (len(h), sorted(h)))
         found = next(((a, b) for part in parts
                       for a in by_members.get(part, ()) if a.inputs <= k.inputs and a.cost_ns <= k.cost_ns
                       for b in by_members.get(k.members - part, ()) if a.cost_ns + b.cost_ns <= k.cost_ns

@@ -317,6 +317,40 @@ def test_a_fusion_two_smaller_kernels_beat_leaves_the_model():
     assert solve(replace(problem, choices=dearer)).objective_ns == 25
 
 
+def _splits_by_every_subset(choices):
+    """The oracle of orchestrate._splits: every subset of each choice's members tried in turn, by
+    size, then in combinations order."""
+    by_members = {}
+    for c in choices:
+        by_members.setdefault(c.members, []).append(c)
+    out = {}
+    for k in choices:
+        members = sorted(k.members)
+        for part in (frozenset(p) for size in range(1, len(members)) for p in itertools.combinations(members, size)):
+            found = next(((a, b) for a in by_members.get(part, ()) if a.inputs <= k.inputs and a.cost_ns <= k.cost_ns
+                          for b in by_members.get(k.members - part, ()) if a.cost_ns + b.cost_ns <= k.cost_ns
+                          and b.inputs <= k.inputs | a.outputs and k.outputs <= a.outputs | b.outputs), None)
+            if found:
+                out[(k.members, k.inputs, k.outputs)] = tuple((c.members, c.inputs, c.outputs) for c in found)
+                break
+    return out
+
+
+def test_splits_match_every_subset_tried():
+    """`_splits` finds, for every choice, the same pair of cheaper kernels as trying each subset of
+    its members in order (by size, then combinations order), on random problems with fusions of
+    up to six prims, many of them splittable (costs well below their members' sum)."""
+    from kernorch.orchestrate import _splits
+    rng = random.Random(11)
+    found = 0
+    for _ in range(40):
+        p = random_problem(rng, rng.randint(5, 9), rng.randint(3, 6))
+        got = _splits(p.choices)
+        assert got == _splits_by_every_subset(p.choices)
+        found += len(got)
+    assert found > 100
+
+
 def test_random_instances_exercise_cycle_cuts():
     """Seeded sweep: multi-output candidates sometimes form cycles, and the cuts fix them."""
     rng = random.Random(7)
