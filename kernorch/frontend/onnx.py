@@ -293,8 +293,8 @@ def _shapes_only(proto):
     value_info: shape inference gives them again)."""
     onnx = _onnx()
     m = onnx.ModelProto()
-    for field in ("ir_version", "producer_name", "domain", "model_version"):
-        setattr(m, field, getattr(proto, field))
+    for attr in ("ir_version", "producer_name", "domain", "model_version"):
+        setattr(m, attr, getattr(proto, attr))
     m.opset_import.extend(proto.opset_import)
     m.functions.extend(proto.functions)
     src, dst = proto.graph, m.graph
