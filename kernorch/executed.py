@@ -343,11 +343,11 @@ def long_tiles(planned: Planned, bucket: int, span: tuple[int, int], along: int 
         return t.nb, t.rows_outer, t.serial
     out = {}
     for i, k in enumerate(plan.kernels):
-        layout, inner = split(k.schedule)
-        tile = Tile.parse(inner)
-        lin = [graph.by_name[m] for m in k.members if m in graph.by_name and graph.by_name[m].op == "matmul"]
-        if k.bucket != bucket or tile is None or not tile.pack or len(lin) != 1:
+        tile = retileable(k, graph, bucket)
+        if tile is None:
             continue
+        layout = split(k.schedule)[0]
+        lin = [graph.by_name[m] for m in k.members if m in graph.by_name and graph.by_name[m].op == "matmul"]
         key = structural_key(lin, graph, [lin[0].name])
         timed = [(t, other, at_length(m, longest).median_ns) for (kk, _, sched), m in measured.measurements.items()
                  if kk == key and m.ok and split(sched)[0] == layout
@@ -359,6 +359,15 @@ def long_tiles(planned: Planned, bucket: int, span: tuple[int, int], along: int 
             if ns <= (1 - LONG_TILE_GAIN) * min(ours):
                 out[i] = in_class(layout, best)
     return out
+
+
+def retileable(k, graph: Graph, bucket: int) -> Tile | None:
+    """The packed register tile of plan kernel `k` where `long_tiles` may re-tile it: a kernel of
+    `bucket` around one matmul (a GEMM with its weight packed, maybe its epilogue fused); else None."""
+    tile = Tile.parse(split(k.schedule)[1])
+    if k.bucket != bucket or tile is None or not tile.pack:
+        return None
+    return tile if sum(graph.by_name[m].op == "matmul" for m in k.members if m in graph.by_name) == 1 else None
 
 
 def _along(key, i: int | None) -> int:

@@ -553,8 +553,8 @@ def _splits(choices: Sequence[Choice]) -> dict[tuple, tuple[tuple, tuple]]:
                   for h in (s, rest)}
         parts = sorted(halves, key=lambda h: (len(h), sorted(h)))
         found = next(((a, b) for part in parts
-                      for a in by_members.get(part, ()) if a.inputs <= k.inputs and a.cost_ns <= k.cost_ns
-                      for b in by_members.get(k.members - part, ()) if a.cost_ns + b.cost_ns <= k.cost_ns
+                      for a in by_members[part] if a.inputs <= k.inputs and a.cost_ns <= k.cost_ns
+                      for b in by_members[k.members - part] if a.cost_ns + b.cost_ns <= k.cost_ns
                       and b.inputs <= k.inputs | a.outputs and k.outputs <= a.outputs | b.outputs), None)
         if found:
             out[(k.members, k.inputs, k.outputs)] = tuple((c.members, c.inputs, c.outputs) for c in found)

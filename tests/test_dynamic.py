@@ -1179,23 +1179,21 @@ def test_one_executable_serves_the_whole_range(tmp_path):
 
     def other_columns(planned, bucket, span, along=None):
         out = {}
-        graph = planned.loaded.graph
+        widths = {t.nb for ident in planned.measured.measurements
+                  if (t := Tile.parse(split(ident[2])[1])) is not None and t.pack}
         for i, k in enumerate(planned.plan.kernels):
-            layout, inner = split(k.schedule)
-            tile = Tile.parse(inner)
-            if tile is None or not tile.pack or k.bucket != bucket or sum(
-                    graph.by_name[m].op == "matmul" for m in k.members if m in graph.by_name) != 1:
+            tile = executed.retileable(k, planned.loaded.graph, bucket)
+            if tile is None:
+                continue
+            if len(widths) == 1:
+                out[i] = in_class(split(k.schedule)[0], replace(tile, nb=tile.nb // 2, copies=()).name)
                 continue
             ms = {ident: m for ident, m in planned.measured.measurements.items()
                   if (t := Tile.parse(split(ident[2])[1])) is None or t.nb != tile.nb
                   or (t.rows_outer, t.serial) == (tile.rows_outer, tile.serial)}
             chosen = long_tiles(replace(planned, measured=replace(planned.measured, measurements=ms)), bucket, span,
                                 along)
-            widths = {t.nb for ident in ms if (t := Tile.parse(split(ident[2])[1])) is not None and t.pack}
-            if len(widths) == 1:
-                out[i] = in_class(layout, replace(tile, nb=tile.nb // 2, copies=()).name)
-            elif i in chosen:
-                out[i] = chosen[i]
+            out.update({i: chosen[i]} if i in chosen else {})
         return out
     with meas.Workers(options) as workers, mock.patch.object(executed, "LONG_TILE_GAIN", -10.0), \
             mock.patch.object(executed, "long_tiles", other_columns), \
